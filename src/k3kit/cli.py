@@ -1,0 +1,64 @@
+"""The `k3kit` command line: parse arguments, call one function per command, map errors to exit codes.
+
+Each command lives in its own module under `k3kit.commands` and exposes
+`NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`. Commands with
+sub-commands (``k3kit draft convert``) build their own sub-parsers in `add_arguments`.
+Heavy imports (torch) belong inside `run`, so `k3kit inspect` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from k3kit import __version__, commands
+from k3kit.errors import K3Error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3kit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"k3kit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"k3kit.commands.{info.name}")
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "_run"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except K3Error as e:
+        print(f"k3kit: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"k3kit: error: {e.filename}: no such file or directory", file=sys.stderr)
+        return 2
+    except IsADirectoryError as e:
+        print(f"k3kit: error: {e.filename}: is a directory", file=sys.stderr)
+        return 2
+    except PermissionError as e:
+        print(f"k3kit: error: {e.filename}: permission denied", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"k3kit: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("k3kit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per CLI command; discovered by `k3kit.cli`."""

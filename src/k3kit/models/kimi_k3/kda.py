@@ -1,0 +1,171 @@
+"""KDA: Kimi Delta Attention, the recurrent (linear-attention) layer of K3.
+
+As llama.cpp's kimi-k3 builds it (build_kda_layer, kimi_k3_conv1d, ggml gated_delta_net):
+  q, k, v = SiLU(causal depthwise conv_d(W_{q,k,v} x))           per channel, no bias
+  q, k    = q / sqrt(|q|^2 + eps), k likewise                      per head, eps = RMS eps
+  g       = lb * sigmoid(exp(A_log) * (W_fb W_fa x + dt_bias))      per head and key dim (K3)
+          = -exp(A_log) * softplus(W_fb W_fa x + dt_bias)           when lb is unset (kimi-linear)
+  beta    = sigmoid(W_b x)                                          per head
+  S_t     = S_{t-1} * exp(g_t)[:, None];  S_t += k_t (beta_t (v_t - S_t^T k_t))^T
+  o_t     = S_t^T q_t / sqrt(d)
+  out     = W_o[ RMSNorm_d(o) * sigmoid(W_g x) ]                    full-rank gate, norm per head
+
+Speculative support: `forward(..., commit=False)` leaves the state untouched and returns
+the per-row inputs of the recurrence (`KDARows`); `commit_rows` then applies only the
+first n of them, with the same step function, so the result is what a normal run over
+those n rows leaves behind.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .activations import l2_norm, rms_norm
+from .config import K3ModelConfig
+from .state import KDAState
+
+
+@dataclass
+class KDARows:
+    """Per-row inputs of one KDA layer's state update, for a later partial commit."""
+
+    conv_in: Tensor   # [B, T, 3, d_inner] raw q/k/v projections (what the conv windows hold)
+    k: Tensor         # [B, T, H, d] after conv, SiLU and L2 norm
+    v: Tensor         # [B, T, H, d] after conv and SiLU
+    g: Tensor         # [B, T, H, d] log-decay
+    beta: Tensor      # [B, T, H]
+
+    @property
+    def n_rows(self) -> int:
+        return self.k.shape[1]
+
+
+def delta_step(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """One gated delta-rule transition; S [B,H,dk,dv], k/g [B,H,dk], v [B,H,dv], beta [B,H]."""
+    S = S * torch.exp(g).unsqueeze(-1)
+    kv_mem = torch.einsum("bhij,bhi->bhj", S, k)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    return S + k.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
+def delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """Run the recurrence over T rows: q/k/v/g [B,T,H,d], beta [B,T,H]; returns (o [B,T,H,d], S)."""
+    scale = 1.0 / math.sqrt(v.shape[-1])
+    outs = []
+    for t in range(q.shape[1]):
+        S = delta_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
+        outs.append(torch.einsum("bhij,bhi->bhj", S, q[:, t]) * scale)
+    return torch.stack(outs, dim=1), S
+
+
+def causal_conv(window: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv: window [B, K-1, C] of past inputs, x [B, T, C], weight [C, K].
+
+    out[t, c] = sum_j w[c, j] * xx[t + j, c] with xx = window ++ x (ggml_ssm_conv's order);
+    returns (out [B, T, C], the new window).
+    """
+    xx = torch.cat((window, x), dim=1)
+    T, K = x.shape[1], weight.shape[1]
+    out = xx[:, 0:T] * weight[:, 0]
+    for j in range(1, K):
+        out = out + xx[:, j:j + T] * weight[:, j]
+    return out, xx[:, T:]
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: K3ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, D, C, E = cfg.num_heads, cfg.kda_head_dim, cfg.kda_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(E, C, bias=False)
+        self.k_proj = nn.Linear(E, C, bias=False)
+        self.v_proj = nn.Linear(E, C, bias=False)
+        self.q_conv = nn.Parameter(torch.zeros(C, cfg.conv_kernel))
+        self.k_conv = nn.Parameter(torch.zeros(C, cfg.conv_kernel))
+        self.v_conv = nn.Parameter(torch.zeros(C, cfg.conv_kernel))
+        self.f_a_proj = nn.Linear(E, D, bias=False)
+        self.f_b_proj = nn.Linear(D, C, bias=False)
+        self.b_proj = nn.Linear(E, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(C))
+        self.g_proj = nn.Linear(E, C, bias=False)
+        self.o_norm = nn.Parameter(torch.ones(D))
+        self.o_proj = nn.Linear(C, E, bias=False)
+
+    def empty_state(self, batch: int, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> KDAState:
+        cfg = self.cfg
+        H, D = cfg.num_heads, cfg.kda_head_dim
+        return KDAState(torch.zeros(batch, H, D, D, device=device, dtype=dtype),
+                        torch.zeros(batch, 3, cfg.conv_kernel - 1, cfg.kda_dim, device=device, dtype=dtype))
+
+    def decay(self, x: Tensor) -> Tensor:
+        """The per-key-dim log decay g [B, T, H, d] (always <= 0)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        u = self.f_b_proj(self.f_a_proj(x)) + self.dt_bias
+        u = u.view(B, T, cfg.num_heads, cfg.kda_head_dim)
+        A = (-torch.exp(self.A_log)).view(cfg.num_heads, 1)   # what the converter stores as ssm_a
+        if cfg.gate_lower_bound is not None:
+            return torch.sigmoid(-(u * A)) * cfg.gate_lower_bound
+        return F.softplus(u) * A
+
+    def forward(self, x: Tensor, state: KDAState | None = None, commit: bool = True,
+                ) -> tuple[Tensor, KDARows | None]:
+        """x [B, T, hidden] (already attn-normed). With `commit`, `state` is advanced in place;
+        without, it is left untouched and the rows needed for `commit_rows` are returned."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, D = cfg.num_heads, cfg.kda_head_dim
+        if state is None:
+            state = self.empty_state(B, x.device, x.dtype)
+            commit = True    # nothing to keep
+            keep = False
+        else:
+            keep = True
+
+        conv_in = torch.stack((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=2)  # [B,T,3,C]
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        outs, windows = [], []
+        for i in range(3):
+            y, w = causal_conv(state.conv[:, i], conv_in[:, :, i], convs[i])
+            outs.append(F.silu(y).view(B, T, H, D))
+            windows.append(w)
+        q = l2_norm(outs[0], cfg.rms_norm_eps)
+        k = l2_norm(outs[1], cfg.rms_norm_eps)
+        v = outs[2]
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x))
+
+        o, S = delta_rule(state.S, q, k, v, g, beta)
+
+        rows = None
+        if keep and commit:
+            state.S = S.detach()
+            state.conv = torch.stack(windows, dim=1).detach()
+        elif keep:
+            rows = KDARows(conv_in.detach(), k.detach(), v.detach(), g.detach(), beta.detach())
+
+        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, D)
+        o = rms_norm(o, self.o_norm, cfg.rms_norm_eps) * gate
+        return self.o_proj(o.reshape(B, T, H * D)), rows
+
+
+def commit_rows(state: KDAState, rows: KDARows, n: int) -> None:
+    """Apply the first `n` captured rows to `state` in place (the ReplaySSM commit)."""
+    if not 0 <= n <= rows.n_rows:
+        raise ValueError(f"cannot commit {n} of {rows.n_rows} captured rows")
+    if n == 0:
+        return
+    S = state.S
+    for t in range(n):
+        S = delta_step(S, rows.k[:, t], rows.v[:, t], rows.g[:, t], rows.beta[:, t])
+    K1 = state.conv.shape[2]
+    xx = torch.cat((state.conv, rows.conv_in[:, :n].transpose(1, 2)), dim=2)   # [B, 3, K-1+n, C]
+    state.S = S
+    state.conv = xx[:, :, xx.shape[2] - K1:].contiguous()

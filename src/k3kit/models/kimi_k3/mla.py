@@ -1,0 +1,86 @@
+"""MLA of K3: multi-head latent attention with no rotary part and a sigmoid output gate.
+
+As llama.cpp's kimi-k3 runs it (build_mla_layer, absorbed "MQA" form):
+  q        = W_qb RMSNorm(W_qa x)  (or W_q x), per head [nope | pe]
+  [c | pe] = W_kva x;  c = RMSNorm(c)                 c is the cached latent (kv_lora wide)
+  score    = ((W_kb^T q_nope) . c + q_pe . pe) / sqrt(nope + pe)    causal softmax
+  out      = W_o[ (W_vb (softmax . c)) * sigmoid(W_gate x) ]
+The "pe" parts are NOT rotated (mla_use_nope): they are a head-shared extra key slice.
+W_kb / W_vb are the two halves of HF's kv_b_proj, per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .activations import rms_norm
+from .config import K3ModelConfig
+from .state import MLACache
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: K3ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, E = cfg.num_heads, cfg.hidden_size
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = nn.Linear(E, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = nn.Parameter(torch.ones(cfg.q_lora_rank))
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(E, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj = nn.Linear(E, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = nn.Parameter(torch.ones(cfg.kv_lora_rank))
+        # HF layout: [H * (nope + v), kv_lora], per head nope rows then v rows
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.g_proj = nn.Linear(E, H * cfg.v_head_dim, bias=False) if cfg.mla_output_gate else None
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, E, bias=False)
+
+    def forward(self, x: Tensor, cache: MLACache | None = None) -> Tensor:
+        """x [B, T, hidden] (attn-normed). With `cache`, the new rows are appended and the
+        queries see the cached rows before them."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, nope, pe_dim, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        eps = cfg.rms_norm_eps
+
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, eps))
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, T, H, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
+
+        kv_pe = self.kv_a_proj(x)
+        c = rms_norm(kv_pe[..., :L], self.kv_a_norm, eps)       # [B, T, L]
+        k_pe = kv_pe[..., L:]                                    # [B, T, pe]
+
+        if cache is not None:
+            offset = cache.length
+            cache.append(c, k_pe)
+            c_all, pe_all = cache.view()
+            # the cache holds detached copies; keep this chunk's own rows differentiable
+            c_all = torch.cat((c_all[:, :offset], c), dim=1)
+            pe_all = torch.cat((pe_all[:, :offset], k_pe), dim=1)
+        else:
+            offset, c_all, pe_all = 0, c, k_pe
+
+        kv_b = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, L)
+        w_kb, w_vb = kv_b[:, :nope], kv_b[:, nope:]              # [H, nope, L], [H, v, L]
+        q_abs = torch.einsum("bthd,hdl->bthl", q_nope, w_kb)
+        Q = torch.cat((q_abs, q_pe), dim=-1)                     # [B, T, H, L + pe]
+        K = torch.cat((c_all, pe_all), dim=-1)                   # [B, S, L + pe]
+        scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + pe_dim))
+        S = K.shape[1]
+        rows = offset + torch.arange(T, device=x.device)
+        allowed = torch.arange(S, device=x.device)[None, :] <= rows[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        lat = torch.einsum("bhts,bsl->bthl", probs, c_all)       # [B, T, H, L]
+        out = torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(B, T, H * cfg.v_head_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)

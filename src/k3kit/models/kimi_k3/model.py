@@ -1,0 +1,217 @@
+"""The Kimi-K3 text model: KDA/MLA hybrid layers, attn-res mixing, latent MoE, situ.
+
+Layer il, in llama.cpp's order (src/models/kimi-k3.cpp, the graph constructor):
+  stream = layer input (the raw residual stream)
+  h = attn_norm(res_mix(bank, stream, attn_res_score))
+  if il % block == 0: bank += [stream]; stream = attn(h)     (restart from the attn output)
+  else:               stream = stream + attn(h)
+  h = ffn_norm(res_mix(bank, stream, ffn_res_score))
+  stream = stream + ffn(h)                                    (dense for il < first_k_dense)
+then logits = W_out output_norm(res_mix(bank, stream, output_res_score)).
+The bank lives only inside one forward (see attn_res.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .activations import rms_norm
+from .attn_res import res_mix
+from .config import K3ModelConfig
+from .kda import KDA, KDARows
+from .kda import commit_rows as kda_commit_rows
+from .mla import MLA
+from .moe import DenseFFN, ExpertProvider, LatentMoE
+from .state import K3State, KDAState, MLACache
+
+
+@dataclass
+class Captured:
+    """What a speculative forward leaves for `commit_rows`: per KDA layer, its row inputs."""
+
+    start_pos: int
+    n_rows: int
+    kda: dict[int, KDARows] = field(default_factory=dict)
+
+
+@dataclass
+class K3Output:
+    logits: Tensor | None                                          # [B, T or 1, vocab]
+    layer_inputs: dict[int, Tensor] = field(default_factory=dict)  # il -> [B, T, hidden]
+    routes: dict[int, Tensor] = field(default_factory=dict)        # il -> expert ids [B, T, k]
+    captured: Captured | None = None                               # speculative forwards only
+
+
+class K3Layer(nn.Module):
+    def __init__(self, cfg: K3ModelConfig, il: int):
+        super().__init__()
+        self.cfg = cfg
+        self.il = il
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.ffn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        if cfg.attn_res_block_size > 0:
+            self.attn_res_score = nn.Parameter(torch.zeros(cfg.hidden_size))
+            self.ffn_res_score = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.attn: KDA | MLA = KDA(cfg) if cfg.is_kda(il) else MLA(cfg)
+        self.ffn: DenseFFN | LatentMoE = (DenseFFN(cfg, cfg.intermediate_size) if cfg.is_dense(il)
+                                          else LatentMoE(cfg, il))
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(K3Layer(cfg, il) for il in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        if cfg.attn_res_block_size > 0:
+            self.output_res_score = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def new_state(self, batch: int = 1) -> K3State:
+        return K3State.new(self.cfg, batch, self.norm.device, self.norm.dtype)
+
+    def forward(self, tokens: Tensor, state: K3State | None = None, *,
+                experts: ExpertProvider | None = None,
+                capture_layers: Iterable[int] = (),
+                capture_mode: str = "raw",
+                speculative: bool = False,
+                logits: str = "all",
+                return_routes: bool = False) -> K3Output:
+        """Run `tokens` [B, T] (or [T]) after what `state` holds.
+
+        state         None: a fresh sequence, nothing kept. Else advanced by T tokens, or,
+                      with `speculative`, KDA state left untouched (MLA rows appended past
+                      `state.pos`, dropped by the next forward) and `captured` returned for
+                      `commit_rows`.
+        capture_layers  layer inputs to return: "raw" = the residual stream entering layer il
+                      (llama.cpp's t_layer_inp convention), "mixed" = the attn-res mix that
+                      layer's attention actually normalises. il == num_layers is the final stream.
+        logits        "all", "last" (the last row only) or "none".
+        """
+        cfg = self.cfg
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        B, T = tokens.shape
+        if capture_mode not in ("raw", "mixed"):
+            raise ValueError(f"capture_mode must be 'raw' or 'mixed', got {capture_mode!r}")
+        taps = set(capture_layers)
+        if any(not 0 <= il <= cfg.num_layers for il in taps):
+            raise ValueError(f"capture layers must be in 0..{cfg.num_layers}")
+        if state is not None:
+            if state.batch != B:
+                raise ValueError(f"state holds {state.batch} sequences, tokens {B}")
+            for c in state.mla_caches():
+                c.truncate(state.pos)          # drop rows a speculative pass left behind
+        elif speculative:
+            raise ValueError("a speculative forward needs a state")
+
+        out = K3Output(logits=None)
+        captured = Captured(state.pos, T) if speculative and state is not None else None
+        eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
+        bank: list[Tensor] = []
+        stream = self.embed(tokens)
+
+        for il, layer in enumerate(self.layers):
+            mixed = res_mix(bank, stream, layer.attn_res_score, eps) if bs > 0 else stream
+            if il in taps:
+                out.layer_inputs[il] = stream if capture_mode == "raw" else mixed
+            banked = bs > 0 and il % bs == 0
+            if banked:
+                bank.append(stream)
+            h = rms_norm(mixed, layer.attn_norm, eps)
+            layer_state = state.layers[il] if state is not None else None
+            if isinstance(layer.attn, KDA):
+                assert layer_state is None or isinstance(layer_state, KDAState)
+                a, rows = layer.attn(h, layer_state, commit=not speculative)
+                if captured is not None and rows is not None:
+                    captured.kda[il] = rows
+            else:
+                assert layer_state is None or isinstance(layer_state, MLACache)
+                a = layer.attn(h, layer_state)
+            stream = a if banked else stream + a
+
+            mixed = res_mix(bank, stream, layer.ffn_res_score, eps) if bs > 0 else stream
+            h = rms_norm(mixed, layer.ffn_norm, eps)
+            if isinstance(layer.ffn, LatentMoE):
+                f, ids = layer.ffn(h, experts)
+                if return_routes:
+                    out.routes[il] = ids
+            else:
+                f = layer.ffn(h)
+            stream = stream + f
+
+        final = res_mix(bank, stream, self.output_res_score, eps) if bs > 0 else stream
+        if cfg.num_layers in taps:
+            out.layer_inputs[cfg.num_layers] = stream if capture_mode == "raw" else final
+        if logits == "last":
+            final = final[:, -1:]
+        if logits != "none":
+            out.logits = self.lm_head(rms_norm(final, self.norm, eps))
+        if state is not None and not speculative:
+            state.pos += T
+        out.captured = captured
+        return out
+
+    def commit_rows(self, state: K3State, captured: Captured, n: int) -> None:
+        """Commit the first `n` rows of a speculative forward: KDA layers replay them from the
+        captured inputs, MLA caches keep them by position; `state.pos` advances by n."""
+        commit_rows(state, captured, n)
+
+
+def commit_rows(state: K3State, captured: Captured, n: int) -> None:
+    """See K3Model.commit_rows."""
+    if state.pos != captured.start_pos:
+        raise ValueError(f"captured rows start at {captured.start_pos}, the state is at {state.pos}")
+    if not 0 <= n <= captured.n_rows:
+        raise ValueError(f"cannot commit {n} of {captured.n_rows} rows")
+    for il, layer in enumerate(state.layers):
+        if isinstance(layer, KDAState):
+            kda_commit_rows(layer, captured.kda[il], n)
+        elif layer.length < state.pos + n:
+            raise ValueError(f"layer {il}: MLA cache has {layer.length} rows, "
+                             f"the commit needs {state.pos + n}")
+        else:
+            layer.truncate(state.pos + n)
+    state.pos += n
+
+
+@torch.no_grad()
+def init_random(model: K3Model, seed: int = 0, std: float = 0.02) -> K3Model:
+    """Random weights at a scale that keeps a deep stack numerically alive (tests, mini).
+
+    Norm weights and scores are perturbed too, so that every parameter matters to the output.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+
+    def normal(p: Tensor, s: float, mean: float = 0.0) -> None:
+        p.copy_(torch.randn(p.shape, generator=g) * s + mean)
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("attn_norm", "ffn_norm", "norm", "o_norm", "q_a_norm", "kv_a_norm", "routed_norm"):
+            normal(p, 0.1, 1.0)
+        elif leaf.endswith("res_score"):
+            normal(p, 0.5)
+        elif leaf in ("q_conv", "k_conv", "v_conv"):
+            normal(p, 0.4)
+        elif leaf == "A_log":
+            p.copy_(torch.log(torch.rand(p.shape, generator=g) * 15 + 1))
+        elif leaf == "dt_bias":
+            normal(p, 0.5)
+        elif leaf == "bias":        # router selection bias
+            normal(p, 0.05)
+        elif name.startswith("embed"):
+            normal(p, 1.0)
+        elif leaf in ("gate_exps", "up_exps", "down_exps"):
+            normal(p, 1.0 / p.shape[-1] ** 0.5)
+        else:
+            normal(p, 1.0 / p.shape[-1] ** 0.5 if p.dim() == 2 else std)
+    del cfg
+    return model

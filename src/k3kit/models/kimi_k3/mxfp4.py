@@ -1,0 +1,104 @@
+"""MXFP4 for the routed experts, in torch: ggml's rounding, fake quant, compressed-tensors packing.
+
+K3's routed experts were trained quantization-aware in MXFP4, so the 4-bit values ARE the
+weights. The forward pass therefore runs the experts through `mxfp4_fake_quant`, which
+rounds exactly as ggml's `quantize_row_mxfp4_ref` does (ggml/src/ggml-quants.c): per block
+of 32 consecutive inputs, an E8M0 exponent e = floor(log2(amax)) - 2 + 127 and, per element,
+the nearest of the 16 e2m1 codes times 2^(e-127) (first code wins a tie). Saving those
+weights as MXFP4 is then lossless.
+
+Codes are the 4-bit e2m1 patterns in ggml's `kvalues_mxfp4` order (bit 3 = sign), which is
+also the compressed-tensors order, so no code remapping is ever needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 32
+
+# ggml stores e2m1 doubled (kvalues) and halves the scale; the products are the same.
+_KVALUES_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+E2M1_VALUES = tuple(v / 2 for v in _KVALUES_DOUBLED)
+
+# rows of blocks handled at once by the rounding search (16 float32 errors per weight)
+_CHUNK_BLOCKS = 1 << 16
+
+
+def _check(w: Tensor) -> None:
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"MXFP4 needs the input dim to be a multiple of {BLOCK}, got {w.shape[-1]}")
+
+
+def _half_scale(e: Tensor) -> Tensor:
+    """ggml_e8m0_to_fp32_half: 2^(e-128) as float32 (exact, denormals included)."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float64), e.to(torch.float64) - 128).float()
+
+
+def mxfp4_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Round `w` [..., K] (K % 32 == 0) to MXFP4 along its last dim.
+
+    Returns (codes uint8 [..., K] with values 0..15, scales uint8 [..., K/32] E8M0 biased
+    exponents), bit-identical to ggml's quantize_row_mxfp4_ref on the same float32 rows.
+    """
+    _check(w)
+    shape = w.shape
+    x = w.detach().to(torch.float32).reshape(-1, BLOCK)
+    kv = torch.tensor(_KVALUES_DOUBLED, dtype=torch.float32, device=x.device)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(x.shape[0], dtype=torch.uint8, device=x.device)
+    for s in range(0, x.shape[0], _CHUNK_BLOCKS):
+        xb = x[s:s + _CHUNK_BLOCKS]
+        amax = xb.abs().amax(dim=-1)
+        # log2f of a float32, correctly rounded to float32, then floor (as the C code does).
+        # Computing in float64 and rounding once keeps values just under a power of two exact.
+        lg = torch.log2(amax.to(torch.float64)).to(torch.float32).to(torch.float64)
+        e = torch.where(amax > 0, torch.floor(lg) - 2 + 127, torch.zeros_like(lg))
+        e = e.clamp(0, 255).to(torch.uint8)  # C casts out-of-range floats to uint8 (UB); clamp
+        d = _half_scale(e)
+        err = (kv * d[:, None, None] - xb[:, :, None]).abs()       # float32, as fabsf(kv*d - x)
+        codes[s:s + _CHUNK_BLOCKS] = torch.argmin(err, dim=-1).to(torch.uint8)  # first minimum
+        scales[s:s + _CHUNK_BLOCKS] = e
+    return codes.reshape(shape), scales.reshape(*shape[:-1], shape[-1] // BLOCK)
+
+
+def mxfp4_dequantize(codes: Tensor, scales: Tensor) -> Tensor:
+    """float32 values of MXFP4 `codes` [..., K] with E8M0 `scales` [..., K/32]."""
+    if codes.shape[-1] != scales.shape[-1] * BLOCK or codes.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"MXFP4 codes {tuple(codes.shape)} do not match scales {tuple(scales.shape)}")
+    kv = torch.tensor(_KVALUES_DOUBLED, dtype=torch.float32, device=codes.device)
+    vals = kv[codes.long()]
+    d = _half_scale(scales)
+    return (vals.reshape(*scales.shape, BLOCK) * d[..., None]).reshape(codes.shape)
+
+
+class _FakeQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor) -> Tensor:  # type: ignore[override]
+        codes, scales = mxfp4_quantize(w)
+        return mxfp4_dequantize(codes, scales).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad      # straight-through: QAT trains the latent float weights
+
+
+def mxfp4_fake_quant(w: Tensor) -> Tensor:
+    """Round `w` to the MXFP4 grid along its last dim; the gradient passes straight through."""
+    _check(w)
+    return _FakeQuant.apply(w)
+
+
+def pack_codes(codes: Tensor) -> Tensor:
+    """compressed-tensors packing: uint8 [..., K/2], element 2i low nibble, 2i+1 high nibble."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_codes(packed: Tensor) -> Tensor:
+    """Inverse of pack_codes: uint8 [..., K/2] -> codes uint8 [..., K]."""
+    p = packed.to(torch.uint8)
+    lo = p & 0x0F
+    hi = (p >> 4) & 0x0F
+    return torch.stack((lo, hi), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)

@@ -1,0 +1,132 @@
+"""Per-sequence inference state of the K3 model: everything that must roll back together.
+
+* MLA layers keep a latent cache (the RMS-normed compressed kv and the shared "pe" key
+  part, per position). It rolls back by position: drop rows past the kept length.
+* KDA layers keep a recurrent state S [B, H, d_k, d_v] in float32 and the last
+  d_conv-1 raw q/k/v projections (the short-conv windows). They cannot roll back by
+  position; speculative rows are instead captured (see `kda.KDARows`) and only the
+  accepted ones are committed (`model.commit_rows`).
+* attn-res banks are NOT state: they mix across the layers of one token and are rebuilt
+  inside every forward (see attn_res.py).
+
+`pos` is the number of committed tokens. MLA caches may hold more rows than `pos` after a
+speculative forward; the next forward or commit discards them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import K3ModelConfig
+
+
+@dataclass
+class KDAState:
+    S: Tensor       # [B, H, d_k, d_v] float32; S[i, j] maps key dim i to value dim j
+    conv: Tensor    # [B, 3, d_conv-1, d_inner] float32: raw q/k/v projections, oldest first
+
+    def clone(self) -> KDAState:
+        return KDAState(self.S.clone(), self.conv.clone())
+
+
+class MLACache:
+    """Growable latent cache [B, length, kv_lora] + [B, length, rope] with O(1) truncation."""
+
+    def __init__(self, batch: int, kv_lora: int, rope: int, device: torch.device | str = "cpu",
+                 capacity: int = 64, dtype: torch.dtype = torch.float32):
+        self.kv = torch.zeros(batch, capacity, kv_lora, device=device, dtype=dtype)
+        self.pe = torch.zeros(batch, capacity, rope, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, kv: Tensor, pe: Tensor) -> None:
+        n = kv.shape[1]
+        need = self.length + n
+        if need > self.kv.shape[1]:
+            cap = max(need, 2 * self.kv.shape[1])
+            grow = cap - self.kv.shape[1]
+            self.kv = torch.cat((self.kv, self.kv.new_zeros(self.kv.shape[0], grow, self.kv.shape[2])), 1)
+            self.pe = torch.cat((self.pe, self.pe.new_zeros(self.pe.shape[0], grow, self.pe.shape[2])), 1)
+        self.kv[:, self.length:need] = kv.detach()
+        self.pe[:, self.length:need] = pe.detach()
+        self.length = need
+
+    def view(self) -> tuple[Tensor, Tensor]:
+        return self.kv[:, :self.length], self.pe[:, :self.length]
+
+    def truncate(self, length: int) -> None:
+        """Roll back by position: keep the first `length` rows."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate an MLA cache of {self.length} rows to {length}")
+        self.length = length
+
+    def clone(self) -> MLACache:
+        c = MLACache.__new__(MLACache)
+        c.kv, c.pe, c.length = self.kv.clone(), self.pe.clone(), self.length
+        return c
+
+
+class K3State:
+    """The state of B sequences of equal length, one entry per layer."""
+
+    def __init__(self, layers: list[KDAState | MLACache], pos: int = 0):
+        self.layers = layers
+        self.pos = pos
+
+    @classmethod
+    def new(cls, cfg: K3ModelConfig, batch: int = 1, device: torch.device | str = "cpu",
+            dtype: torch.dtype = torch.float32) -> K3State:
+        """Empty state; float32 as llama.cpp keeps it (float64 only for exactness checks)."""
+        layers: list[KDAState | MLACache] = []
+        for il in range(cfg.num_layers):
+            if cfg.is_kda(il):
+                H, D = cfg.num_heads, cfg.kda_head_dim
+                layers.append(KDAState(
+                    torch.zeros(batch, H, D, D, device=device, dtype=dtype),
+                    torch.zeros(batch, 3, cfg.conv_kernel - 1, cfg.kda_dim, device=device, dtype=dtype)))
+            else:
+                layers.append(MLACache(batch, cfg.kv_lora_rank, cfg.qk_rope_head_dim, device, dtype=dtype))
+        return cls(layers)
+
+    @property
+    def batch(self) -> int:
+        first = self.layers[0]
+        return first.S.shape[0] if isinstance(first, KDAState) else first.kv.shape[0]
+
+    def clone(self) -> K3State:
+        return K3State([layer.clone() for layer in self.layers], self.pos)
+
+    def mla_caches(self) -> list[MLACache]:
+        return [x for x in self.layers if isinstance(x, MLACache)]
+
+    def truncate(self, pos: int, recurrent: K3State | None = None) -> None:
+        """Roll the sequence back to `pos` committed tokens.
+
+        MLA caches roll back by position. KDA state cannot: pass `recurrent`, a snapshot
+        taken when the sequence was at `pos` (e.g. `clone()`), whose KDA state is copied in.
+        """
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot roll back from position {self.pos} to {pos}")
+        has_kda = any(isinstance(x, KDAState) for x in self.layers)
+        if has_kda and pos != self.pos:
+            if recurrent is None or recurrent.pos != pos:
+                raise ValueError("KDA layers roll back only from a snapshot taken at the target position")
+        for il, layer in enumerate(self.layers):
+            if isinstance(layer, MLACache):
+                layer.truncate(min(pos, layer.length))
+            elif recurrent is not None and pos != self.pos:
+                src = recurrent.layers[il]
+                assert isinstance(src, KDAState)
+                self.layers[il] = src.clone()
+        self.pos = pos
+
+    def nbytes(self) -> int:
+        total = 0
+        for x in self.layers:
+            if isinstance(x, KDAState):
+                total += x.S.nbytes + x.conv.nbytes
+            else:
+                total += x.length * (x.kv.shape[2] + x.pe.shape[2]) * x.kv.shape[0] * x.kv.element_size()
+        return total

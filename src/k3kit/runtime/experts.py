@@ -1,0 +1,438 @@
+"""The expert store: quantized expert bytes in model files -> dequantized torch tensors.
+
+Routed experts are most of a giant MoE's bytes, so they are never loaded up front. A layer's
+experts for one projection are `n_experts` equal matrices stored back to back (a ggml
+[n_in, n_out, n_expert] tensor), so expert e is one contiguous byte slice. The store reads
+that slice only when a batch routes to e, dequantizes it, and keeps it in a bounded LRU
+cache measured in MiB of dequantized tensors.
+
+Every byte read goes through a ledger (`stats()`), so "payload per token" is a measurement:
+`bytes_read` is the exact sum of the quantized slices fetched on cache misses. Whether a
+fetch came from the page cache or the device is the kernel's business in the default mmap
+mode; the `cold` modes drop the pages around each read (or bypass the page cache with
+O_DIRECT) so the same counters describe storage traffic honestly.
+
+The store knows nothing about architectures: it is given, per layer, a tuple of
+`ExpertTensor` descriptions (e.g. gate, up, down) and returns tensors in that order.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gguf import GGMLQuantizationType
+from k3kit.errors import FormatError
+from k3kit.runtime.dequant import SUPPORTED, block_size, dequantize, nbytes_for
+
+MIB = 1 << 20
+PAGE = mmap.PAGESIZE
+DIRECT_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every common block device accepts
+
+ByteBuffer = np.ndarray | bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One projection of one layer: `n_experts` matrices of ggml `shape`, back to back.
+
+    `source` is a file path (the store maps/reads it itself; `offset` is absolute in the
+    file) or an in-memory byte buffer such as `Model.view(name)` (`offset` within it).
+    File sources get madvise, cold reads and change detection; buffers get none of that.
+    """
+
+    source: str | os.PathLike | ByteBuffer
+    offset: int
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # one expert, ggml order, e.g. (n_in, n_out)
+    n_experts: int
+    name: str = ""  # for messages only
+
+    @property
+    def expert_nbytes(self) -> int:
+        return nbytes_for(self.ggml_type, int(np.prod(self.shape, dtype=np.int64)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_nbytes * self.n_experts
+
+    @property
+    def is_file(self) -> bool:
+        return isinstance(self.source, str | os.PathLike)
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+
+
+@dataclass
+class ExpertStats:
+    """A snapshot of the ledger. Counters reset with `reset_stats()`; resident_* are state."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0  # quantized payload fetched on misses (exact slice sizes)
+    io_bytes: int = 0  # bytes asked of the OS; > bytes_read only with O_DIRECT alignment
+    evictions: int = 0
+    evicted_bytes: int = 0
+    read_seconds: float = 0.0
+    dequant_seconds: float = 0.0
+    resident_bytes: int = 0  # dequantized bytes held by the cache (pinned included)
+    resident_experts: int = 0
+    pinned_bytes: int = 0
+    per_layer: dict[int, LayerStats] = field(default_factory=dict)
+
+
+@dataclass
+class _Entry:
+    tensors: tuple[torch.Tensor, ...]
+    nbytes: int
+    pinned: bool = False
+
+
+class _File:
+    """An open model file: fd, optional whole-file mapping, and what it looked like at open."""
+
+    def __init__(self, path: Path, use_mmap: bool, direct: bool) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise FormatError(f"{path}: cannot open: {e.strerror}") from None
+        st = os.fstat(self.fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        # Python's mmap never passes MAP_POPULATE: nothing is read until a slice is touched.
+        self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if use_mmap and self.size else None
+        self.direct_fd: int | None = None
+        if direct:
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except (OSError, AttributeError):
+                self.direct_fd = None  # e.g. tmpfs: the caller falls back to fadvise
+
+    def check(self) -> None:
+        """Raise if the file was changed or truncated since open (a mapping would SIGBUS)."""
+        st = os.fstat(self.fd)
+        if st.st_size != self.size or st.st_mtime_ns != self.mtime_ns:
+            raise FormatError(
+                f"{self.path}: file changed since it was opened (size {self.size} -> {st.st_size}, "
+                f"mtime {self.mtime_ns} -> {st.st_mtime_ns})"
+            )
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self.direct_fd = None
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            raise FormatError(f"{path}: unexpected end of file at byte {offset + got}")
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class ExpertStore:
+    """Lazy, cached, ledgered access to routed expert weights.
+
+    layers: {layer index: (ExpertTensor, ...)} in the order `get` returns tensors
+            (e.g. gate, up, down); all projections of a layer share n_experts.
+    cache_mib: LRU budget in MiB of dequantized tensors; 0 keeps nothing beyond the
+            batch being returned. Pinned experts are never evicted (and still count).
+    cold: False (mmap, page cache does what it does), "fadvise" (pread, then
+            POSIX_FADV_DONTNEED before and after each read), or "direct" (O_DIRECT
+            with aligned buffers; falls back to "fadvise" where the filesystem refuses).
+    madvise_random: MADV_RANDOM on the expert ranges of each mapping, so a fault does not
+            read ahead into neighbouring experts nobody asked for.
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[int, Sequence[ExpertTensor]],
+        *,
+        cache_mib: float = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        cold: bool | str = False,
+        madvise_random: bool = True,
+    ) -> None:
+        if cold is True:
+            cold = "fadvise"
+        if cold not in (False, "fadvise", "direct"):
+            raise ValueError(f"cold must be False, 'fadvise' or 'direct', not {cold!r}")
+        if cache_mib < 0:
+            raise ValueError("cache_mib must be >= 0")
+        self.layers: dict[int, tuple[ExpertTensor, ...]] = {int(k): tuple(v) for k, v in layers.items()}
+        self.cache_bytes = int(cache_mib * MIB)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.cold = cold
+        self._files: dict[Path, _File] = {}
+        self._cache: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._resident = 0
+        self._pinned = 0
+        self._direct_buf: mmap.mmap | None = None
+        self._stats = ExpertStats()
+        try:
+            self._validate_and_open(madvise_random)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction -------------------------------------------------------------------
+
+    def _validate_and_open(self, madvise_random: bool) -> None:
+        for layer, tensors in self.layers.items():
+            if not tensors:
+                raise ValueError(f"layer {layer}: no expert tensors")
+            if len({t.n_experts for t in tensors}) != 1:
+                raise ValueError(f"layer {layer}: projections disagree on n_experts")
+            for t in tensors:
+                where = f"{t.name or 'expert tensor'} (layer {layer})"
+                qtype = GGMLQuantizationType(t.ggml_type)
+                if qtype not in SUPPORTED:
+                    raise FormatError(f"{t.source}: {where}: ggml type {qtype.name} has no dequant kernel")
+                if not t.shape or t.shape[0] % block_size(qtype)[0] or t.n_experts <= 0 or t.offset < 0:
+                    raise FormatError(f"{t.source if t.is_file else '<buffer>'}: {where}: bad geometry "
+                                      f"shape={t.shape} n_experts={t.n_experts} offset={t.offset}")
+                if t.is_file:
+                    f = self._open(Path(t.source))
+                    if t.offset + t.nbytes > f.size:
+                        raise FormatError(f"{f.path}: {where} data past end of file "
+                                          f"(needs {t.offset + t.nbytes} bytes, file has {f.size})")
+                    if f.mm is not None and madvise_random and hasattr(mmap, "MADV_RANDOM"):
+                        start = t.offset // PAGE * PAGE
+                        f.mm.madvise(mmap.MADV_RANDOM, start, t.offset + t.nbytes - start)
+                elif t.offset + t.nbytes > len(memoryview(t.source).cast("B")):
+                    raise FormatError(f"<buffer>: {where} data past end of buffer")
+
+    def _open(self, path: Path) -> _File:
+        f = self._files.get(path)
+        if f is None:
+            f = _File(path, use_mmap=not self.cold, direct=self.cold == "direct")
+            self._files[path] = f
+        return f
+
+    @classmethod
+    def from_gguf(cls, model, layers: Mapping[int, Sequence[str]], **kwargs) -> ExpertStore:
+        """Build from an open `k3kit.gguf.shards.Model` and, per layer, the names of its 3-D
+        expert tensors ([n_in, n_out, n_expert] in ggml order) in the order to return them."""
+        spec: dict[int, list[ExpertTensor]] = {}
+        for layer, names in layers.items():
+            spec[layer] = []
+            for name in names:
+                info = model.tensors.get(name)
+                if info is None:
+                    raise FormatError(f"{model.paths[0]}: no tensor {name!r}")
+                path = model.files[info.shard].path
+                if len(info.shape) != 3:
+                    raise FormatError(f"{path}: tensor {name!r} has shape {info.shape}, expected 3-D experts")
+                t = ExpertTensor(path, info.offset, GGMLQuantizationType(info.ggml_type),
+                                 tuple(info.shape[:2]), int(info.shape[2]), name)
+                if GGMLQuantizationType(info.ggml_type) in SUPPORTED and t.nbytes != info.nbytes:
+                    raise FormatError(f"{path}: tensor {name!r} is {info.nbytes} bytes, expected {t.nbytes}")
+                spec[layer].append(t)
+        return cls(spec, **kwargs)
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def n_experts(self, layer: int) -> int:
+        return self.layers[layer][0].n_experts
+
+    def expert_nbytes(self, layer: int) -> int:
+        """Quantized storage bytes of one expert of `layer`, all projections."""
+        return sum(t.expert_nbytes for t in self.layers[layer])
+
+    def is_cached(self, layer: int, expert: int) -> bool:
+        return (layer, int(expert)) in self._cache
+
+    @property
+    def direct_io(self) -> bool:
+        """True if every file is read with O_DIRECT (cold="direct" and the filesystem allows it)."""
+        return bool(self._files) and all(f.direct_fd is not None for f in self._files.values())
+
+    def cached_count(self, layer: int) -> int:
+        return sum(1 for k in self._cache if k[0] == layer)
+
+    def missing_bytes(self, layer: int, expert_ids: Iterable[int]) -> int:
+        """Storage bytes a `get(layer, expert_ids)` would read now (unique ids not cached)."""
+        ids = {int(e) for e in expert_ids}
+        return sum(1 for e in ids if (layer, e) not in self._cache) * self.expert_nbytes(layer)
+
+    def stats(self) -> ExpertStats:
+        s = self._stats
+        return ExpertStats(
+            s.hits, s.misses, s.bytes_read, s.io_bytes, s.evictions, s.evicted_bytes, s.read_seconds,
+            s.dequant_seconds, self._resident, len(self._cache), self._pinned,
+            {k: LayerStats(v.hits, v.misses, v.bytes_read) for k, v in s.per_layer.items()},
+        )
+
+    def reset_stats(self) -> None:
+        self._stats = ExpertStats()
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def get(self, layer: int, expert_ids: Iterable[int]) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Tensors of each unique expert in `expert_ids`, in ascending id order.
+
+        Each projection comes back in row-major order: a ggml [n_in, n_out] matrix as an
+        [n_out, n_in] tensor (the weight of `x @ w.T`). The whole batch is returned even if
+        it is larger than the cache; the budget bounds only what is kept afterwards.
+        """
+        ids = sorted({int(e) for e in expert_ids})
+        n = self.n_experts(layer)
+        if ids and (ids[0] < 0 or ids[-1] >= n):
+            raise ValueError(f"layer {layer}: expert ids must be in [0, {n}), got {ids[0]}..{ids[-1]}")
+        return {e: self._fetch(layer, e) for e in ids}
+
+    def pin(self, layer: int, experts: Iterable[int]) -> None:
+        """Load (if needed) and keep these experts resident regardless of the budget."""
+        for e, tensors in self.get(layer, experts).items():
+            entry = self._cache.get((layer, e))
+            if entry is None:  # not admitted (cache_mib 0 or larger than the budget)
+                entry = _Entry(tensors, sum(t.nbytes for t in tensors))
+                self._cache[(layer, e)] = entry
+                self._resident += entry.nbytes
+            if not entry.pinned:
+                entry.pinned = True
+                self._pinned += entry.nbytes
+        self._evict()  # pinned bytes count against the budget: make room among the rest
+
+    def unpin(self, layer: int, experts: Iterable[int] | None = None) -> None:
+        """Make pinned experts evictable again (all of `layer`'s if experts is None)."""
+        if experts is None:
+            keys = [k for k in self._cache if k[0] == layer]
+        else:
+            keys = [(layer, int(e)) for e in experts]
+        for k in keys:
+            entry = self._cache.get(k)
+            if entry is not None and entry.pinned:
+                entry.pinned = False
+                self._pinned -= entry.nbytes
+        self._evict()
+
+    def _fetch(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        ls = self._stats.per_layer.setdefault(layer, LayerStats())
+        entry = self._cache.get((layer, e))
+        if entry is not None:
+            self._cache.move_to_end((layer, e))
+            self._stats.hits += 1
+            ls.hits += 1
+            return entry.tensors
+        self._stats.misses += 1
+        ls.misses += 1
+        tensors = []
+        for t in self.layers[layer]:
+            t0 = time.perf_counter()
+            raw = self._read(t, t.offset + e * t.expert_nbytes, t.expert_nbytes)
+            t1 = time.perf_counter()
+            w = dequantize(raw, t.ggml_type, t.shape, self.dtype)
+            tensors.append(w if self.device.type == "cpu" else w.to(self.device))
+            self._stats.read_seconds += t1 - t0
+            self._stats.dequant_seconds += time.perf_counter() - t1
+            self._stats.bytes_read += t.expert_nbytes
+            ls.bytes_read += t.expert_nbytes
+        out = tuple(tensors)
+        nbytes = sum(w.nbytes for w in out)
+        if 0 < nbytes <= self.cache_bytes:
+            self._cache[(layer, e)] = _Entry(out, nbytes)
+            self._resident += nbytes
+            self._evict()
+        return out
+
+    def _evict(self) -> None:
+        if self._resident <= self.cache_bytes:
+            return
+        for key in list(self._cache):
+            if self._resident <= self.cache_bytes:
+                break
+            entry = self._cache[key]
+            if entry.pinned:
+                continue
+            del self._cache[key]
+            self._resident -= entry.nbytes
+            self._stats.evictions += 1
+            self._stats.evicted_bytes += entry.nbytes
+
+    def _read(self, t: ExpertTensor, start: int, n: int) -> np.ndarray:
+        """The n bytes at `start` of t's source, as a private uint8 array."""
+        if not t.is_file:
+            buf = t.source if isinstance(t.source, np.ndarray) else np.frombuffer(t.source, np.uint8)
+            self._stats.io_bytes += n
+            return np.array(buf.reshape(-1)[start : start + n], dtype=np.uint8, copy=True)
+        f = self._files[Path(t.source)]
+        f.check()
+        if f.mm is not None:
+            self._stats.io_bytes += n
+            return np.frombuffer(f.mm, np.uint8, n, start).copy()
+        if f.direct_fd is not None:
+            return self._read_direct(f, start, n)
+        os.posix_fadvise(f.fd, start, n, os.POSIX_FADV_DONTNEED)  # make sure the read goes to storage
+        data = _pread_exact(f.fd, n, start, f.path)
+        os.posix_fadvise(f.fd, start, n, os.POSIX_FADV_DONTNEED)  # and leave nothing behind
+        self._stats.io_bytes += n
+        return np.frombuffer(data, np.uint8).copy()
+
+    def _read_direct(self, f: _File, start: int, n: int) -> np.ndarray:
+        lo = start // DIRECT_ALIGN * DIRECT_ALIGN
+        hi = -(-(start + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        if self._direct_buf is None or len(self._direct_buf) < hi - lo:
+            if self._direct_buf is not None:
+                self._direct_buf.close()
+            self._direct_buf = mmap.mmap(-1, hi - lo)  # anonymous maps are page aligned
+        view = memoryview(self._direct_buf)[: hi - lo]
+        got = 0
+        try:
+            while got < start + n - lo:
+                k = os.preadv(f.direct_fd, [view[got:]], lo + got)
+                if k <= 0:
+                    raise FormatError(f"{f.path}: unexpected end of file at byte {lo + got}")
+                got += k
+                if got % DIRECT_ALIGN:  # a short read not on a block boundary can only be EOF
+                    break
+            if got < start + n - lo:
+                raise FormatError(f"{f.path}: unexpected end of file at byte {lo + got}")
+            self._stats.io_bytes += got
+            return np.frombuffer(view, np.uint8, n, start - lo).copy()
+        finally:
+            view.release()
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every cached expert, pinned ones included."""
+        self._cache.clear()
+        self._resident = self._pinned = 0
+
+    def close(self) -> None:
+        self.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self._direct_buf is not None:
+            self._direct_buf.close()
+            self._direct_buf = None
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,23 @@
+"""Speculative decoding with a block draft (DFlash / DSpark): model-neutral machinery.
+
+feature_ring  committed tap features, compact storage, window
+interface     the Target and Draft protocols
+proposal      one draft step + the Markov chain across the block
+schedule      confidence / cost-aware verify width
+accept        greedy and lossless rejection-sampling acceptance
+loop          speculative_generate and the autoregressive reference
+"""
+
+from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
+from k3kit.runtime.speculative.feature_ring import FeatureRing
+from k3kit.runtime.speculative.interface import Draft, DraftBlock, Target, VerifyOutput
+from k3kit.runtime.speculative.loop import DecodeResult, DecodeStats, ar_generate, speculative_generate
+from k3kit.runtime.speculative.proposal import Proposal, propose
+from k3kit.runtime.speculative.sampling import Sampling
+from k3kit.runtime.speculative.schedule import ScheduleConfig, choose_width, parse_budget
+
+__all__ = [
+    "DecodeResult", "DecodeStats", "Draft", "DraftBlock", "FeatureRing", "Proposal", "Sampling",
+    "ScheduleConfig", "Target", "VerifyOutput", "accept_greedy", "accept_sampled", "ar_generate",
+    "choose_width", "parse_budget", "propose", "speculative_generate",
+]

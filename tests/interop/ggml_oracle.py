@@ -1,0 +1,97 @@
+"""ctypes access to libggml-base from llama-cpp-python: the reference (de)quantizers.
+
+`ggml_quantize_chunk` without an importance matrix runs ggml's `quantize_row_*_ref` (and the
+plain fp16/bf16 row converters); a type's `to_float` trait is its `dequantize_row_*`. The
+library is the one llama-cpp-python built, found in the installed `llama_cpp` package's lib
+directory (K3KIT_LIBGGML_BASE overrides the path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+class _TypeTraits(ctypes.Structure):
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
+
+
+def find_libggml_base() -> Path | None:
+    env = os.environ.get("K3KIT_LIBGGML_BASE")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        for cand in sorted(Path(root).rglob("libggml-base.so*")):
+            return cand
+    return None
+
+
+class Ggml:
+    """The two entry points the codec tests need, typed."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        f = self.lib.ggml_quantize_chunk
+        f.restype = ctypes.c_size_t
+        f.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        ]
+        g = self.lib.ggml_get_type_traits
+        g.restype = ctypes.POINTER(_TypeTraits)
+        g.argtypes = [ctypes.c_int]
+        self._to_float: dict[int, object] = {}
+
+    def traits(self, qtype: int) -> _TypeTraits:
+        return self.lib.ggml_get_type_traits(int(qtype)).contents
+
+    def quantize(self, x: np.ndarray, qtype: int) -> np.ndarray:
+        """float32 (rows, n) -> uint8 (rows, row_bytes), one ggml_quantize_chunk call."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        x2 = x.reshape(-1, x.shape[-1])
+        t = self.traits(qtype)
+        row = x2.shape[1] // t.blck_size * t.type_size
+        out = np.empty((x2.shape[0], row), dtype=np.uint8)
+        n = self.lib.ggml_quantize_chunk(
+            int(qtype), x2.ctypes.data, out.ctypes.data, 0, x2.shape[0], x2.shape[1], None
+        )
+        assert n == out.nbytes, (n, out.nbytes)
+        return out.reshape(*x.shape[:-1], row)
+
+    def dequantize(self, raw: np.ndarray, qtype: int, n_elements: int) -> np.ndarray:
+        fn = self._to_float.get(int(qtype))
+        if fn is None:
+            ptr = self.traits(qtype).to_float
+            assert ptr, f"type {qtype} has no to_float"
+            fn = self._to_float[int(qtype)] = _TO_FLOAT(ptr)
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        y = np.empty(n_elements, dtype=np.float32)
+        fn(raw.ctypes.data, y.ctypes.data, n_elements)
+        return y
+
+
+def load() -> Ggml | None:
+    path = find_libggml_base()
+    return Ggml(path) if path is not None and path.exists() else None

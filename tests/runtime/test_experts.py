@@ -1,0 +1,273 @@
+"""ExpertStore: exact slices, LRU by MiB, the byte ledger, cold reads, file changes."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from gguf import GGMLQuantizationType as T
+from k3kit.errors import FormatError
+from k3kit.runtime.dequant import nbytes_for
+from k3kit.runtime.experts import MIB, ExpertStore, ExpertTensor, LayerStats
+
+N_IN, N_OUT, N_EXP = 64, 32, 8
+PROJ = [("gate", T.MXFP4, (N_IN, N_OUT)), ("up", T.MXFP4, (N_IN, N_OUT)), ("down", T.Q8_0, (N_OUT, N_IN))]
+ENTRY_BYTES = 3 * N_IN * N_OUT * 4  # one expert, three float32 matrices
+
+
+def _random_quant(qtype: T, n_elements: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks with finite scales (MXFP4 exponents near 127, Q8_0 f16 d in [-1, 1])."""
+    raw = rng.integers(0, 256, nbytes_for(qtype, n_elements), dtype=np.uint8)
+    if qtype == T.MXFP4:
+        blocks = raw.reshape(-1, 17)
+        blocks[:, 0] = rng.integers(120, 130, blocks.shape[0])
+    elif qtype == T.Q8_0:
+        blocks = raw.reshape(-1, 34)
+        blocks[:, :2] = rng.uniform(-1, 1, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def _layer_bytes(rng: np.random.Generator) -> list[np.ndarray]:
+    return [_random_quant(q, N_IN * N_OUT * N_EXP, rng) for _, q, _ in PROJ]
+
+
+@pytest.fixture
+def model_file(tmp_path: Path):
+    """A file with junk, then two layers of expert tensors at unaligned offsets."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "experts.bin"
+    chunks, spec, pos = [rng.integers(0, 256, 100, dtype=np.uint8)], {}, 100
+    datas = {}
+    for layer in (3, 7):
+        datas[layer] = _layer_bytes(rng)
+        spec[layer] = []
+        for (name, qtype, shape), data in zip(PROJ, datas[layer], strict=True):
+            spec[layer].append(ExpertTensor(path, pos, qtype, shape, N_EXP, f"blk.{layer}.{name}"))
+            chunks += [data, rng.integers(0, 256, 7, dtype=np.uint8)]
+            pos += data.size + 7
+    path.write_bytes(np.concatenate(chunks).tobytes())
+    return path, spec, datas
+
+
+def _expected(datas, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+    """Independent of the store's slicing: gguf-py dequantizes the whole 3-D tensor."""
+    out = []
+    for (_, qtype, shape), data in zip(PROJ, datas[layer], strict=True):
+        full = gguf_dequantize(data.reshape(N_EXP * shape[1], -1), qtype).reshape(N_EXP, shape[1], shape[0])
+        out.append(torch.from_numpy(np.ascontiguousarray(full[e])))
+    return tuple(out)
+
+
+def test_get_returns_the_experts_matrices(model_file):
+    path, spec, datas = model_file
+    with ExpertStore(spec) as store:
+        got = store.get(7, [5, 0, 5])
+        assert list(got) == [0, 5]
+        for e in (0, 5):
+            for w, want in zip(got[e], _expected(datas, 7, e), strict=True):
+                assert w.dtype == torch.float32 and torch.equal(w, want)
+        assert got[0][0].shape == (N_OUT, N_IN) and got[0][2].shape == (N_IN, N_OUT)
+        with pytest.raises(ValueError, match="expert ids"):
+            store.get(7, [N_EXP])
+
+
+def test_ledger_counts_exact_payload_bytes(model_file):
+    _, spec, _ = model_file
+    expert_bytes = sum(t.expert_nbytes for t in spec[3])
+    assert expert_bytes == 2 * 1088 + 2176
+    with ExpertStore(spec, cache_mib=1) as store:
+        assert store.expert_nbytes(3) == expert_bytes
+        store.get(3, [1, 4, 4, 6])
+        s = store.stats()
+        assert (s.misses, s.hits, s.bytes_read, s.io_bytes) == (3, 0, 3 * expert_bytes, 3 * expert_bytes)
+        store.get(3, [4, 6])  # hits read nothing
+        store.get(7, [4])
+        s = store.stats()
+        assert (s.misses, s.hits, s.bytes_read) == (4, 2, 4 * expert_bytes)
+        assert s.per_layer == {3: LayerStats(2, 3, 3 * expert_bytes), 7: LayerStats(0, 1, expert_bytes)}
+        assert s.resident_bytes == 4 * ENTRY_BYTES and s.resident_experts == 4
+        store.reset_stats()
+        s = store.stats()
+        assert (s.misses, s.hits, s.bytes_read, s.per_layer) == (0, 0, 0, {})
+        assert s.resident_bytes == 4 * ENTRY_BYTES  # state, not a counter
+
+
+def test_lru_evicts_by_mib_budget_in_lru_order(model_file):
+    _, spec, _ = model_file
+    with ExpertStore(spec, cache_mib=3.5 * ENTRY_BYTES / MIB) as store:  # room for 3 experts
+        store.get(3, [0, 1, 2])
+        store.get(3, [0])  # 0 becomes most recent; 1 is now least recent
+        store.get(3, [5])
+        assert [e for e in range(N_EXP) if store.is_cached(3, e)] == [0, 2, 5]
+        s = store.stats()
+        assert (s.evictions, s.evicted_bytes, s.resident_bytes) == (1, ENTRY_BYTES, 3 * ENTRY_BYTES)
+        store.get(7, [1, 2])  # other layers share the budget: evicts 2 then 0
+        keys = [(3, 0), (3, 2), (3, 5), (7, 1), (7, 2)]
+        assert [k for k in keys if store.is_cached(*k)] == [(3, 5), (7, 1), (7, 2)]
+        assert store.stats().evictions == 3
+        store.get(3, [1])
+        assert store.stats().misses == 7  # 1 was evicted: read again
+
+
+def test_zero_budget_keeps_nothing_beyond_the_batch(model_file):
+    _, spec, _ = model_file
+    with ExpertStore(spec, cache_mib=0) as store:
+        a = store.get(3, [2, 3])
+        b = store.get(3, [2, 3])
+        s = store.stats()
+        assert (s.misses, s.hits, s.resident_bytes, s.evictions) == (4, 0, 0, 0)
+        assert all(torch.equal(x, y) for e in (2, 3) for x, y in zip(a[e], b[e], strict=True))
+
+
+def test_batch_larger_than_budget_is_returned_whole(model_file):
+    _, spec, datas = model_file
+    with ExpertStore(spec, cache_mib=2 * ENTRY_BYTES / MIB) as store:
+        got = store.get(3, range(N_EXP))
+        assert len(got) == N_EXP and torch.equal(got[0][1], _expected(datas, 3, 0)[1])
+        s = store.stats()
+        assert s.resident_bytes == 2 * ENTRY_BYTES and s.evictions == N_EXP - 2
+        assert store.is_cached(3, 6) and store.is_cached(3, 7) and not store.is_cached(3, 5)
+
+
+def test_pin_keeps_experts_resident(model_file):
+    _, spec, _ = model_file
+    with ExpertStore(spec, cache_mib=0) as store:
+        store.pin(3, [4])
+        assert store.stats().pinned_bytes == ENTRY_BYTES
+        store.get(3, [4, 5])
+        s = store.stats()
+        assert (s.hits, s.misses) == (1, 2)  # pin's read of 4, then 5; 4 was a hit
+        assert store.is_cached(3, 4) and not store.is_cached(3, 5)
+        store.unpin(3, [4])
+        assert not store.is_cached(3, 4) and store.stats().resident_bytes == 0
+    with ExpertStore(spec, cache_mib=2 * ENTRY_BYTES / MIB) as store:
+        store.pin(7, [0])
+        store.get(7, [1, 2, 3, 4])
+        assert store.is_cached(7, 0) and store.is_cached(7, 4) and not store.is_cached(7, 3)
+        assert store.stats().resident_bytes == 2 * ENTRY_BYTES
+
+
+def test_missing_bytes_is_what_get_reads(model_file):
+    _, spec, _ = model_file
+    with ExpertStore(spec, cache_mib=1) as store:
+        store.get(3, [1, 2])
+        want = store.missing_bytes(3, [1, 2, 3, 3, 4])
+        before = store.stats().bytes_read
+        store.get(3, [1, 2, 3, 3, 4])
+        assert want == 2 * store.expert_nbytes(3) == store.stats().bytes_read - before
+        assert store.missing_bytes(3, [1, 2, 3, 4]) == 0 and store.cached_count(3) == 4
+
+
+@pytest.mark.parametrize("cold", ["fadvise", "direct"])
+def test_cold_modes_read_the_same_bytes(model_file, cold):
+    _, spec, _ = model_file
+    with ExpertStore(spec) as warm, ExpertStore(spec, cold=cold) as store:
+        for layer in (3, 7):
+            a, b = warm.get(layer, [0, 3, 7]), store.get(layer, [0, 3, 7])
+            assert all(torch.equal(x, y) for e in a for x, y in zip(a[e], b[e], strict=True))
+        s, w = store.stats(), warm.stats()
+        assert s.bytes_read == w.bytes_read == 6 * store.expert_nbytes(3)
+        if cold == "direct" and store.direct_io:
+            # whole 4 KiB blocks around each unaligned slice (18 reads; the file's tail is short)
+            assert s.bytes_read < s.io_bytes <= s.bytes_read + 18 * 2 * 4096
+        else:
+            assert s.io_bytes == s.bytes_read
+
+
+def test_buffer_source_matches_file_source(model_file):
+    path, spec, datas = model_file
+    whole = np.fromfile(path, dtype=np.uint8)
+    mem = {layer: [ExpertTensor(whole, t.offset, t.ggml_type, t.shape, t.n_experts) for t in ts]
+           for layer, ts in spec.items()}
+    with ExpertStore(spec) as a, ExpertStore(mem) as b:
+        x, y = a.get(3, [1, 6]), b.get(3, [1, 6])
+        assert all(torch.equal(p, q) for e in (1, 6) for p, q in zip(x[e], y[e], strict=True))
+        assert a.stats().bytes_read == b.stats().bytes_read
+
+
+def _vmas(path: Path) -> list[tuple[int, int, str, int]]:
+    """(start, end, VmFlags, Rss kB) of this process's mappings of `path`."""
+    out, cur = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s+(.*)$", line)
+        if m:
+            cur = [int(m[1], 16), int(m[2], 16), "", 0] if m[3] == str(path) else None
+            if cur is not None:
+                out.append(cur)
+        elif cur is not None and line.startswith("Rss:"):
+            cur[3] = int(line.split()[1])
+        elif cur is not None and line.startswith("VmFlags:"):
+            cur[2] = line.split(":", 1)[1]
+    return [tuple(v) for v in out]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_mapping_is_lazy_and_random_advised(model_file):
+    path, spec, _ = model_file
+    with ExpertStore(spec) as store:
+        vmas = _vmas(path)
+        assert vmas and sum(v[3] for v in vmas) == 0  # nothing faulted in at open: no populate
+        assert any(" rr" in v[2] for v in vmas)  # MADV_RANDOM on the expert ranges
+        store.get(3, [0])
+        assert sum(v[3] for v in _vmas(path)) > 0
+    with ExpertStore(spec, madvise_random=False):
+        assert not any(" rr" in v[2] for v in _vmas(path))
+
+
+def test_changed_file_raises_format_error(model_file):
+    path, spec, _ = model_file
+    with ExpertStore(spec) as store:
+        store.get(3, [0])
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+        with pytest.raises(FormatError, match=re.escape(str(path)) + ".*changed"):
+            store.get(3, [1])
+        assert store.stats().bytes_read == store.expert_nbytes(3)  # nothing read after the change
+
+
+@pytest.mark.parametrize("cold", [False, "fadvise", "direct"])
+def test_truncated_after_open_raises_instead_of_sigbus(model_file, cold):
+    path, spec, _ = model_file
+    with ExpertStore(spec, cold=cold) as store:
+        os.truncate(path, spec[3][1].offset)
+        with pytest.raises(FormatError, match=re.escape(str(path))):
+            store.get(7, [N_EXP - 1])
+
+
+def test_truncated_file_is_rejected_at_open(model_file):
+    path, spec, _ = model_file
+    last = spec[7][2]
+    os.truncate(path, last.offset + last.nbytes - 1)
+    with pytest.raises(FormatError, match=re.escape(str(path)) + ".*blk.7.down.*past end of file"):
+        ExpertStore(spec)
+
+
+def test_from_gguf_model(tmp_path):
+    """Expert tensors found through the GGUF reader's Model: offsets, shards and types."""
+    from k3kit.gguf.shards import Model
+    from k3kit.gguf.writer import TensorSpec, write_model
+
+    rng = np.random.default_rng(9)
+    tensors, datas = [], {}
+    for layer in (0, 1):
+        datas[layer] = _layer_bytes(rng)
+        for (name, qtype, shape), data in zip(PROJ, datas[layer], strict=True):
+            name = f"blk.{layer}.ffn_{name}_exps.weight"
+            tensors.append(TensorSpec(name, (*shape, N_EXP), qtype, data.size, data))
+    paths = write_model(tmp_path / "m.gguf", [], tensors, max_shard_bytes=4 * 4096)
+    assert len(paths) >= 2
+    names = {layer: [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")] for layer in (0, 1)}
+    with Model.open(paths[0]) as model, ExpertStore.from_gguf(model, names, cache_mib=1) as store:
+        assert {t.source for ts in store.layers.values() for t in ts} == set(model.paths)
+        for layer in (0, 1):
+            got = store.get(layer, [2, 7])
+            for e in (2, 7):
+                assert all(torch.equal(w, x) for w, x in zip(got[e], _expected(datas, layer, e), strict=True))
+        with pytest.raises(FormatError, match="no tensor 'blk.5.ffn_up_exps.weight'"):
+            ExpertStore.from_gguf(model, {5: ["blk.5.ffn_up_exps.weight"]})
