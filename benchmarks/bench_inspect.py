@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+
 from k3kit.gguf.reader import tensor_nbytes
 from k3kit.gguf.writer import TensorSpec, kv, write_model
 
@@ -85,6 +85,17 @@ def model_specs(n_layers: int, vocab: int) -> tuple[list, list[TensorSpec]]:
     return kvs, specs
 
 
+def balanced_layout(specs: list[TensorSpec], n: int) -> list[list[str]]:
+    """Exactly `n` shards of about equal bytes, tensors in order."""
+    total = sum(s.nbytes for s in specs)
+    groups: list[list[str]] = [[] for _ in range(n)]
+    done = 0
+    for s in specs:
+        groups[min(n - 1, done * n // total)].append(s.name)
+        done += s.nbytes
+    return [g for g in groups if g]
+
+
 K3KIT = """
 import json, resource, sys, time
 from k3kit.gguf.shards import Model
@@ -138,8 +149,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         kvs, specs = model_specs(args.layers, args.vocab)
-        total = sum(s.nbytes for s in specs)
-        paths = write_model(work / "bench-k3.gguf", kvs, specs, max_shard_bytes=-(-total // args.shards))
+        paths = write_model(work / "bench-k3.gguf", kvs, specs, layout=balanced_layout(specs, args.shards))
         size = sum(p.stat().st_size for p in paths)
         print(f"model: {len(paths)} shards, {len(specs)} tensors, {size / 1e6:.0f} MB on disk, "
               f"vocab {args.vocab} (tokens + merges + token_type), best of {args.reps}")

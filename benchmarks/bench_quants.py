@@ -1,9 +1,9 @@
 """Quantize throughput of k3kit's numpy codecs against ggml's reference quantizers.
 
-Both sides quantize the same float32 matrix in one thread (ggml_quantize_chunk runs in the
-calling thread; numpy's elementwise ufuncs are single-threaded). Runs alternate between the
-two sides and the best of N is kept, so background load hits both alike. The ratio printed
-is k3kit / ggml (higher is better, 1.0 = as fast as C).
+Both sides quantize (then dequantize: the `deq` rows) the same float32 matrix in one thread
+(ggml_quantize_chunk runs in the calling thread; numpy's elementwise ufuncs are single-threaded).
+Runs alternate between the two sides and the best of N is kept, so background load hits both
+alike. The ratio printed is k3kit / ggml (higher is better, 1.0 = as fast as C).
 
     python benchmarks/bench_quants.py [--rows 512] [--cols 4096] [--reps 5] [--types Q4_K,Q8_0,MXFP4]
 """
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGMLQuantizationType
+
 from k3kit.gguf import quants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "interop"))
@@ -58,6 +58,12 @@ def main() -> int:
             g = min(g, best_of(lambda t=t: ggml.quantize(x, t), 1))
         same = bool(np.array_equal(ours, ref))
         print(f"{name:6s} {x.size / k3 / 1e6:14.1f} {x.size / g / 1e6:13.1f} {g / k3:6.2f}  {same}")
+        dk = dg = float("inf")
+        for _ in range(args.reps):
+            dk = min(dk, best_of(lambda t=t, r=ref: quants.dequantize(r, t, x.size), 1))
+            dg = min(dg, best_of(lambda t=t, r=ref: ggml.dequantize(r, t, x.size), 1))
+        deq_same = bool(np.array_equal(quants.dequantize(ref, t, x.size), ggml.dequantize(ref, t, x.size)))
+        print(f"{'  deq':6s} {x.size / dk / 1e6:14.1f} {x.size / dg / 1e6:13.1f} {dg / dk:6.2f}  {deq_same}")
     return 0
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 from gguf_factories import every_kv_type, f32_spec, k3_like_specs, quant_spec
 
-import gguf
-from gguf import GGMLQuantizationType as Q
 from k3kit.gguf.writer import write_gguf, write_model
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+
 from k3kit.gguf.writer import TensorSpec, kv
 
 # ---------------------------------------------------------------- raw bytes

@@ -5,12 +5,12 @@ from __future__ import annotations
 import struct
 
 import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 from gguf_factories import kv_arr, kv_str, kv_u32, raw_gguf, s, tinfo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gguf import GGMLQuantizationType as Q
-from gguf import GGUFValueType as V
 from k3kit.errors import FormatError
 from k3kit.gguf.reader import GGUFFile
 

@@ -11,10 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from gguf_factories import kv_arr, kv_str, kv_u32, raw_gguf, s, tinfo
-
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+from gguf_factories import kv_arr, kv_str, kv_u32, raw_gguf, s, tinfo
+
 from k3kit.cli import main
 from k3kit.errors import FormatError
 from k3kit.gguf.reader import GGUFFile

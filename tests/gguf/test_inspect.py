@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import pytest
+from gguf import GGMLQuantizationType as Q
 from gguf_factories import k3_like_specs
 
-import gguf
-from gguf import GGMLQuantizationType as Q
 from k3kit.cli import main
 from k3kit.gguf.inspect import ROLES, inspect_model, role_of
 from k3kit.gguf.shards import Model

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import struct
 
+import gguf
 import numpy as np
 import pytest
-from gguf_factories import every_kv_type, kv_str, kv_u32, raw_gguf, tinfo
-
-import gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+from gguf_factories import every_kv_type, kv_str, kv_u32, raw_gguf, tinfo
+
 from k3kit.errors import FormatError
 from k3kit.gguf.reader import GGUFFile, TensorInfo
 
@@ -102,13 +102,15 @@ def test_custom_alignment_is_honoured(tmp_path):
 
 
 def test_invalid_utf8_in_values_survives_as_surrogates(tmp_path):
-    raw = raw_gguf([s_kv := kv_str("k", "x")], [])
-    raw = raw.replace(s_kv, b"\x01\x00\x00\x00\x00\x00\x00\x00k" + struct.pack("<I", V.STRING) +
-                      struct.pack("<Q", 2) + b"\xff\xfe")
+    bad_value = struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", V.STRING, 2) + b"\xff\xfe"
     p = tmp_path / "u.gguf"
-    p.write_bytes(raw)
+    p.write_bytes(raw_gguf([bad_value], []))
     v = GGUFFile.open(p).kv["k"].value
     assert v.encode("utf-8", "surrogateescape") == b"\xff\xfe"
+    # and k3kit's writer puts the same bytes back
+    from k3kit.gguf.writer import encode_kv
+
+    assert encode_kv(GGUFFile.open(p).kv["k"]) == bad_value
 
 
 def test_invalid_utf8_key_is_a_format_error(tmp_path):
@@ -134,3 +136,22 @@ def test_large_tokenizer_parses(tmp_path):
     f = GGUFFile.open(p)
     assert f.kv["tokenizer.ggml.tokens"].value == toks
     np.testing.assert_array_equal(f.kv["tokenizer.ggml.scores"].value, np.arange(50_000, dtype=np.float32))
+
+
+def test_parse_reads_headers_only(tmp_path):
+    """A 16 GiB (sparse) tensor costs nothing to open: only header bytes are read."""
+    import tracemalloc
+
+    shape = (4096, 4096, 256)  # 2^32 F32 elements = 16 GiB
+    head = raw_gguf([kv_str("general.architecture", "x")], [tinfo("big", shape, Q.F32, 0)])
+    p = tmp_path / "sparse.gguf"
+    with open(p, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + (16 << 30))
+    tracemalloc.start()
+    g = GGUFFile.open(p)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert g.tensors[0].nbytes == 16 << 30 and peak < 4 << 20
+    v = g.view(g.tensors[0])
+    assert v.shape == (16 << 30,) and v[-1] == 0  # mapped lazily; touching one page reads one page

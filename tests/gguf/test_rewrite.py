@@ -5,11 +5,11 @@ from __future__ import annotations
 import errno
 import json
 
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 from gguf import GGUFValueType as V
+
 from k3kit.cli import main
 from k3kit.gguf import writer
 from k3kit.gguf.reader import KV
@@ -250,3 +250,19 @@ def test_parse_size():
 
     assert parse_size("2G") == 2_000_000_000 and parse_size("500M") == 500_000_000
     assert parse_size("4GiB") == 4 << 30 and parse_size("1.5K") == 1500 and parse_size("123") == 123
+
+
+def test_in_place_with_other_output_keeps_the_input(k3_model, tmp_path, capsys):
+    out = tmp_path / "elsewhere.gguf"
+    assert _run([k3_model, "-o", out, "--in-place"], capsys)[0] == 0
+    assert k3_model.exists() and out.exists()
+
+
+def test_rewrite_of_gguf_py_file(gguf_py_file, tmp_path, capsys):
+    out = tmp_path / "py2.gguf"
+    assert _run([gguf_py_file, "-o", out, "--arch", "llama2"], capsys)[0] == 0
+    a, b = gguf.GGUFReader(gguf_py_file), gguf.GGUFReader(out)
+    assert b.fields["llama2.block_count"].contents() == a.fields["llama.block_count"].contents() == 2
+    assert b.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
+    for ta, tb in zip(a.tensors, b.tensors, strict=True):
+        assert ta.name == tb.name and np.array_equal(ta.data, tb.data)

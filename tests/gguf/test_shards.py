@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from gguf import GGUFValueType as V
 from gguf_factories import f32_spec
 
-from gguf import GGUFValueType as V
 from k3kit.cli import main
 from k3kit.errors import ShardError
 from k3kit.gguf.reader import GGUFFile

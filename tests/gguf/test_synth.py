@@ -245,4 +245,8 @@ def test_cli_json_and_errors(tmp_path, capsys):
     assert main(["synth", "-o", str(out / "y"), "--geometry", "mini", "--layers", "2", "--experts", "2",
                  "--seed", "-1"]) == 2
     assert "--seed -1" in capsys.readouterr().err
+    assert main(["synth", "-o", str(out / "z"), "--geometry", "mini", "--layers", "2", "--experts", "2",
+                 "--name", "../escape"]) == 2
+    assert "must be a plain file name" in capsys.readouterr().err
+    assert not (out / "z").exists() and not (out / "y").exists()
     assert sorted(p.name for p in out.iterdir()) == ["tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import errno
 import os
 
+import gguf
 import numpy as np
 import pytest
-from gguf_factories import f32_spec, k3_like_specs, quant_spec
-
-import gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+from gguf_factories import f32_spec, k3_like_specs, quant_spec
+
 from k3kit.errors import FormatError
 from k3kit.gguf import writer
 from k3kit.gguf.reader import GGUFFile

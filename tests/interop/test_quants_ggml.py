@@ -5,14 +5,14 @@ dequantizers with each type's `to_float` (`dequantize_row_*`), floats compared a
 
 Blocks quantized and compared, all seeded, spread evenly over the data kinds in `KINDS`
 (gaussian at several scales, uniform, positive-only, negative-only, heavy-tailed, constant,
-all-zero, tiny 1e-30, subnormal, huge 1e30, one outlier per block, exact rounding ties,
+all-zero, tiny 1e-30, subnormal, huge 1e30, near FLT_MAX, one outlier per block, exact rounding ties,
 amax just below a power of two, random finite bit patterns, sparse, powers of two, and a few
 inf/NaN elements):
 
     Q8_0   500_000 blocks (16.0 M values)
     MXFP4  400_000 blocks (12.8 M values)
     Q4_K   120_000 blocks (30.7 M values)
-    total 1_020_000 blocks
+    total 1_020_000 blocks (each count rounded up to a whole number of blocks per kind)
 
 plus F16 and BF16 on 2^24 float32 patterns (every sign/exponent/top-15-mantissa-bit combination
 with a random low byte) and the dequantizers of F16/BF16 on all 65536 patterns and of
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gguf import GGMLQuantizationType as T
+
 from k3kit.gguf import quants
 
 pytest.importorskip("llama_cpp")
@@ -96,6 +96,7 @@ KINDS = {
     "tiny": lambda r, n, b: r.standard_normal((n, b)) * 1e-30,
     "subnormal": lambda r, n, b: r.standard_normal((n, b)) * 10.0 ** r.uniform(-45, -38, (n, 1)),
     "huge": lambda r, n, b: r.standard_normal((n, b)) * 1e30,
+    "near_flt_max": lambda r, n, b: r.uniform(-1, 1, (n, b)) * 3.4028234e38,
     "outlier": _outlier,
     "ties": _ties,
     "below_pow2": _below_pow2,
@@ -140,10 +141,6 @@ def test_quantize_and_dequantize_bit_exact(ggml, qtype):
     assert total >= COUNTS[qtype]
 
 
-def test_block_count_is_at_least_a_million():
-    assert sum(COUNTS.values()) >= 1_000_000
-
-
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=lambda t: t.name)
 def test_float_conversions_bit_exact(ggml, qtype):
     rng = np.random.default_rng(int(qtype))
@@ -161,18 +158,12 @@ def test_float_conversions_bit_exact(ggml, qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4], ids=lambda t: t.name)
 def test_dequantize_random_bytes_bit_exact(ggml, qtype):
-    """Random blocks reach every nibble, high bit, 6-bit scale and exponent byte; fp16 scales
-    are random finite halves (inf/NaN scales would only test NaN payload plumbing)."""
+    """Fully random blocks reach every nibble, high bit, 6-bit scale and exponent byte, and
+    fp16 scales that are subnormal, inf or NaN (NaN payloads must travel the same way)."""
     blk, nbytes = quants.type_size(qtype)
     n = 20_000
     rng = np.random.default_rng(100 + int(qtype))
     raw = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
-    halves = rng.integers(0, 1 << 16, (n, 2), dtype=np.uint32).astype(np.uint16)
-    halves[(halves & 0x7C00) == 0x7C00] &= 0xBFFF  # keep scales finite
-    if qtype == T.Q6_K:
-        raw[:, 208:210] = halves[:, :1].view(np.uint8)
-    elif qtype != T.MXFP4:
-        raw[:, 0:4] = halves.view(np.uint8)
     ours = quants.dequantize(raw, qtype, n * blk).view(np.uint32)
     theirs = ggml.dequantize(raw, qtype, n * blk).view(np.uint32)
     i = _first_bad(ours.reshape(n, blk), theirs.reshape(n, blk))

@@ -6,10 +6,7 @@ The k3-geometry file is real K3 width (hidden 7168, 96 heads, MLA 1536/512, late
 cache and evaluates a short prompt in seconds on 2 cores. A sharded mini model checks
 that llama.cpp follows our shard layout.
 
-Weight repacking into "extra" buffer types is switched off: on CPUs that advertise AMX
-(this machine's Xeon does), llama.cpp places Q8_0 weights in the AMX buffer and then
-aborts (GGML_ASSERT cur_backend_id != -1) or dies with SIGILL in the AMX kernels, for any
-kimi-k3 file, independent of what k3kit writes.
+Weight repacking into "extra" buffer types is switched off for all interop tests (conftest.py).
 """
 
 from __future__ import annotations
@@ -26,18 +23,6 @@ llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.interop
 
 
-@pytest.fixture
-def no_extra_bufts(monkeypatch):
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
-
-
 def _load(path: Path):
     return llama_cpp.Llama(model_path=str(path), vocab_only=False, n_ctx=64, verbose=False, logits_all=True)
 
@@ -50,7 +35,7 @@ def _eval(model, text: bytes) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_k3_geometry_loads_and_gives_finite_logits(tmp_path, no_extra_bufts):
+def test_k3_geometry_loads_and_gives_finite_logits(tmp_path):
     result = synth.synthesize(tmp_path, "k3", 2, 8, vocab=1024, seed=5, progress=False)
     assert result.file_bytes < 1.5e9
     model = _load(Path(result.paths[0]))
@@ -66,7 +51,7 @@ def test_k3_geometry_loads_and_gives_finite_logits(tmp_path, no_extra_bufts):
         model.close()
 
 
-def test_sharded_mini_loads_tokenizes_and_runs(tmp_path, no_extra_bufts):
+def test_sharded_mini_loads_tokenizes_and_runs(tmp_path):
     result = synth.synthesize(tmp_path, "mini", 4, 8, shards=3, seed=9, progress=False)
     vocab = synth.make_vocab(1024)
     model = _load(Path(result.paths[0]))

@@ -50,8 +50,9 @@ def test_config_round_trip_and_converter_keys():
     assert lin["short_conv_kernel_size"] == 4 and lin["head_dim"] == 16 and lin["gate_lower_bound"] == -5.0
     assert t["mla_use_nope"] is True and t["hidden_act"] == "situ"
     assert t["num_key_value_heads"] == t["num_attention_heads"]
-    for key in ("attn_res_block_size", "routed_expert_hidden_size", "moe_intermediate_size", "num_shared_experts",
-                "first_k_dense_replace", "routed_scaling_factor", "moe_renormalize", "activation_situ_beta",
+    for key in ("attn_res_block_size", "routed_expert_hidden_size", "moe_intermediate_size",
+                "num_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "moe_renormalize",
+                "activation_situ_beta",
                 "activation_situ_linear_beta", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim", "intermediate_size", "num_experts", "num_experts_per_tok"):
         assert key in t, key
@@ -132,6 +133,12 @@ def test_hostile_inputs(tmp_path):
         cfg_path.write_text(json.dumps(bad))
         with pytest.raises(K3Error, match="config.json"):
             load_hf(tmp_path)
+    # a valid but enormous config is refused before anything is allocated (~4 GB here)
+    big = json.loads(json.dumps(good))
+    big["text_config"]["num_experts"] = 60000
+    cfg_path.write_text(json.dumps(big))
+    with pytest.raises(ConvertError, match="declares"):
+        load_hf(tmp_path)
     cfg_path.write_text(json.dumps(good))
 
     weights = tmp_path / "model.safetensors"

@@ -33,7 +33,8 @@ def test_kda_gate_is_k3_lower_bound_sigmoid():
     soft = tiny_model(dtype=torch.float64, gate_lower_bound=None).layers[0].attn
     soft.load_state_dict(kda.state_dict())
     with torch.no_grad():
-        assert torch.allclose(soft.decay(x)[0], -torch.exp(kda.A_log)[None, :, None] * F.softplus(u), rtol=1e-13)
+        want_soft = -torch.exp(kda.A_log)[None, :, None] * F.softplus(u)
+        assert torch.allclose(soft.decay(x)[0], want_soft, rtol=1e-13)
 
 
 def test_kda_layer_matches_matrix_form():
@@ -62,8 +63,9 @@ def test_kda_layer_matches_matrix_form():
             S = torch.zeros(D, D, dtype=torch.float64)
             for t in range(T):
                 kk = k[t, h][:, None]
-                S = (torch.eye(D, dtype=torch.float64) - beta[t, h] * kk @ kk.T) @ torch.diag(alpha[t, h]) @ S \
-                    + beta[t, h] * kk @ v[t, h][None, :]
+                eye = torch.eye(D, dtype=torch.float64)
+                S = (eye - beta[t, h] * kk @ kk.T) @ torch.diag(alpha[t, h]) @ S
+                S = S + beta[t, h] * kk @ v[t, h][None, :]
                 o[t, h] = S.T @ q[t, h] / math.sqrt(D)
         gate = torch.sigmoid(xs @ kda.g_proj.weight.T).view(T, H, D)
         want = (rms_norm(o, kda.o_norm, eps) * gate).reshape(T, H * D) @ kda.o_proj.weight.T
@@ -75,7 +77,8 @@ def test_mla_absorbed_matches_plain_attention():
     mla = model.layers[2].attn
     assert isinstance(mla, MLA)
     cfg, T = model.cfg, 6
-    H, nope, pe, L, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    H, nope, pe = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    L, vd = cfg.kv_lora_rank, cfg.v_head_dim
     x = _x(model, T, 2)
     with torch.no_grad():
         got = mla(x)[0]

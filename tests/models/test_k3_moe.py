@@ -56,7 +56,8 @@ def _moe_by_hand(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
         for wi, e in zip(w, top, strict=True):
             g = mxfp4_fake_quant(moe.gate_exps[e]) @ z
             u = mxfp4_fake_quant(moe.up_exps[e]) @ z
-            y = y + wi * (mxfp4_fake_quant(moe.down_exps[e]) @ situ(g, u, cfg.situ_beta, cfg.situ_linear_beta))
+            h = situ(g, u, cfg.situ_beta, cfg.situ_linear_beta)
+            y = y + wi * (mxfp4_fake_quant(moe.down_exps[e]) @ h)
         y = moe.routed_up.weight @ rms_norm(y, moe.routed_norm, cfg.rms_norm_eps)
         sh = moe.shared
         y = y + sh.down_proj.weight @ situ(sh.gate_proj.weight @ row, sh.up_proj.weight @ row,

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from gguf import GGMLQuantizationType as T
 from k3kit.errors import FormatError
 from k3kit.runtime.dequant import nbytes_for
 from k3kit.runtime.experts import MIB, ExpertStore, ExpertTensor, LayerStats
@@ -246,6 +246,24 @@ def test_truncated_file_is_rejected_at_open(model_file):
     os.truncate(path, last.offset + last.nbytes - 1)
     with pytest.raises(FormatError, match=re.escape(str(path)) + ".*blk.7.down.*past end of file"):
         ExpertStore(spec)
+
+
+def test_unsupported_type_and_bad_geometry_are_format_errors(model_file):
+    path, spec, _ = model_file
+    t = spec[3][0]
+    with pytest.raises(FormatError, match=re.escape(str(path)) + ".*IQ2_XS has no dequant kernel"):
+        ExpertStore({0: [ExpertTensor(path, t.offset, T.IQ2_XS, (256, 4), 2, "x")]})
+    with pytest.raises(FormatError, match="bad geometry"):
+        ExpertStore({0: [ExpertTensor(path, t.offset, T.MXFP4, (48, 4), 2, "x")]})
+
+
+def test_compute_dtype_halves_resident_bytes(model_file):
+    _, spec, datas = model_file
+    with ExpertStore(spec, cache_mib=1, dtype=torch.bfloat16) as store:
+        w = store.get(3, [2])[2]
+        assert all(x.dtype == torch.bfloat16 for x in w)
+        assert torch.equal(w[0], _expected(datas, 3, 2)[0].to(torch.bfloat16))
+        assert store.stats().resident_bytes == ENTRY_BYTES // 2
 
 
 def test_from_gguf_model(tmp_path):

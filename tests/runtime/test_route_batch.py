@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from gguf import GGMLQuantizationType as T
+
 from k3kit.runtime.experts import ExpertStore, ExpertTensor
 from k3kit.runtime.route_batch import expected_new_bytes, expected_unique, route_batch, unique_experts
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from toy_target import (
     ToyTarget,
+    bigram_dspark,
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
@@ -18,6 +19,7 @@ from k3kit.models.dspark import (
 )
 from k3kit.runtime.speculative import FeatureRing, Sampling, propose, speculative_generate
 from k3kit.runtime.speculative.interface import DraftBlock
+from k3kit.runtime.speculative.sampling import probs
 
 V, H = 32, 16
 
@@ -103,6 +105,20 @@ def test_markov_chain_and_confidence_by_hand():
     assert not torch.allclose(prop.logits, block.logits)
 
 
+def test_hidden_only_confidence_head():
+    d = _draft(_cfg(markov_rank=0, has_confidence=True, confidence_with_markov=False))
+    assert d.confidence_head.proj.weight.shape == (1, H)
+    dr = DSparkDrafter(d)
+    dr.sync(FeatureRing(2 * H))
+    block = dr.draft_block(3, 0)
+    prop = propose(dr, 3, 0, Sampling())
+    w, b = d.confidence_head.proj.weight[0], d.confidence_head.proj.bias[0]
+    assert torch.allclose(prop.confidence, torch.sigmoid(block.hidden @ w + b).detach())
+    assert prop.tokens == block.logits.argmax(-1).tolist()      # no Markov head: base logits
+    with pytest.raises(ConvertError):
+        _cfg(markov_rank=0, has_confidence=True).validate()
+
+
 def test_context_injection_and_bidirectional_block():
     d = _draft()
     taps, kv = _ctx(d)
@@ -135,19 +151,19 @@ def test_drafter_incremental_context_equals_full_recompute():
     taps, _ = _ctx(d, n=12)
     taps = taps.float().double()          # what an f32 ring holds
     ring = FeatureRing(2 * H, storage="f32", capacity=64)
-    inc = DSparkDrafter(d, max_context=8)
+    inc = DSparkDrafter(d, max_context=8, chunk=2)
     for a, b in ((0, 3), (3, 4), (4, 9), (9, 12)):
         ring.append(taps[a:b])
         inc.sync(ring)
     assert inc.context_span == (4, 12)
     full = d.context_kv(taps[4:12], torch.arange(4, 12))
-    for (k, v), (fk, fv) in zip(inc._kv, full, strict=True):
+    for (k, v), (fk, fv) in zip(inc.context(), full, strict=True):
         assert torch.allclose(k, fk, atol=1e-12) and torch.allclose(v, fv, atol=1e-12)
     ring.truncate(10)
     ring.append(taps[:2] * 3)
     inc.sync(ring)
     full = d.context_kv(torch.cat([taps[4:10], taps[:2] * 3]), torch.arange(4, 12))
-    for (k, _), (fk, _) in zip(inc._kv, full, strict=True):
+    for (k, _), (fk, _) in zip(inc.context(), full, strict=True):
         assert torch.allclose(k, fk, atol=1e-12)
 
 
@@ -193,6 +209,15 @@ def test_parameter_names_map_to_gguf():
         gguf_tensor_name("layers.0.bogus.weight")
 
 
+def test_embedding_and_logit_scales():
+    d = _draft()
+    ds = _draft(_cfg(embedding_scale=2.0, logit_scale=0.5, final_logit_softcapping=3.0))
+    ids = torch.tensor([1, 2])
+    assert torch.allclose(ds.embed(ids), 2 * d.embed(ids))
+    h = torch.randn(2, H, dtype=torch.float64)
+    assert torch.allclose(ds.logits(h), torch.tanh(0.5 * d.logits(h) / 3.0) * 3.0)
+
+
 def test_config_validation_and_hf():
     hf = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "head_dim": 16, "intermediate_size": 128, "vocab_size": 100, "rms_norm_eps": 1e-5,
@@ -209,32 +234,42 @@ def test_config_validation_and_hf():
 
 
 def test_bigram_markov_draft_gets_accepted():
-    """A draft whose block rows carry no information (final norm zeroed) but whose Markov head
-    holds the target's bigram argmax: only a correctly seeded left-to-right chain is accepted."""
-    t = ToyTarget(state_weight=0.0)
-    bigram = [t.clone().greedy_continuation(v, 1)[0] for v in range(t.vocab_size)]
-    cfg = DraftConfig(hidden_size=t.hidden, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
-                      intermediate_size=16, vocab_size=t.vocab_size, block_size=6, target_layer_ids=(0, 2),
-                      mask_token_id=0, markov_rank=t.vocab_size, has_confidence=True)
-    d = DSparkDraft(cfg, embed=t.emb, lm_head=t.head_w).double()
-    with torch.no_grad():
-        d.norm.weight.zero_()
-        d.markov_head.markov_w1.weight.copy_(torch.eye(t.vocab_size, dtype=torch.float64))
-        w2 = torch.zeros(t.vocab_size, t.vocab_size, dtype=torch.float64)
-        w2[bigram, torch.arange(t.vocab_size)] = 10.0
-        d.markov_head.markov_w2.weight.copy_(w2)
+    """Only a correctly seeded left-to-right Markov chain is accepted often."""
     from k3kit.runtime.speculative import ar_generate
+
     ref = ar_generate(ToyTarget(state_weight=0.0), [3, 17, 5], 30, Sampling()).tokens
-    res = speculative_generate(t, DSparkDrafter(d), [3, 17, 5], 30, Sampling())
+    t = ToyTarget(state_weight=0.0)
+    res = speculative_generate(t, bigram_dspark(t, 6), [3, 17, 5], 30, Sampling())
     assert res.tokens == ref
     assert res.stats.tau > 1.5
     # seeding the chain with the wrong token (a broken anchor) destroys acceptance
-    bad = DSparkDrafter(d)
-    orig = bad.markov_embed
-    bad.markov_embed = lambda prev: orig((prev + 1) % t.vocab_size)
     t2 = ToyTarget(state_weight=0.0)
+    bad = bigram_dspark(t2, 6)
+    orig = bad.markov_embed
+    bad.markov_embed = lambda prev: orig((prev + 1) % t2.vocab_size)
     res_bad = speculative_generate(t2, bad, [3, 17, 5], 30, Sampling())
     assert res_bad.tokens == ref and res_bad.stats.tau < res.stats.tau
+
+
+def test_sampled_proposals_chain_on_the_sampled_token():
+    d = _draft()
+    dr = DSparkDrafter(d)
+    dr.sync(FeatureRing(2 * H))
+    s = Sampling(temperature=2.0, top_k=20)
+    block = dr.draft_block(7, 0)
+    w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+    seen = set()
+    for seed in range(6):
+        prop = propose(dr, 7, 0, s, torch.Generator().manual_seed(seed))
+        prev = 7
+        for k in range(5):
+            expect = block.logits[k] + w2 @ w1[prev]
+            assert torch.allclose(prop.logits[k], expect.detach(), atol=1e-12)
+            assert torch.allclose(prop.q[k], probs(expect.detach(), s))
+            assert prop.q[k, prop.tokens[k]] > 0
+            prev = prop.tokens[k]
+        seen.add(tuple(prop.tokens))
+    assert len(seen) > 1                      # it really samples
 
 
 def test_block_protocol_shapes():
@@ -243,3 +278,38 @@ def test_block_protocol_shapes():
     dr.sync(FeatureRing(2 * H))
     blk = dr.draft_block(2, 0)       # empty context is allowed
     assert isinstance(blk, DraftBlock) and blk.logits.shape == (5, V) and blk.hidden.shape == (5, H)
+
+
+def test_gguf_metadata_round_trip():
+    cfg = _cfg(rope_scaling=YarnScaling(factor=16.0, original_max_position_embeddings=4096, beta_fast=24.0),
+               target_layer_ids=(7, 23, 51), block_size=7)
+    kv = cfg.to_gguf_kv()
+    assert kv["dflash.target_layers"] == [8, 24, 52]          # llama.cpp reads layer inputs
+    assert kv["dflash.block_size"] == 7 and kv["tokenizer.ggml.mask_token_id"] == V - 1
+    back = DraftConfig.from_gguf_kv(kv, vocab_size=V, markov_rank=4)
+    assert back == cfg
+    scaled = _cfg(embedding_scale=2.0, logit_scale=0.5, final_logit_softcapping=30.0)
+    assert DraftConfig.from_gguf_kv(scaled.to_gguf_kv(), vocab_size=V, markov_rank=4) == scaled
+    del kv["dflash.block_count"]
+    with pytest.raises(ConvertError, match="dflash.block_count"):
+        DraftConfig.from_gguf_kv(kv, vocab_size=V, markov_rank=4)
+
+
+def test_context_rows_buffer_matches_a_list():
+    from k3kit.models.dspark import _Rows
+
+    g = torch.Generator().manual_seed(0)
+    rows, ref, counter = _Rows(), [], 0
+    for _ in range(400):
+        if torch.rand((), generator=g) < 0.6:
+            m = int(torch.randint(1, 40, (), generator=g))
+            x = torch.arange(counter, counter + m, dtype=torch.float64)[:, None].repeat(1, 3)
+            counter += m
+            rows.append(x)
+            ref.extend(x.unbind(0))
+        else:
+            k = int(torch.randint(0, 30, (), generator=g))
+            rows.drop_front(k)
+            ref = ref[k:]
+        assert torch.equal(rows.view(), torch.stack(ref) if ref else rows.view()[:0])
+        assert rows.buf.shape[0] <= max(64, 4 * (len(ref) + 40))   # storage stays proportional

@@ -12,13 +12,14 @@ import torch
 from toy_target import (
     OracleDraft,
     ToyTarget,
+    bigram_dspark,
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
 import k3kit.runtime.speculative.loop as loop
 from k3kit.runtime.speculative import Sampling, ar_generate, speculative_generate
 from k3kit.runtime.speculative.accept import accept_sampled
-from k3kit.runtime.speculative.sampling import probs
+from k3kit.runtime.speculative.sampling import probs, sample
 
 
 def _chi2_critical(df: int, z: float = 3.09) -> float:
@@ -46,19 +47,30 @@ def _chi2(counts: dict, expected: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
+def _resample_from_p(proposals, q, p, gen):
+    """A classic bug: on rejection draw from p instead of norm(max(0, p - q))."""
+    for k, x in enumerate(proposals):
+        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        if u * q[k, x] < p[k, x]:
+            continue
+        return k, sample(p[k], gen)
+    return len(proposals), sample(p[len(proposals)], gen)
+
+
 def test_acceptance_rule_reproduces_p():
     g = torch.Generator().manual_seed(0)
-    v, n = 6, 8000
+    v, n = 6, 6000
     for trial in range(3):
         p = torch.softmax(torch.randn(2, v, generator=g, dtype=torch.float64) * 1.5, -1)
         q = torch.softmax(torch.randn(1, v, generator=g, dtype=torch.float64) * 1.5, -1)
-        counts = [0] * v
-        for _ in range(n):
-            x = int(torch.multinomial(q[0], 1, generator=g))
-            m, nxt = accept_sampled([x], q, p, g)
-            counts[x if m == 1 else nxt] += 1
-        stat, df = _chi2(dict(enumerate(counts)), dict(enumerate(p[0].tolist())), n)
-        assert stat < _chi2_critical(df), (trial, stat, df)
+        for rule, lossless in ((accept_sampled, True), (_resample_from_p, False)):
+            counts = [0] * v
+            for _ in range(n):
+                x = int(torch.multinomial(q[0], 1, generator=g))
+                m, nxt = rule([x], q, p, g)
+                counts[x if m == 1 else nxt] += 1
+            stat, df = _chi2(dict(enumerate(counts)), dict(enumerate(p[0].tolist())), n)
+            assert (stat < _chi2_critical(df)) == lossless, (trial, rule.__name__, stat, df)
 
 
 PROMPT = [1, 4, 2]
@@ -87,14 +99,15 @@ def _exact_first3(s: Sampling, vocab: int) -> dict:
     return out
 
 
-def _run_many(s: Sampling, vocab: int, n: int, spec: bool = True) -> dict:
+def _run_many(s: Sampling, vocab: int, n: int, spec: bool = True, markov: bool = False) -> dict:
     counts: dict = {}
     t = _target(vocab)
+    drafter = bigram_dspark(t, 2) if markov else None
     for seed in range(n):
         si = Sampling(s.temperature, s.top_k, s.top_p, seed)
         t.reset()
         if spec:
-            draft = OracleDraft(t, 3, 0.5, seed=seed + 10**6, peak=2.0)
+            draft = drafter or OracleDraft(t, 3, 0.5, seed=seed + 10**6, peak=2.0)
             res = speculative_generate(t, draft, PROMPT, 3, si, ring_capacity=16)
         else:
             res = ar_generate(t, PROMPT, 3, si)
@@ -104,7 +117,7 @@ def _run_many(s: Sampling, vocab: int, n: int, spec: bool = True) -> dict:
 
 
 def test_speculative_sampling_matches_target_distribution(monkeypatch):
-    vocab, n = 5, 2500
+    vocab, n = 5, 1500
     for s in (Sampling(temperature=1.3), Sampling(temperature=0.9, top_k=4, top_p=0.9)):
         exact = _exact_first3(s, vocab)
         assert abs(sum(exact.values()) - 1) < 1e-9
@@ -115,14 +128,18 @@ def test_speculative_sampling_matches_target_distribution(monkeypatch):
         stat_ar, df_ar = _chi2(_run_many(s, vocab, 400, spec=False), exact, 400)
         assert stat_ar < _chi2_critical(df_ar)
 
+    # the DSpark path (Markov-chained q, confidence-driven width) is lossless too
+    s = Sampling(temperature=1.3)
+    stat, df = _chi2(_run_many(s, vocab, 800, markov=True), _exact_first3(s, vocab), 800)
+    assert stat < _chi2_critical(df)
+
     # teeth: accepting every proposal (no rejection) is visibly biased
     def accept_all(proposals, q, p, gen):
-        from k3kit.runtime.speculative.sampling import sample
         return len(proposals), sample(p[len(proposals)], gen)
 
     monkeypatch.setattr(loop, "accept_sampled", accept_all)
     s = Sampling(temperature=1.3)
-    stat, df = _chi2(_run_many(s, vocab, n), _exact_first3(s, vocab), n)
+    stat, df = _chi2(_run_many(s, vocab, 600), _exact_first3(s, vocab), 600)
     assert stat > _chi2_critical(df)
 
 

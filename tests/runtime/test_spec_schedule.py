@@ -61,4 +61,12 @@ def test_depth_acceptance():
     d.record(3, 1)      # proposal 0 accepted, 1 rejected, 2 never judged
     d.record(3, 3)
     assert d.tried == [2, 2, 1] and d.accepted == [2, 1, 1]
-    assert d.rates(4) == [3 / 4, 2 / 4, 2 / 3, 0.5]
+    r0 = (2 + 2 * 0.5) / 4
+    r1 = (1 + 2 * r0) / 4
+    r2 = (1 + 2 * r1) / 3
+    assert d.rates(4) == pytest.approx([r0, r1, r2, r2])
+    # a narrow start still learns that deep proposals are worth offering
+    d = DepthAcceptance()
+    for _ in range(20):
+        d.record(1, 1)
+    assert min(d.rates(7)) > 0.9

@@ -87,7 +87,7 @@ class ToyTarget:
         out = x + torch.tanh(self.wo[l] @ torch.cat([u, self.state_weight * s]))
         return out, s, a, b
 
-    def verify(self, ids: Sequence[int], capture: bool = True) -> VerifyOutput:
+    def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
         ids = [int(t) for t in ids]
         if not ids or any(not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"bad verify rows {ids}")
@@ -112,7 +112,8 @@ class ToyTarget:
             logits.append(self.head(x))
             taps.append(torch.cat(row_taps))          # layers in increasing order = tap order
         self._pending = (len(ids), cap_a, cap_b, cap_x, s)
-        return VerifyOutput(torch.stack(logits), torch.stack(taps) if capture else None)
+        logits = torch.stack(logits) if all_logits else logits[-1][None]
+        return VerifyOutput(logits, torch.stack(taps) if capture else None)
 
     def commit(self, n: int) -> None:
         if self._pending is None or not 0 <= n <= self._pending[0]:
@@ -167,6 +168,10 @@ class OracleDraft:
     def n_proposals(self) -> int:
         return self.block_size
 
+    @property
+    def feature_width(self) -> int:
+        return len(self.target.tap_layers) * self.target.hidden
+
     def sync(self, ring) -> None:
         assert ring.length == self.target.position
         self.synced = ring.length
@@ -183,6 +188,31 @@ class OracleDraft:
             tok = truth[k] if good else int(torch.randint(v, (), generator=self.gen))
             logits[k, tok] += self.peak
         return DraftBlock(logits=logits, hidden=torch.zeros(self.block_size, 1, dtype=torch.float64))
+
+
+def bigram_dspark(target: ToyTarget, block: int):
+    """A DSpark draft whose block rows carry nothing (final norm zeroed) and whose Markov head
+    holds the target's bigram argmax from a fresh state: good when the target's state matters
+    little, and only if the chain is seeded by the anchor and run left to right."""
+    from k3kit.models.dspark import DraftConfig, DSparkDraft, DSparkDrafter
+
+    v = target.vocab_size
+    fresh = target.clone()
+    fresh.reset()
+    bigram = [fresh.greedy_continuation(t, 1)[0] for t in range(v)]
+    cfg = DraftConfig(hidden_size=target.hidden, num_layers=1, num_heads=2, num_kv_heads=2,
+                      head_dim=target.hidden // 2, intermediate_size=16, vocab_size=v, block_size=block,
+                      target_layer_ids=target.tap_layers, mask_token_id=0, markov_rank=v,
+                      has_confidence=True)
+    torch.manual_seed(0)
+    d = DSparkDraft(cfg, embed=target.emb, lm_head=target.head_w).double()
+    with torch.no_grad():
+        d.norm.weight.zero_()
+        d.markov_head.markov_w1.weight.copy_(torch.eye(v, dtype=torch.float64))
+        w2 = torch.zeros(v, v, dtype=torch.float64)
+        w2[bigram, torch.arange(v)] = 10.0
+        d.markov_head.markov_w2.weight.copy_(w2)
+    return DSparkDrafter(d)
 
 
 @pytest.fixture(autouse=True)

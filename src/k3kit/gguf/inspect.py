@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-
 from gguf import GGUFValueType
+
 from k3kit.gguf.format import ROLES, layer_of, role_of
 from k3kit.gguf.reader import KV, TensorInfo
 from k3kit.gguf.shards import Model

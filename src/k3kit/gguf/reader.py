@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
 from k3kit.errors import FormatError
 
 GGUF_MAGIC = b"GGUF"

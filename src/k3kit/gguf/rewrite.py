@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGUFValueType
+
 from k3kit.errors import K3Error
 from k3kit.gguf.reader import ALIGNMENT_KEY, KV
 from k3kit.gguf.shards import SPLIT_KEYS, Model
@@ -268,6 +268,7 @@ def rewrite(src: str | os.PathLike, out: str | os.PathLike | None, rules: Rules,
     t0 = time.perf_counter()
     with Model.open(src) as model:
         src_path = model.paths[0]
+        replacing = in_place and out is None  # only then do old shards of another count go away
         if out is None:
             if not in_place:
                 raise K3Error(f"{src}: give -o OUT or --in-place")
@@ -295,7 +296,7 @@ def rewrite(src: str | os.PathLike, out: str | os.PathLike | None, rules: Rules,
         written = write_model(out, new_kv.values(), specs, max_shard_bytes=max_shard_bytes,
                               layout=layout, progress=progress)
         stale = []
-        if in_place:
+        if replacing:
             keep = {_resolved(p) for p in written}
             stale = [p for p in model.paths if _resolved(p) not in keep]
             for p in stale:

@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGUFValueType
+
 from k3kit.errors import ShardError
 from k3kit.gguf.reader import KV, GGUFFile, TensorInfo
 

@@ -27,7 +27,7 @@ from k3kit.errors import K3Error
 from k3kit.gguf import format as fmt
 from k3kit.gguf.reader import KV, align_up, tensor_nbytes
 from k3kit.gguf.writer import TensorSpec, kv, write_model
-from k3kit.progress import ByteProgress, byte_progress
+from k3kit.progress import byte_progress
 
 Q8_0 = GGMLQuantizationType.Q8_0
 MXFP4 = GGMLQuantizationType.MXFP4
@@ -500,19 +500,17 @@ def synthesize(out_dir: str | Path, geometry: Geometry | str, n_layers: int, n_e
                vocab: int | None = None, shards: int = 1, seed: int = 0, name: str | None = None,
                progress: bool = True) -> SynthResult:
     """Write a synthetic kimi-k3 model into out_dir (as NAME.gguf or NAME-0000K-of-0000N.gguf)."""
+    if name is not None and (not name or "/" in name or "\0" in name or name.startswith(".")):
+        raise K3Error(f"--name {name!r}: must be a plain file name")
     p = plan(geometry, n_layers, n_experts, vocab=vocab, shards=shards, seed=seed, name=name)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise K3Error(f"{out_dir}: exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    fname = str(next(k.value for k in p.kv if k.key == Keys.General.NAME))
-    if "/" in fname or fname.startswith("."):
-        raise K3Error(f"--name {fname!r}: must be a plain file name")
-    out = out_dir / f"{fname}.gguf"
+    out = out_dir / f"{name or default_name(p.geometry, n_layers, n_experts)}.gguf"
     t0 = time.perf_counter()
     with byte_progress("synth", p.nbytes, enabled=progress) as bar:
-        paths = write_model(out, p.kv, p.tensors, layout=p.layout, alignment=ALIGNMENT,
-                            progress=bar if isinstance(bar, ByteProgress) else None)
+        paths = write_model(out, p.kv, p.tensors, layout=p.layout, alignment=ALIGNMENT, progress=bar)
     dt = time.perf_counter() - t0
     file_bytes = sum(q.stat().st_size for q in paths)
     return SynthResult(

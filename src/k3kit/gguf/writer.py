@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
 from k3kit.errors import FormatError
 from k3kit.gguf.reader import (
     ALIGNMENT_KEY,
@@ -295,12 +295,23 @@ def _write_file(tmp: Path, kvs: list[KV], tensors: Sequence[TensorSpec], alignme
             pad = align_up(t.nbytes, alignment) - t.nbytes
             if pad:
                 _write_all(fd, bytes(pad))
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _commit(pairs: list[tuple[Path, Path]]) -> None:
+    """fsync every temp, then rename them all. Syncing after all shards are written (not one
+    by one) lets the kernel write back earlier shards while later ones are still copied."""
+    for tmp, _ in pairs:
+        _fsync_file(tmp)
     for tmp, final in pairs:
         os.replace(tmp, final)
     for d in {final.parent for _, final in pairs}:

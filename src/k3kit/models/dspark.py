@@ -24,13 +24,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3kit.errors import ConvertError
+from k3kit.runtime.speculative.feature_ring import FeatureRing
+from k3kit.runtime.speculative.interface import DraftBlock
 
 # ----------------------------------------------------------------------------- config
 
@@ -72,8 +74,11 @@ class DraftConfig:
     target_hidden_size: int | None = None   # width of one tap (default: hidden_size)
     markov_rank: int = 0                # 0: plain DFlash, no Markov head
     has_confidence: bool = False
+    confidence_with_markov: bool = True  # confidence input [h ; W1[x_prev]] (llama.cpp) or just h
     sample_from_anchor: bool = True     # DSpark: every block row (row 0 too) is a proposal
-    extra: dict = field(default_factory=dict, compare=False)
+    embedding_scale: float | None = None        # multiplies the borrowed token embeddings
+    logit_scale: float | None = None            # HF output_multiplier, on the base logits
+    final_logit_softcapping: float | None = None
 
     @property
     def n_taps(self) -> int:
@@ -95,6 +100,9 @@ class DraftConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or not 0 < v <= _MAX_DIM:
                 raise bad(f"{name}={v!r} out of range")
+        th = self.target_hidden_size
+        if th is not None and (not isinstance(th, int) or not 0 < th <= _MAX_DIM):
+            raise bad(f"target_hidden_size={th!r} out of range")
         if not 0 < self.num_layers <= _MAX_LAYERS:
             raise bad(f"num_layers={self.num_layers} out of range")
         if not 0 < self.vocab_size <= _MAX_VOCAB:
@@ -105,19 +113,24 @@ class DraftConfig:
             raise bad("block_size must be >= 2 when row 0 is not a proposal")
         if self.num_heads % self.num_kv_heads:
             raise bad(f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
-        if not 0 < len(self.target_layer_ids) <= 64 or any(i < 0 for i in self.target_layer_ids):
+        # -1 is the embedding output (DeepSpec convention); GGUF stores i + 1 = 0
+        if not 0 < len(self.target_layer_ids) <= 64 or any(i < -1 for i in self.target_layer_ids):
             raise bad(f"target_layer_ids={list(self.target_layer_ids)} invalid")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise bad(f"mask_token_id={self.mask_token_id} outside vocab {self.vocab_size}")
         if not 0 <= self.markov_rank <= _MAX_DIM:
             raise bad(f"markov_rank={self.markov_rank} out of range")
-        if self.has_confidence and self.markov_rank == 0:
-            raise bad("a confidence head needs the Markov head (its input includes W1[x_prev])")
+        if self.has_confidence and self.confidence_with_markov and self.markov_rank == 0:
+            raise bad("a confidence head over [h ; W1[x_prev]] needs the Markov head")
         rd = self.rope_dim or self.head_dim
         if rd % 2 or rd > self.head_dim:
             raise bad(f"rope_dim={rd} must be even and <= head_dim={self.head_dim}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise bad("rms_norm_eps and rope_theta must be positive")
+        for name in ("embedding_scale", "logit_scale", "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise bad(f"{name}={v!r} must be a finite non-negative number")
         if self.rope_scaling is not None and not (
             self.rope_scaling.factor > 0 and self.rope_scaling.original_max_position_embeddings > 0
         ):
@@ -145,6 +158,11 @@ class DraftConfig:
                     truncate=bool(rs.get("truncate", True)),
                 )
             theta = cfg.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))
+
+            def opt(name: str) -> float | None:
+                v = dcfg.get(name, cfg.get(name))
+                return None if v is None else float(v)
+
             ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
             mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
             if ids is None or mask is None:
@@ -163,15 +181,121 @@ class DraftConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 rope_scaling=scaling,
-                target_hidden_size=cfg.get("target_hidden_size"),
+                target_hidden_size=(None if cfg.get("target_hidden_size") is None
+                                    else int(cfg["target_hidden_size"])),
                 markov_rank=int(cfg.get("markov_rank", 0)),
-                has_confidence=bool(cfg.get("has_confidence_head", False)),
+                has_confidence=bool(cfg.get("enable_confidence_head", cfg.get("has_confidence_head", False))),
+                confidence_with_markov=bool(cfg.get("confidence_head_with_markov", True)),
                 sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
+                embedding_scale=opt("input_embedding_scale"),
+                logit_scale=opt("output_multiplier"),
+                final_logit_softcapping=opt("final_logit_softcapping"),
             )
         except ConvertError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConvertError(f"{source}: bad draft config ({type(e).__name__}: {e})") from None
+        return out.validate(source)
+
+    # GGUF metadata (llama.cpp `dflash` arch). target_layers holds HF ids + 1: llama.cpp reads
+    # the INPUT of layer i+1, which is the output of layer i.
+    def to_gguf_kv(self, arch: str = "dflash") -> dict[str, object]:
+        kv: dict[str, object] = {
+            f"{arch}.embedding_length": self.hidden_size,
+            f"{arch}.block_count": self.num_layers,
+            f"{arch}.feed_forward_length": self.intermediate_size,
+            f"{arch}.attention.head_count": self.num_heads,
+            f"{arch}.attention.head_count_kv": self.num_kv_heads,
+            f"{arch}.attention.key_length": self.head_dim,
+            f"{arch}.attention.value_length": self.head_dim,
+            f"{arch}.attention.layer_norm_rms_epsilon": self.rms_norm_eps,
+            f"{arch}.rope.freq_base": self.rope_theta,
+            f"{arch}.rope.dimension_count": self.rope_dim or self.head_dim,
+            f"{arch}.block_size": self.block_size,
+            f"{arch}.target_layers": [i + 1 for i in self.target_layer_ids],
+            f"{arch}.sample_from_anchor": self.sample_from_anchor,
+            f"{arch}.has_confidence_head": self.has_confidence,
+            "tokenizer.ggml.mask_token_id": self.mask_token_id,
+        }
+        for key, val in (("embedding_scale", self.embedding_scale), ("logit_scale", self.logit_scale),
+                         ("final_logit_softcapping", self.final_logit_softcapping)):
+            if val is not None:
+                kv[f"{arch}.{key}"] = val
+        if self.rope_scaling is not None:
+            ys = self.rope_scaling
+            kv |= {f"{arch}.rope.scaling.type": "yarn",
+                   f"{arch}.rope.scaling.factor": ys.factor,
+                   f"{arch}.rope.scaling.original_context_length": ys.original_max_position_embeddings,
+                   f"{arch}.rope.scaling.yarn_beta_fast": ys.beta_fast,
+                   f"{arch}.rope.scaling.yarn_beta_slow": ys.beta_slow}
+            if ys.attention_factor is not None:
+                kv[f"{arch}.rope.scaling.attn_factor"] = ys.attention_factor
+        return kv
+
+    @classmethod
+    def from_gguf_kv(cls, kv: Mapping[str, object], *, vocab_size: int, markov_rank: int = 0,
+                     target_hidden_size: int | None = None, confidence_with_markov: bool = True,
+                     source: str = "draft.gguf", arch: str = "dflash") -> DraftConfig:
+        """Config from GGUF metadata; vocab, Markov rank and the confidence input width come
+        from tensor shapes (markov_w1 {r, V}; conf_proj {H + r, 1} or {H, 1})."""
+        def get(key, default=None, required=False):
+            full = f"{arch}.{key}" if not key.startswith("tokenizer.") else key
+            if full not in kv:
+                if required:
+                    raise ConvertError(f"{source}: missing GGUF key {full!r}")
+                return default
+            return kv[full]
+
+        try:
+            heads = int(get("attention.head_count", required=True))
+            hidden = int(get("embedding_length", required=True))
+            scaling = None
+            if get("rope.scaling.type") == "yarn":
+                af = get("rope.scaling.attn_factor")
+                scaling = YarnScaling(
+                    factor=float(get("rope.scaling.factor", required=True)),
+                    original_max_position_embeddings=int(get("rope.scaling.original_context_length",
+                                                             required=True)),
+                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                    attention_factor=None if af is None else float(af),
+                )
+            layers = [int(i) - 1 for i in get("target_layers", required=True)]
+            head_dim = int(get("attention.key_length", hidden // heads))
+
+            def opt(key: str) -> float | None:
+                v = get(key)
+                return None if v is None else float(v)
+
+            rope_dim = int(get("rope.dimension_count", head_dim))
+            out = cls(
+                hidden_size=hidden,
+                num_layers=int(get("block_count", required=True)),
+                num_heads=heads,
+                num_kv_heads=int(get("attention.head_count_kv", heads)),
+                head_dim=head_dim,
+                intermediate_size=int(get("feed_forward_length", required=True)),
+                vocab_size=int(vocab_size),
+                block_size=int(get("block_size", 16)),
+                target_layer_ids=tuple(layers),
+                mask_token_id=int(get("tokenizer.ggml.mask_token_id", required=True)),
+                rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
+                rope_theta=float(get("rope.freq_base", 10000.0)),
+                rope_scaling=scaling,
+                rope_dim=None if rope_dim == head_dim else rope_dim,
+                target_hidden_size=target_hidden_size,
+                markov_rank=int(markov_rank),
+                has_confidence=bool(get("has_confidence_head", False)),
+                confidence_with_markov=confidence_with_markov,
+                sample_from_anchor=bool(get("sample_from_anchor", True)),
+                embedding_scale=opt("embedding_scale"),
+                logit_scale=opt("logit_scale"),
+                final_logit_softcapping=opt("final_logit_softcapping"),
+            )
+        except ConvertError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ConvertError(f"{source}: bad draft metadata ({type(e).__name__}: {e})") from None
         return out.validate(source)
 
 
@@ -352,9 +476,9 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    def __init__(self, hidden: int, rank: int):
+    def __init__(self, in_features: int):
         super().__init__()
-        self.proj = nn.Linear(hidden + rank, 1, bias=True)
+        self.proj = nn.Linear(in_features, 1, bias=True)
 
 
 # ----------------------------------------------------------------------------- the draft
@@ -379,10 +503,11 @@ class DSparkDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank else None
         self.confidence_head = (
-            ConfidenceHead(cfg.hidden_size, cfg.markov_rank) if cfg.has_confidence else None
+            ConfidenceHead(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0))
+            if cfg.has_confidence else None
         )
         inv, mag = rope_inv_freq(cfg)
-        self.register_buffer("rope_inv_freq", inv, persistent=False)
+        self.rope_inv_freq = inv          # float64, deliberately not a buffer: .half() must not touch it
         self.rope_mag = mag
         self._embed = embed
         self._head = lm_head
@@ -395,15 +520,23 @@ class DSparkDraft(nn.Module):
         if self._embed is None:
             raise RuntimeError("DSparkDraft has no target embedding; call set_target()")
         e = F.embedding(ids, self._embed) if isinstance(self._embed, Tensor) else self._embed(ids)
-        return e.to(self.fc.weight.dtype)
+        e = e.to(self.fc.weight.dtype)
+        return e if self.cfg.embedding_scale is None else e * self.cfg.embedding_scale
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Base draft logits through the target's LM head (before the Markov bias)."""
         if self._head is None:
             raise RuntimeError("DSparkDraft has no target LM head; call set_target()")
         if isinstance(self._head, Tensor):
-            return hidden.to(self._head.dtype) @ self._head.T
-        return self._head(hidden)
+            logits = hidden.to(self._head.dtype) @ self._head.T
+        else:
+            logits = self._head(hidden)
+        if self.cfg.logit_scale is not None:
+            logits = logits * self.cfg.logit_scale
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # -- context
     def project_context(self, taps: Tensor) -> Tensor:
@@ -437,15 +570,48 @@ class DSparkDraft(nn.Module):
         """W2 . W1[x_prev] -> [n, V], added to the base logits of the row."""
         return self.markov_head.markov_w2(w1_prev)
 
-    def confidence(self, hidden: Tensor, w1_prev: Tensor) -> Tensor:
-        """c = sigmoid(w . [h ; W1[x_prev]] + b) -> [n]: the chance that this proposal is accepted."""
+    def confidence(self, hidden: Tensor, w1_prev: Tensor | None) -> Tensor:
+        """c = sigmoid(w . [h ; W1[x_prev]] + b) -> [n]: the chance that this proposal is accepted
+        given that every proposal before it was (the head was trained on prefix acceptance)."""
         if self.confidence_head is None:
             raise RuntimeError("this draft has no confidence head")
-        feat = torch.cat([hidden, w1_prev.to(hidden.dtype)], dim=-1)
+        feat = hidden
+        if self.cfg.confidence_with_markov:
+            feat = torch.cat([hidden, w1_prev.to(hidden.dtype)], dim=-1)
         return torch.sigmoid(self.confidence_head.proj(feat)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- runtime adapter
+
+class _Rows:
+    """Rows appended at the end, dropped at the front, read as one contiguous view; storage grows
+    by doubling and compacts in place, so a decode pass copies only its new rows."""
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+        self.off = self.n = 0
+
+    def append(self, x: Tensor) -> None:
+        m = x.shape[0]
+        if self.buf is None:
+            self.buf = x.new_empty((max(64, 2 * m), *x.shape[1:]))
+        elif self.off + self.n + m > self.buf.shape[0]:
+            old = self.buf[self.off:self.off + self.n]
+            if self.n + m > self.buf.shape[0] // 2:
+                self.buf = x.new_empty((2 * (self.n + m), *x.shape[1:]))
+            self.buf[: self.n] = old.clone()
+            self.off = 0
+        self.buf[self.off + self.n:self.off + self.n + m] = x
+        self.n += m
+
+    def drop_front(self, k: int) -> None:
+        k = min(k, self.n)
+        self.off += k
+        self.n -= k
+
+    def view(self) -> Tensor:
+        return self.buf[self.off:self.off + self.n]
+
 
 class DSparkDrafter:
     """Adapts a DSparkDraft to the runtime's Draft protocol.
@@ -455,13 +621,14 @@ class DSparkDrafter:
     bounds the attention window (None: whatever the ring holds).
     """
 
-    def __init__(self, draft: DSparkDraft, max_context: int | None = None):
+    def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256):
         self.draft = draft
+        self.chunk = chunk
         self.cfg = draft.cfg
         self.max_context = max_context
         self.has_markov = draft.markov_head is not None
         self.has_confidence = draft.confidence_head is not None
-        self._kv: list[tuple[Tensor, Tensor]] | None = None
+        self._rows: list[tuple[_Rows, _Rows]] = []
         self._begin = self._end = 0
         self._ring_version: tuple[int, int] | None = None
 
@@ -470,40 +637,49 @@ class DSparkDrafter:
         return self.cfg.n_proposals
 
     @property
+    def feature_width(self) -> int:
+        return self.cfg.n_taps * self.cfg.tap_width
+
+    @property
     def context_span(self) -> tuple[int, int]:
         return self._begin, self._end
 
+    def context(self) -> list[tuple[Tensor, Tensor]] | None:
+        """Per-layer (K, V) of the context rows currently held."""
+        if self._end == self._begin:
+            return None
+        return [(k.view(), v.view()) for k, v in self._rows]
+
     @torch.no_grad()
-    def sync(self, ring) -> None:
+    def sync(self, ring: FeatureRing) -> None:
         begin = ring.start
         if self.max_context is not None:
             begin = max(begin, ring.length - self.max_context)
         key = (id(ring), ring.version)
         if key != self._ring_version or self._end > ring.length or begin > self._end:
-            self._kv, self._begin, self._end = None, begin, begin     # rebuild from the ring
+            self._rows = [(_Rows(), _Rows()) for _ in self.draft.layers]     # rebuild from the ring
+            self._begin = self._end = begin
             self._ring_version = key
-        if begin > self._begin:                                      # slide the window
-            cut = begin - self._begin
-            self._kv = [(k[cut:], v[cut:]) for k, v in self._kv]
+        if begin > self._begin:                                             # slide the window
+            for k, v in self._rows:
+                k.drop_front(begin - self._begin)
+                v.drop_front(begin - self._begin)
             self._begin = begin
-        if ring.length > self._end:
-            pos = torch.arange(self._end, ring.length)
-            new = self.draft.context_kv(ring.get(self._end, ring.length), pos)
-            if self._kv is not None:
-                new = [(torch.cat([k, nk]), torch.cat([v, nv]))
-                       for (k, v), (nk, nv) in zip(self._kv, new, strict=True)]
-            self._kv = new
-            self._end = ring.length
+        while ring.length > self._end:          # chunked: a long prompt's taps are wide
+            end = min(ring.length, self._end + self.chunk)
+            new = self.draft.context_kv(ring.get(self._end, end), torch.arange(self._end, end))
+            for (k, v), (nk, nv) in zip(self._rows, new, strict=True):
+                k.append(nk)
+                v.append(nv)
+            self._end = end
 
     @torch.no_grad()
-    def draft_block(self, anchor: int, position: int):
-        from k3kit.runtime.speculative.interface import DraftBlock
-
+    def draft_block(self, anchor: int, position: int) -> DraftBlock:
         b = self.cfg.block_size
         ids = torch.full((b,), self.cfg.mask_token_id, dtype=torch.long)
         ids[0] = anchor
         pos = torch.arange(position, position + b)
-        hidden = self.draft(ids, pos, self._kv)
+        hidden = self.draft(ids, pos, self.context())
         logits = self.draft.logits(hidden)
         if not self.cfg.sample_from_anchor:      # DFlash: row 0 only re-reads the anchor
             hidden, logits = hidden[1:], logits[1:]
@@ -518,5 +694,5 @@ class DSparkDrafter:
         return self.draft.markov_bias(w1_prev)
 
     @torch.no_grad()
-    def confidence(self, hidden: Tensor, w1_prev: Tensor) -> Tensor:
+    def confidence(self, hidden: Tensor, w1_prev: Tensor | None) -> Tensor:
         return self.draft.confidence(hidden, w1_prev)

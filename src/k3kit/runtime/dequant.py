@@ -3,8 +3,9 @@
 Each kernel reproduces ggml's scalar `dequantize_row_*` (ggml-quants.c) in float32,
 operation for operation: the same products in the same order, each rounded to float32, no
 fused multiply-add. That makes the result bitwise equal to ggml's reference on a build
-without FP contraction (x86-64 baseline, where ggml-base is compiled without FMA). Other
-compute dtypes are produced by rounding the float32 result once at the end.
+without FP contraction (x86-64 baseline, where ggml-base is compiled without FMA), NaN
+payloads included (tests/interop/test_dequant_torch_ggml.py checks this against libggml).
+Other compute dtypes are produced by rounding the float32 result once at the end.
 
 Block layouts (ggml-common.h), bytes per block:
   Q8_0   34  = f16 d, int8 qs[32]
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
@@ -26,6 +26,7 @@ T = GGMLQuantizationType
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(
     {T.F32, T.F16, T.BF16, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K, T.Q6_K}
 )
+
 
 def block_size(qtype: int) -> tuple[int, int]:
     """(elements, bytes) of one block of `qtype`."""
@@ -108,7 +109,17 @@ def _scale_min(q: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None
     sc, m = _k_scales(blocks[:, 4:16])
     d1 = (_f16(blocks[:, 0:2]) * sc).unsqueeze(2)
     m1 = (_f16(blocks[:, 2:4]) * m).unsqueeze(2)
-    out.view(-1, 8, 32).copy_(q).mul_(d1).sub_(m1)
+    y = out.view(-1, 8, 32).copy_(q).mul_(d1)
+    both_nan = torch.isnan(m1)
+    if bool(both_nan.any()):
+        # Only a NaN dmin gets here. torch subtracts as fma(m1, -1, y), which, when both sides
+        # are NaN, keeps m1's payload; C's `y - m1` keeps y's. Restore the C result.
+        both_nan = both_nan & torch.isnan(y)
+        keep = y.clone()
+        y.sub_(m1)
+        torch.where(both_nan, keep, y, out=y)
+    else:
+        y.sub_(m1)
 
 
 def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:

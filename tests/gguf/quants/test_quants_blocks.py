@@ -7,11 +7,14 @@ llama.cpp comparison itself is in tests/interop/test_quants_ggml.py.
 
 from __future__ import annotations
 
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import quant_scalar_ref as ref
-
 from gguf import GGMLQuantizationType as T
+from hypothesis import given, settings
+
 from k3kit.gguf import quants
 from k3kit.gguf.quants import mxfp4, q4_k
 
@@ -188,3 +191,19 @@ def test_inf_and_nan_inputs_do_not_raise(qtype):
     x[[3, 40, 200]] = [np.inf, -np.inf, np.nan]
     raw = quants.quantize(x, qtype)
     assert raw.shape == (quants.row_bytes(qtype, 256),)
+
+
+finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hnp.arrays(np.float32, 32, elements=finite_f32))
+def test_q8_0_and_mxfp4_any_finite_block_match_scalar_reference(x):
+    assert quants.quantize(x, T.Q8_0).tobytes() == ref.q8_0_block(x)
+    assert quants.quantize(x, T.MXFP4).tobytes() == ref.mxfp4_block(x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(hnp.arrays(np.float32, 256, elements=st.floats(-1e6, 1e6, width=32)))
+def test_q4_k_any_block_matches_scalar_reference(x):
+    assert quants.quantize(x, T.Q4_K).tobytes() == ref.q4_k_block(x)

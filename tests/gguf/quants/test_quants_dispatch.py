@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import gguf.quants
 import numpy as np
 import pytest
-
-import gguf.quants
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+
 from k3kit.errors import K3Error
 from k3kit.gguf import quants
 
@@ -28,6 +28,13 @@ def test_quantize_output_shapes():
         raw = quants.quantize(x, t)
         assert raw.dtype == np.uint8
         assert raw.shape == (2, 3, quants.row_bytes(t, 512))
+
+
+def test_zero_rows_round_trip():
+    for t in quants.QUANTIZE_TYPES:
+        raw = quants.quantize(np.zeros((0, 256), F), t)
+        assert raw.shape == (0, quants.row_bytes(t, 256))
+        assert quants.dequantize(raw, t, 0).shape == (0,)
 
 
 def test_bad_inputs_raise_k3error():

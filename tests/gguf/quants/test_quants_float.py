@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-
 from gguf import GGMLQuantizationType as T
+
 from k3kit.gguf import quants
 from k3kit.gguf.quants.float import (
     bf16_bits_to_fp32,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from k3kit.errors import K3Error
 
 from . import float as _float

@@ -8,8 +8,11 @@ Bit-exactness notes. `log2f` rounds to float32 before the floor, so amax just be
 two lands on the next exponent; we round a float64 log2 to float32 the same way. ggml picks the
 first of the 16 values with the smallest float32 |v*d - x|. Rounding is monotone, so those
 errors are unimodal along the sorted magnitudes and the winner is one of the two magnitudes
-around |x| (lower one on a tie), taken negative for x < 0 unless it is 0. For amax below
-2^-125 the exponent is negative and C converts it to uint8 through a 32-bit int: it wraps.
+around |x| (lower one on a tie), taken negative for x < 0 unless it is 0. With d a normal
+power of two that reduces to a table lookup on ceil(2|x|/d). For amax below 2^-125 the
+exponent is negative and C converts it to uint8 through a 32-bit int: it wraps. Blocks whose
+d is tiny, whose amax is inf (exponent byte 0) or whose top values overflow (e = 253) take
+slower paths that compare the float32 errors as C does.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def _key_table() -> np.ndarray:
 
 
 _KEY_TABLE = _key_table()
+CHUNK_BLOCKS = 8192  # blocks per pass: 1 MiB of float32, stays in L2
+_MAX_SAFE_E = 252  # above (amax ~ FLT_MAX rounding log2f up to 128) 8*d overflows to inf
 _SAFE_E = 32  # d >= 2^-96: every error above is a normal float, the table is exact
 
 
@@ -68,32 +73,38 @@ def quantize(x: np.ndarray) -> np.ndarray:
     lead = x.shape[:-1]
     xb = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, BLOCK)
     out = np.empty((xb.shape[0], BLOCK_BYTES), dtype=np.uint8)
-    a = np.abs(xb)
-    amax = a.max(axis=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for s in range(0, xb.shape[0], CHUNK_BLOCKS):
+            _quantize_chunk(xb[s : s + CHUNK_BLOCKS], out[s : s + CHUNK_BLOCKS])
+    return out.reshape(*lead, x.shape[-1] // BLOCK * BLOCK_BYTES)
+
+
+def _quantize_chunk(xb: np.ndarray, out: np.ndarray) -> None:
+    # element-major (32, n) so per-block scalars broadcast along rows (fast in numpy)
+    xt = np.ascontiguousarray(xb.T)
+    a = np.abs(xt)
+    amax = np.maximum.reduce(a, axis=0)
     nan = np.isnan(amax)
     if nan.any():  # ggml's `amax < |v|` skips NaNs
-        amax[nan] = np.where(np.isnan(a[nan]), np.float32(0), a[nan]).max(axis=1)
+        amax[nan] = np.where(np.isnan(xb[nan]), np.float32(0), np.abs(xb[nan])).max(axis=1)
     e = block_exponent(amax)
     out[:, 0] = e
     # 2/d = 2^(129-e) as float32 bits; exact scaling for the safe exponents
-    r = ((256 - np.maximum(e, 2).astype(np.uint32)) << 23).view(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        a *= r[:, None]
-        np.ceil(a, out=a)
-        np.copysign(a, xb, out=a)
-        key = a.astype(np.int8).view(np.uint8)
-    idx = np.take(_KEY_TABLE, key)
-    odd = (e < _SAFE_E) | nan | np.isinf(amax)
+    a *= ((256 - np.maximum(e, 2).astype(np.uint32)) << 23).view(np.float32)
+    np.ceil(a, out=a)
+    np.copysign(a, xt, out=a)
+    idx = np.take(_KEY_TABLE, a.astype(np.int8).view(np.uint8))
+    q = idx[16:] << 4
+    q |= idx[:16]
+    out[:, 1:] = q.T
+    odd = (e < _SAFE_E) | (e > _MAX_SAFE_E) | nan | np.isinf(amax)
     if odd.any():
-        idx[odd] = _quantize_exact(xb[odd], e[odd], amax[odd])
-    q = out[:, 1:]
-    np.left_shift(idx[:, 16:], 4, out=q)
-    q |= idx[:, :16]
-    return out.reshape(*lead, -1)
+        i = _quantize_exact(xb[odd], e[odd], amax[odd])
+        out[odd, 1:] = i[:, :16] | (i[:, 16:] << 4)
 
 
 def _quantize_exact(xb: np.ndarray, e: np.ndarray, amax: np.ndarray) -> np.ndarray:
-    """Indices for blocks where d is subnormal or tiny, or amax is inf/NaN: float32 errors."""
+    """Indices for blocks whose d is subnormal or tiny, whose amax is inf/NaN, or e > 252."""
     a = np.abs(xb)
     d = e8m0_half(e)[:, None]
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
@@ -109,15 +120,16 @@ def _quantize_exact(xb: np.ndarray, e: np.ndarray, amax: np.ndarray) -> np.ndarr
     idx = np.where(err_hi < err_lo, hi, lo)
     idx[~np.isfinite(a)] = 0  # every error is inf or NaN: ggml keeps index 0
     idx |= (np.signbit(xb) & (idx != 0)).astype(np.uint8) << 3
-    inf = np.isinf(amax)
-    if inf.any():
-        idx[inf] = _best_index_scan(xb[inf], d[inf])
+    scan = np.isinf(amax) | (e > _MAX_SAFE_E)
+    if scan.any():
+        idx[scan] = _best_index_scan(xb[scan], d[scan])
     return idx
 
 
 def _best_index_scan(xb: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """ggml's 16-way first-minimum scan, literally. Only for blocks whose amax is inf: their
-    exponent byte is 0 (the int conversion overflows), d is tiny and many errors tie."""
+    """ggml's 16-way first-minimum scan, literally. Only for blocks whose amax is inf (their
+    exponent byte is 0 as the int conversion overflows, d is tiny and many errors tie) or
+    whose top candidates overflow to inf (e = 253)."""
     best = np.zeros(xb.shape, dtype=np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
         best_err = np.abs(np.float32(KVALUES[0]) * d - xb)

@@ -37,7 +37,7 @@ def quantize(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         for s in range(0, xb.shape[0], CHUNK_BLOCKS):
             _quantize_chunk(xb[s : s + CHUNK_BLOCKS], out[s : s + CHUNK_BLOCKS])
-    return out.reshape(*lead, -1)
+    return out.reshape(*lead, x.shape[-1] // BLOCK * BLOCK_BYTES)
 
 
 def _quantize_chunk(xb: np.ndarray, out: np.ndarray) -> None:

@@ -262,6 +262,13 @@ def load_hf(path: str | Path, device: torch.device | str = "cpu") -> K3Model:
 
     with torch.device("meta"):
         model = K3Model(cfg)
+    # a hostile config must not make us allocate: the files must plausibly hold the model
+    # (MXFP4 experts unpack 4.25 -> 32 bits, so float32 params <= 8x the bytes on disk)
+    n_params = sum(p.numel() for p in model.parameters())
+    on_disk = sum(f.stat().st_size for f in store.handles)
+    if 4 * n_params > 8 * on_disk + (1 << 20):
+        raise ConvertError(f"{next(iter(store.handles))}: config declares {n_params} parameters, "
+                           f"far more than the {on_disk} bytes of tensors hold")
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     used: set[str] = set()

@@ -62,9 +62,10 @@ class MLA(nn.Module):
             offset = cache.length
             cache.append(c, k_pe)
             c_all, pe_all = cache.view()
-            # the cache holds detached copies; keep this chunk's own rows differentiable
-            c_all = torch.cat((c_all[:, :offset], c), dim=1)
-            pe_all = torch.cat((pe_all[:, :offset], k_pe), dim=1)
+            if c.requires_grad:
+                # the cache holds detached copies; keep this chunk's own rows differentiable
+                c_all = torch.cat((c_all[:, :offset], c), dim=1)
+                pe_all = torch.cat((pe_all[:, :offset], k_pe), dim=1)
         else:
             offset, c_all, pe_all = 0, c, k_pe
 

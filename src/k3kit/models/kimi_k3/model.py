@@ -47,7 +47,7 @@ class K3Output:
 
 
 class K3Layer(nn.Module):
-    def __init__(self, cfg: K3ModelConfig, il: int):
+    def __init__(self, cfg: K3ModelConfig, il: int, with_experts: bool = True):
         super().__init__()
         self.cfg = cfg
         self.il = il
@@ -58,20 +58,32 @@ class K3Layer(nn.Module):
             self.ffn_res_score = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.attn: KDA | MLA = KDA(cfg) if cfg.is_kda(il) else MLA(cfg)
         self.ffn: DenseFFN | LatentMoE = (DenseFFN(cfg, cfg.intermediate_size) if cfg.is_dense(il)
-                                          else LatentMoE(cfg, il))
+                                          else LatentMoE(cfg, il, with_experts))
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: K3ModelConfig):
+    def __init__(self, cfg: K3ModelConfig, with_experts: bool = True):
+        """`with_experts=False`: the trunk only; forward then needs an ExpertProvider (the
+        engine's expert store), as a 2.8T model's experts never live in module parameters."""
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(K3Layer(cfg, il) for il in range(cfg.num_layers))
+        self.layers = nn.ModuleList(K3Layer(cfg, il, with_experts) for il in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if cfg.attn_res_block_size > 0:
             self.output_res_score = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def set_ggml_q8_inputs(self, on: bool = True) -> None:
+        """Round routed-expert inputs to Q8_0 as ggml-cpu does for MXFP4 weights.
+
+        With it, float32 logits match llama.cpp's CPU backend to ~1e-5 on a tiny model
+        (F32 trunk, F32 KV cache); without it they differ by that rounding (~1e-1 there).
+        """
+        for layer in self.layers:
+            if isinstance(layer.ffn, LatentMoE):
+                layer.ffn.ggml_q8_inputs = on
 
     def new_state(self, batch: int = 1) -> K3State:
         return K3State.new(self.cfg, batch, self.norm.device, self.norm.dtype)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .activations import rms_norm, situ
 from .config import K3ModelConfig
-from .mxfp4 import mxfp4_fake_quant
+from .mxfp4 import mxfp4_fake_quant, q8_0_round
 
 # ggml clamps the routing weight sum to the smallest normal float16
 _WEIGHT_SUM_MIN = 6.103515625e-5
@@ -90,15 +90,18 @@ class ModuleExperts:
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, cfg: K3ModelConfig, layer: int):
+    def __init__(self, cfg: K3ModelConfig, layer: int, with_experts: bool = True):
+        """`with_experts=False` leaves the routed experts out: an ExpertProvider must supply them."""
         super().__init__()
         self.cfg = cfg
         self.layer = layer
         E, d_in, ff = cfg.num_experts, cfg.moe_in_dim, cfg.moe_intermediate_size
         self.router = Router(cfg)
-        self.gate_exps = nn.Parameter(torch.zeros(E, ff, d_in))
-        self.up_exps = nn.Parameter(torch.zeros(E, ff, d_in))
-        self.down_exps = nn.Parameter(torch.zeros(E, d_in, ff))
+        self.has_experts = with_experts
+        if with_experts:
+            self.gate_exps = nn.Parameter(torch.zeros(E, ff, d_in))
+            self.up_exps = nn.Parameter(torch.zeros(E, ff, d_in))
+            self.down_exps = nn.Parameter(torch.zeros(E, d_in, ff))
         if cfg.expert_latent_size > 0:
             self.routed_down = nn.Linear(cfg.hidden_size, d_in, bias=False)
             self.routed_up = nn.Linear(d_in, cfg.hidden_size, bias=False)
@@ -107,6 +110,8 @@ class LatentMoE(nn.Module):
             self.routed_down = self.routed_up = None
             self.routed_norm = None
         self.shared = DenseFFN(cfg, cfg.shared_intermediate_size) if cfg.num_shared_experts > 0 else None
+        # emulate ggml-cpu's Q8_0 rounding of expert inputs (llama.cpp parity checks only)
+        self.ggml_q8_inputs = False
 
     def forward(self, x: Tensor, experts: ExpertProvider | None = None) -> tuple[Tensor, Tensor]:
         """x [..., hidden] (ffn-normed) -> (output [..., hidden], expert ids [..., k])."""
@@ -115,7 +120,11 @@ class LatentMoE(nn.Module):
         xf = x.reshape(-1, x.shape[-1])
         ids, w = self.router(xf)
         xl = self.routed_down(xf) if self.routed_down is not None else xf
-        y = self.run_experts(xl, ids, w, experts if experts is not None else ModuleExperts(self))
+        if experts is None:
+            if not self.has_experts:
+                raise ValueError(f"layer {self.layer}: built without routed experts; pass an ExpertProvider")
+            experts = ModuleExperts(self)
+        y = self.run_experts(xl, ids, w, experts)
         if self.routed_norm is not None:
             y = rms_norm(y, self.routed_norm, cfg.rms_norm_eps)
         if self.routed_up is not None:
@@ -132,8 +141,10 @@ class LatentMoE(nn.Module):
         for e in torch.unique(ids).tolist():
             rows, cols = torch.nonzero(ids == e, as_tuple=True)
             ew = experts.get(self.layer, e)
-            z = xl[rows]
+            z = q8_0_round(xl[rows]) if self.ggml_q8_inputs else xl[rows]
             h = situ(z @ ew.gate.t(), z @ ew.up.t(), cfg.situ_beta, cfg.situ_linear_beta)
+            if self.ggml_q8_inputs:
+                h = q8_0_round(h)
             slots = slots.index_put((rows, cols), (h @ ew.down.t()) * w[rows, cols, None])
         y = slots[:, 0]
         for j in range(1, k):     # ggml adds the k expert outputs one after another

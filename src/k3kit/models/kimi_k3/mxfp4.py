@@ -55,7 +55,10 @@ def mxfp4_quantize(w: Tensor) -> tuple[Tensor, Tensor]:
         # Computing in float64 and rounding once keeps values just under a power of two exact.
         lg = torch.log2(amax.to(torch.float64)).to(torch.float32).to(torch.float64)
         e = torch.where(amax > 0, torch.floor(lg) - 2 + 127, torch.zeros_like(lg))
-        e = e.clamp(0, 255).to(torch.uint8)  # C casts out-of-range floats to uint8 (UB); clamp
+        # C's (uint8_t) of an out-of-range float: x86 truncates to int32 and keeps the low byte,
+        # so amax < 2^-125 wraps to 255 (an all-zero block); non-finite -> INT_MIN -> 0
+        e = torch.where(torch.isfinite(e), e, torch.zeros_like(e))
+        e = (e.to(torch.int64) & 0xFF).to(torch.uint8)
         d = _half_scale(e)
         err = (kv * d[:, None, None] - xb[:, :, None]).abs()       # float32, as fabsf(kv*d - x)
         codes[s:s + _CHUNK_BLOCKS] = torch.argmin(err, dim=-1).to(torch.uint8)  # first minimum
@@ -102,3 +105,19 @@ def unpack_codes(packed: Tensor) -> Tensor:
     lo = p & 0x0F
     hi = (p >> 4) & 0x0F
     return torch.stack((lo, hi), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+def q8_0_round(x: Tensor) -> Tensor:
+    """Round activations as ggml's CPU backend does before an MXFP4 dot product (Q8_0 blocks).
+
+    ggml multiplies MXFP4 weights with Q8_0-quantized inputs (vec_dot_type), so matching
+    llama.cpp's numbers closely needs this rounding: per 32 values d = amax/127 (stored
+    as float16), q = round-half-away(x/d). Not part of the model; an emulation switch.
+    """
+    _check(x)
+    xb = x.reshape(-1, BLOCK).to(torch.float32)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    v = xb * inv
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    return (q * d.half().float()).reshape(x.shape).to(x.dtype)

@@ -1,11 +1,12 @@
 """What the speculative runtime needs from a target model and from a draft.
 
 Target (the big model) — rows are token ids fed after the committed state:
-  * `verify(ids, capture)` runs len(ids) rows at positions position .. position+n-1 on top of
-    the committed state and returns logits per row (row j predicts the token after ids[j]) and,
-    with capture, the tap features per row: the hidden states of `tap_layers`, concatenated in
-    that order, [n, n_taps * hidden]. It must NOT change committed state: recurrent state stays
-    pristine, attention caches may hold the rows only as pending.
+  * `verify(ids, capture, all_logits)` runs len(ids) rows at positions position .. position+n-1
+    on top of the committed state and returns logits per row (row j predicts the token after
+    ids[j]; only the last row when all_logits=False, as in prefill) and, with capture, the tap
+    features of every row: the hidden states of `tap_layers`, concatenated in that order,
+    [n, n_taps * hidden]. It must NOT change committed state: recurrent state stays pristine,
+    attention caches may hold the rows only as pending.
   * `commit(n)` makes the first n rows of the last verify permanent (position += n) and drops
     the rest. A recurrent target replays only those n rows from what verify captured.
   * `rollback()` drops the pending rows without committing anything (same as commit(0)).
@@ -15,6 +16,7 @@ Target (the big model) — rows are token ids fed after the committed state:
   * optional `counters() -> dict[str, int]` (e.g. replay_fast_commits) merged into the stats.
 
 Draft — produces one block of proposals per call:
+  * `feature_width` = n_taps * target hidden: the width of the rows it reads from the ring;
   * `sync(ring)` brings its context (projected K/V of committed tap features) up to the ring;
   * `draft_block(anchor, position)` runs one forward over [anchor, MASK x (B-1)] placed at
     position .. position+B-1 and returns the base logits and hidden rows of the proposal rows;
@@ -46,7 +48,7 @@ class Target(Protocol):
     @property
     def position(self) -> int: ...
 
-    def verify(self, ids: Sequence[int], capture: bool = True) -> VerifyOutput: ...
+    def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput: ...
 
     def commit(self, n: int) -> None: ...
 
@@ -73,6 +75,9 @@ class Draft(Protocol):
     @property
     def n_proposals(self) -> int: ...
 
+    @property
+    def feature_width(self) -> int: ...
+
     def sync(self, ring: FeatureRing) -> None: ...
 
     def draft_block(self, anchor: int, position: int) -> DraftBlock: ...
@@ -81,4 +86,4 @@ class Draft(Protocol):
 
     def markov_bias(self, w1_prev: Tensor) -> Tensor: ...
 
-    def confidence(self, hidden: Tensor, w1_prev: Tensor) -> Tensor: ...
+    def confidence(self, hidden: Tensor, w1_prev: Tensor | None) -> Tensor: ...

@@ -50,20 +50,32 @@ class DecodeResult:
     stats: DecodeStats
 
 
+_REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
+
+
 def _merge_counters(target: Target, stats: DecodeStats) -> None:
+    """A target's own counters: from `counters()` if it has one, else the replay attributes."""
     counters = getattr(target, "counters", None)
     if callable(counters):
         stats.target_counters = {k: int(v) for k, v in counters().items()}
+    else:
+        stats.target_counters = {k: int(getattr(target, k)) for k in _REPLAY_COUNTERS if hasattr(target, k)}
 
 
-def _prefill(target: Target, prompt_ids: Sequence[int], capture: bool, stats: DecodeStats):
+def _prefill(target: Target, prompt_ids: Sequence[int], ring: FeatureRing | None, stats: DecodeStats,
+             chunk: int) -> torch.Tensor:
+    """Feed the prompt in chunks (bounded logits/taps memory); -> the last row's logits."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("empty prompt")
-    out = target.verify(prompt, capture=capture)
-    target.commit(len(prompt))
+    for i in range(0, len(prompt), chunk):
+        part = prompt[i:i + chunk]
+        out = target.verify(part, capture=ring is not None, all_logits=False)
+        target.commit(len(part))
+        if ring is not None:
+            ring.append(out.taps)
     stats.prefill_rows = len(prompt)
-    return out
+    return out.logits[-1]
 
 
 def _stop_index(tokens: list[int], stop: set[int]) -> int | None:
@@ -74,14 +86,14 @@ def _stop_index(tokens: list[int], stop: set[int]) -> int | None:
 
 
 def ar_generate(target: Target, prompt_ids: Sequence[int], max_tokens: int, sampling: Sampling,
-                stop_ids: Iterable[int] = ()) -> DecodeResult:
+                stop_ids: Iterable[int] = (), prefill_chunk: int = 512) -> DecodeResult:
     """Plain decoding, one target row per pass, same sampling: the reference for speculative."""
     stats, stop = DecodeStats(), set(stop_ids)
     gen = sampling.generator()
-    out = _prefill(target, prompt_ids, False, stats)
+    last = _prefill(target, prompt_ids, None, stats, prefill_chunk)
     tokens: list[int] = []
     if max_tokens > 0:
-        tokens.append(pick(out.logits[-1], sampling, gen))
+        tokens.append(pick(last, sampling, gen))
     while len(tokens) < max_tokens and tokens[-1] not in stop:
         out = target.verify([tokens[-1]], capture=False)
         target.commit(1)
@@ -96,7 +108,8 @@ def ar_generate(target: Target, prompt_ids: Sequence[int], max_tokens: int, samp
 def speculative_generate(target: Target, draft: Draft, prompt_ids: Sequence[int], max_tokens: int,
                          sampling: Sampling, *, schedule: ScheduleConfig | None = None,
                          ring: FeatureRing | None = None, ring_storage: str = "f16",
-                         ring_capacity: int = 4096, stop_ids: Iterable[int] = ()) -> DecodeResult:
+                         ring_capacity: int = 4096, stop_ids: Iterable[int] = (),
+                         prefill_chunk: int = 512) -> DecodeResult:
     """Draft-and-verify decoding. Greedy output equals `ar_generate`'s token for token;
     sampled output has the same distribution."""
     schedule = schedule or ScheduleConfig()
@@ -106,21 +119,19 @@ def speculative_generate(target: Target, draft: Draft, prompt_ids: Sequence[int]
     n_prop = draft.n_proposals
     stats.acceptance_histogram = [0] * (n_prop + 1)
 
-    start = target.position
-    out = _prefill(target, prompt_ids, True, stats)
     if ring is None:
-        ring = FeatureRing(out.taps.shape[1], capacity=ring_capacity, storage=ring_storage)
-    if ring.length != start:
-        raise ValueError(f"feature ring holds {ring.length} positions, target is at {start}")
-    ring.append(out.taps)
+        ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
+    if ring.length != target.position:
+        raise ValueError(f"feature ring holds {ring.length} positions, target is at {target.position}")
+    last = _prefill(target, prompt_ids, ring, stats, prefill_chunk)
 
     tokens: list[int] = []
     if max_tokens > 0:
-        tokens.append(pick(out.logits[-1], sampling, gen))
+        tokens.append(pick(last, sampling, gen))
     while len(tokens) < max_tokens and tokens[-1] not in stop:
         anchor = tokens[-1]
         remaining = max_tokens - len(tokens)
-        if schedule.budget == 1:            # nothing to propose: skip the draft forward
+        if schedule.budget == 1 or remaining == 1:     # nothing to propose: skip the draft
             props, width = None, 1
         else:
             draft.sync(ring)

@@ -36,11 +36,12 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
     prev = anchor
     for k in range(n):
         logits_k = block.logits[k]
+        w1 = None
         if draft.has_markov:
             w1 = draft.markov_embed(torch.tensor([prev]))
             logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
-            if draft.has_confidence:
-                confs.append(draft.confidence(block.hidden[k:k + 1], w1)[0])
+        if draft.has_confidence:
+            confs.append(draft.confidence(block.hidden[k:k + 1], w1)[0])
         if sampling.greedy:
             tok = int(torch.argmax(logits_k).item())
         else:

@@ -55,11 +55,17 @@ class DepthAcceptance:
             if k < m:
                 self.accepted[k] += 1
 
-    def rates(self, n: int) -> list[float]:
-        return [
-            (self.accepted[k] + 1) / (self.tried[k] + 2) if k < len(self.tried) else 0.5
-            for k in range(n)
-        ]
+    def rates(self, n: int, prior_weight: float = 2.0) -> list[float]:
+        """Conditional acceptance per depth, each shrunk towards the depth before it (depth 0
+        towards 1/2). Depths never offered inherit the last estimate, so a narrow start does
+        not lock the scheduler into staying narrow."""
+        out, prior = [], 0.5
+        for k in range(n):
+            tried = self.tried[k] if k < len(self.tried) else 0
+            acc = self.accepted[k] if k < len(self.accepted) else 0
+            prior = (acc + prior_weight * prior) / (tried + prior_weight)
+            out.append(prior)
+        return out
 
 
 def prefix_survival(conf: Sequence[float]) -> list[float]:
