@@ -18,6 +18,7 @@ from k3kit.errors import K3Error
 from k3kit.gguf import format as fmt
 from k3kit.gguf import synth
 from k3kit.gguf.shards import Model
+from k3kit.gguf.writer import source_bytes
 
 
 def _synth(out: Path, seed: int = 7, **kw):
@@ -35,7 +36,7 @@ def mini3(tmp_path_factory):
 
 
 def _plan_bytes(spec) -> bytes:
-    return np.ascontiguousarray(spec.source()).view(np.uint8).tobytes()
+    return source_bytes(spec).tobytes()
 
 
 def test_files_are_sharded_like_the_plan(mini3):
@@ -132,7 +133,7 @@ def test_random_blocks_are_valid_and_small(mini3):
 
     def values(name):
         t = by_name[name]
-        raw = np.ascontiguousarray(t.source()).view(np.uint8)
+        raw = source_bytes(t)
         return gguf.quants.dequantize(raw.reshape(t.shape[::-1][:-1] + (-1,)), t.ggml_type).reshape(-1)
 
     q8 = values("blk.0.attn_q.weight")

@@ -58,21 +58,23 @@ def test_every_hidden_row_is_a_proposal():
     drafter.sync(ring)
     prop = propose(drafter, 4, ring.length, Sampling())
     assert len(prop.tokens) == 5 == d.cfg.block_size and prop.confidence.shape == (5,)
-    # push row 0's final hidden state towards token 11: proposal 0 must follow
-    target_dir = d._head[11] / d._head[11].norm()
+    # push row k's final hidden state towards a token: proposal k must follow, for every k
+    for k in range(5):
+        tok = next(t for t in (11, 12, 13) if t != prop.tokens[k])
+        direction = d._head[tok] / d._head[tok].norm()
 
-    def bump_row0(module, inp, out):
-        out = out.clone()
-        out[0] += 50 * target_dir
-        return out
+        def bump(module, inp, out, k=k, direction=direction):
+            out = out.clone()
+            out[k] += 50 * direction
+            return out
 
-    h = d.norm.register_forward_hook(bump_row0)
-    try:
-        bumped = propose(drafter, 4, ring.length, Sampling())
-    finally:
-        h.remove()
-    assert prop.tokens[0] != 11 and bumped.tokens[0] == 11
-    assert len(bumped.tokens) == 5
+        h = d.norm.register_forward_hook(bump)
+        try:
+            bumped = propose(drafter, 4, ring.length, Sampling())
+        finally:
+            h.remove()
+        assert bumped.tokens[k] == tok and bumped.tokens[:k] == prop.tokens[:k]
+        assert len(bumped.tokens) == 5
     # DFlash layout (row 0 only re-reads the anchor) gives block_size - 1 proposals
     d2 = _draft(_cfg(sample_from_anchor=False, markov_rank=0, has_confidence=False))
     dr2 = DSparkDrafter(d2)

@@ -7,7 +7,7 @@ and experts, optionally a smaller vocab), so llama.cpp loads it and runs a finit
 
 Random bytes are generated directly in the quantized block layout (Q8_0: fp16 scale +
 int8; MXFP4: E8M0 exponent + e2m1 nibbles) into one pool per type, created once; each
-tensor is a window into its pool at a seed- and name-dependent offset. Writing is then a
+tensor is its pool read from a seed- and name-dependent offset, repeated, in chunks. Writing is a
 memory-to-disk copy: no float generation, no quantization, no per-tensor Python work.
 Scales are small so activations stay finite through the forward pass.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -169,18 +169,18 @@ F32_POOL_BYTES = 4 << 20
 
 
 class Pools:
-    """One pool of valid random blocks per type; every tensor is a zero-copy window into it.
+    """One pool of valid random blocks per type; every tensor is a window into it, repeated.
 
-    The pool (at most POOL_BYTES of random blocks) is laid out repeated until it is as long
-    as the largest tensor of its type plus one pool, so a window at any pool offset is
-    contiguous: tensor bytes = buffer[off : off + n], with `off` from the seed and the name.
-    The writer takes one buffer per tensor, so that length is the price in memory.
+    Each pool (at most POOL_BYTES of random blocks) is kept twice over, so a pool-sized window
+    at any block offset is contiguous. A tensor is the pool read from a seed- and name-dependent
+    offset and repeated until it is long enough, handed to the writer in pool-sized chunks:
+    memory stays at two pools per type whatever the size of the model.
     """
 
     def __init__(self, seed: int, largest: dict[GGMLQuantizationType, int] | None = None) -> None:
         self.seed = seed
         self._largest = largest or {}
-        self._buffers: dict[GGMLQuantizationType, tuple[np.ndarray, int]] = {}
+        self._doubled: dict[GGMLQuantizationType, np.ndarray] = {}
 
     def _pool(self, qtype: GGMLQuantizationType) -> np.ndarray:
         """Random blocks: the cap in bytes, or less for small models (the largest tensor fits)."""
@@ -205,21 +205,22 @@ class Pools:
             blocks[:, 0] = rng.integers(118, 121, len(blocks), dtype=np.uint8)
         return pool
 
-    def buffer(self, qtype: GGMLQuantizationType, min_bytes: int = 0) -> tuple[np.ndarray, int]:
-        """(the repeated pool, the pool size) for qtype, long enough for a min_bytes window."""
-        got = self._buffers.get(qtype)
-        if got is None or len(got[0]) < min_bytes + got[1]:
-            pool = got[0][:got[1]] if got is not None else self._pool(qtype)
-            need = max(min_bytes, self._largest.get(qtype, 0), len(pool)) + len(pool)
-            got = (np.resize(pool, need), len(pool))  # np.resize repeats the pool
-            self._buffers[qtype] = got
+    def doubled(self, qtype: GGMLQuantizationType) -> np.ndarray:
+        """The pool of qtype laid out twice (built on first use)."""
+        got = self._doubled.get(qtype)
+        if got is None:
+            pool = self._pool(qtype)
+            got = self._doubled[qtype] = np.concatenate([pool, pool])
         return got
 
-    def window(self, qtype: GGMLQuantizationType, name: str, nbytes: int) -> np.ndarray:
-        buf, size = self.buffer(qtype, nbytes)
+    def window(self, qtype: GGMLQuantizationType, name: str, nbytes: int) -> Iterator[np.ndarray]:
+        """The tensor's bytes as pool-sized chunks (zero-copy views)."""
+        buf = self.doubled(qtype)
+        size = len(buf) // 2
         _, block_bytes = GGML_QUANT_SIZES[qtype]
         off = (zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1)) % (size // block_bytes) * block_bytes
-        return buf[off:off + nbytes]
+        for start in range(0, nbytes, size):
+            yield buf[off:off + min(size, nbytes - start)]
 
 
 def _small_rng(seed: int, name: str) -> np.random.Generator:

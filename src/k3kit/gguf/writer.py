@@ -54,7 +54,10 @@ class FileRange:
     nbytes: int
 
 
-Source = FileRange | np.ndarray | bytes | Callable[[], "np.ndarray | bytes"]
+Chunk = np.ndarray | bytes | bytearray | memoryview
+# A callable is called once, just before its bytes are written; it may return the whole tensor or
+# an iterable of chunks, so a tensor far larger than memory can be produced piece by piece.
+Source = FileRange | np.ndarray | bytes | Callable[[], "Chunk | Iterable[Chunk]"]
 
 
 @dataclass
@@ -254,6 +257,25 @@ def _copy_range(src: FileRange, out_fd: int, progress: ByteProgress | None) -> N
                 progress.advance(done)
 
 
+def _chunk_bytes(chunk: Chunk) -> Chunk:
+    if isinstance(chunk, np.ndarray):
+        return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+    return chunk
+
+
+def source_bytes(spec: TensorSpec) -> np.ndarray:
+    """All bytes of a spec's source in memory (for small tensors and tests; the writer streams)."""
+    src = spec.source
+    if isinstance(src, FileRange):
+        with open(src.path, "rb") as f:
+            return np.frombuffer(os.pread(f.fileno(), src.nbytes, src.offset), np.uint8)
+    if callable(src):
+        src = src()
+    if isinstance(src, np.ndarray | bytes | bytearray | memoryview):
+        src = [src]
+    return np.concatenate([np.frombuffer(_chunk_bytes(c), np.uint8) for c in src])
+
+
 def _write_data(fd: int, t: TensorSpec, progress: ByteProgress | None) -> None:
     src = t.source
     if isinstance(src, FileRange):
@@ -263,14 +285,19 @@ def _write_data(fd: int, t: TensorSpec, progress: ByteProgress | None) -> None:
         return
     if callable(src):
         src = src()
-    if isinstance(src, np.ndarray):
-        src = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
-    n = len(src) if isinstance(src, bytes | bytearray) else src.nbytes
+    chunks = [src] if isinstance(src, np.ndarray | bytes | bytearray | memoryview) else src
+    n = 0
+    for chunk in chunks:
+        data = _chunk_bytes(chunk)
+        size = data.nbytes if isinstance(data, np.ndarray | memoryview) else len(data)
+        if n + size > t.nbytes:
+            raise ValueError(f"tensor '{t.name}': source has more than the expected {t.nbytes} bytes")
+        _write_all(fd, data)
+        n += size
+        if progress is not None:
+            progress.advance(size)
     if n != t.nbytes:
         raise ValueError(f"tensor '{t.name}': source has {n} bytes, expected {t.nbytes}")
-    _write_all(fd, src)
-    if progress is not None:
-        progress.advance(n)
 
 
 def _temp_path(path: Path) -> Path:

@@ -108,16 +108,18 @@ def unpack_codes(packed: Tensor) -> Tensor:
 
 
 def q8_0_round(x: Tensor) -> Tensor:
-    """Round activations as ggml's CPU backend does before an MXFP4 dot product (Q8_0 blocks).
+    """Round activations as ggml's x86 CPU backend does before an MXFP4 dot product.
 
     ggml multiplies MXFP4 weights with Q8_0-quantized inputs (vec_dot_type), so matching
-    llama.cpp's numbers closely needs this rounding: per 32 values d = amax/127 (stored
-    as float16), q = round-half-away(x/d). Not part of the model; an emulation switch.
+    llama.cpp's numbers closely needs this rounding. Its AVX path (ggml-cpu/arch/x86
+    quantize_row_q8_0) uses, per 32 values, q = round-half-even(x * (127/amax)) and the
+    scale d = amax/127 stored as float16 (the scalar reference divides by d and rounds half
+    away from zero; the two differ only on ties). Not part of the model: an emulation switch.
     """
     _check(x)
     xb = x.reshape(-1, BLOCK).to(torch.float32)
-    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    v = xb * inv
-    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)            # half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
     return (q * d.half().float()).reshape(x.shape).to(x.dtype)

@@ -13,11 +13,11 @@ from k3kit.runtime.speculative.feature_ring import FeatureRing
 from k3kit.runtime.speculative.interface import Draft, DraftBlock, Target, VerifyOutput
 from k3kit.runtime.speculative.loop import DecodeResult, DecodeStats, ar_generate, speculative_generate
 from k3kit.runtime.speculative.proposal import Proposal, propose
-from k3kit.runtime.speculative.sampling import Sampling
-from k3kit.runtime.speculative.schedule import ScheduleConfig, choose_width, parse_budget
+from k3kit.runtime.speculative.sampling import Sampling, probs
+from k3kit.runtime.speculative.schedule import DepthAcceptance, ScheduleConfig, choose_width, parse_budget
 
 __all__ = [
-    "DecodeResult", "DecodeStats", "Draft", "DraftBlock", "FeatureRing", "Proposal", "Sampling",
-    "ScheduleConfig", "Target", "VerifyOutput", "accept_greedy", "accept_sampled", "ar_generate",
-    "choose_width", "parse_budget", "propose", "speculative_generate",
+    "DecodeResult", "DecodeStats", "DepthAcceptance", "Draft", "DraftBlock", "FeatureRing", "Proposal",
+    "Sampling", "ScheduleConfig", "Target", "VerifyOutput", "accept_greedy", "accept_sampled",
+    "ar_generate", "choose_width", "parse_budget", "probs", "propose", "speculative_generate",
 ]
