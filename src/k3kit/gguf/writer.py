@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from k3kit.errors import FormatError
+from k3kit.errors import FormatError, K3Error
 from k3kit.gguf.reader import (
     ALIGNMENT_KEY,
     DEFAULT_ALIGNMENT,
@@ -312,6 +312,11 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+def _check_out_dir(path: Path) -> None:
+    if not path.parent.is_dir():
+        raise K3Error(f"{path.parent}: output directory does not exist")
+
+
 def _write_file(tmp: Path, kvs: list[KV], tensors: Sequence[TensorSpec], alignment: int,
                 progress: ByteProgress | None) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -359,6 +364,7 @@ def write_gguf(path: str | os.PathLike, kv: Iterable[KV], tensors: Sequence[Tens
     path = Path(path)
     kvs, alignment = _resolve_alignment(list(kv), alignment)
     _check_specs(tensors)
+    _check_out_dir(path)
     tmp = _temp_path(path)
     try:
         _write_file(tmp, kvs, tensors, alignment, progress)
@@ -446,6 +452,7 @@ def write_model(out: str | os.PathLike, kv: Iterable[KV], tensors: Sequence[Tens
         groups = [tensors]
 
     paths = output_paths(out, len(groups))
+    _check_out_dir(paths[0])
     if len(groups) == 1:
         jobs = [(paths[0], kvs, groups[0])]
     else:
