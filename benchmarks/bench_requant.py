@@ -132,6 +132,10 @@ def main() -> int:
         trunk_in = sum(g["bytes_before"] for g in r["by_role"] if g["from"] != g["to"])
         print(f"requantized {r['requantized']} tensors ({trunk_in / 1e9:.3f} GB of Q8_0), "
               f"copied {r['copied']}; output {r['bytes_out'] / 1e9:.3f} GB")
+        w = sum(s["write_seconds"] for s in r["shards"])
+        v = sum(s["seconds"] - s["write_seconds"] for s in r["shards"])
+        print(f"k3kit worker time: write (dequant + quantize + copy) {w:.1f} s, "
+              f"verify (re-read, bounds, 1/16 rows requantized again, sha256) {v:.1f} s")
         rows = [("cp -r", t_cp), (f"k3kit requant --jobs {args.jobs}", t_k3)]
         if not args.skip_llama:
             (work / "llama").mkdir()

@@ -4,7 +4,8 @@
 
 Writes one layer of random MXFP4 experts with the latent-MoE geometry of a 3584-wide
 expert space (gate/up 3584x3072, down 3072x3584: 17.5 MB per expert) to a temp file, then:
-  1. torch dequant of one projection vs gguf-py's numpy dequant (same bytes, same run);
+  1. torch dequant of one 3584x3072 matrix per type vs gguf-py's numpy dequant and, when
+     llama-cpp-python is installed, libggml's own C dequantize_row_* (same bytes, same run);
   2. misses through the store in mmap (warm page cache), cold fadvise and cold O_DIRECT mode;
   3. bytes read for one batch of routed tokens: route_batch vs a per-token loop (ledger).
 Every figure is printed with its peer and the ratio; absolute times depend on the machine.
@@ -13,6 +14,8 @@ Every figure is printed with its peer and the ratio; absolute times depend on th
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
 import os
 import tempfile
 import time
@@ -48,6 +51,55 @@ def write_layer(path: Path, n_experts: int, rng: np.random.Generator) -> list[Ex
     return specs
 
 
+def ggml_to_float():
+    """libggml-base's dequantize_row_* for a type, through ctypes; None without llama_cpp."""
+    spec = importlib.util.find_spec("llama_cpp")
+    libs = [p for r in (spec.submodule_search_locations or []) for p in Path(r).rglob("libggml-base.so*")] \
+        if spec else []
+    if not libs:
+        return None
+    lib = ctypes.CDLL(str(libs[0]))
+
+    class Traits(ctypes.Structure):
+        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                    ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                    ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                    ("from_float_ref", ctypes.c_void_p)]
+
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+    def run(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+        fn = proto(lib.ggml_get_type_traits(int(qtype)).contents.to_float)
+        y = np.empty(n, dtype=np.float32)
+        fn(raw.ctypes.data, y.ctypes.data, n)
+        return y
+
+    return run
+
+
+def sane_random(qtype: T, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random quants with finite scales, like a real model's (random fp16 scales hit NaN/inf)."""
+    if qtype in (T.F16, T.BF16):
+        x = rng.standard_normal(n).astype(np.float32)
+        return x.astype(np.float16).view(np.uint8) if qtype == T.F16 else \
+            (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, nbytes_for(qtype, n), dtype=np.uint8)
+    bb = {T.MXFP4: 17, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[qtype]
+    blocks = raw.reshape(-1, bb)
+    scales = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == T.MXFP4:
+        blocks[:, 0] = rng.integers(118, 127, blocks.shape[0])
+    elif qtype == T.Q6_K:
+        blocks[:, 208:210] = scales[:, :2]
+    elif qtype == T.Q8_0:
+        blocks[:, 0:2] = scales[:, :2]
+    else:
+        blocks[:, 0:4] = scales
+    return raw
+
+
 def best_of(fn, n=3) -> float:
     best = float("inf")
     for _ in range(n):
@@ -66,12 +118,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
-    raw = rng.integers(0, 256, nbytes_for(T.MXFP4, LATENT * FF), dtype=np.uint8)
-    raw.reshape(-1, 17)[:, 0] = 127
-    t_torch = best_of(lambda: dequantize(raw, T.MXFP4, (LATENT, FF)))
-    t_numpy = best_of(lambda: gguf_dequantize(raw.reshape(FF, -1), T.MXFP4))
-    print(f"dequant MXFP4 {LATENT}x{FF}: torch {t_torch * 1e3:.1f} ms, gguf-py {t_numpy * 1e3:.1f} ms, "
-          f"torch is {t_numpy / t_torch:.2f}x ({args.threads} torch thread(s))")
+    ggml = ggml_to_float()
+    print(f"dequant {LATENT}x{FF}, {args.threads} torch thread(s); 'x' = peer time / torch time")
+    for qtype in (T.MXFP4, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16):
+        raw = sane_random(qtype, LATENT * FF, rng)
+        t_torch = best_of(lambda r=raw, q=qtype: dequantize(r, q, (LATENT, FF)))
+        t_numpy = best_of(lambda r=raw, q=qtype: gguf_dequantize(r.reshape(FF, -1), q))
+        line = (f"  {qtype.name:5s}: torch {t_torch * 1e3:6.1f} ms | gguf-py {t_numpy * 1e3:6.1f} ms "
+                f"({t_numpy / t_torch:.2f}x)")
+        if ggml is not None:
+            t_c = best_of(lambda r=raw, q=qtype: ggml(r, q, LATENT * FF))
+            line += f" | ggml C {t_c * 1e3:6.1f} ms ({t_c / t_torch:.2f}x)"
+        print(line)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = Path(d) / "experts.bin"

@@ -410,3 +410,47 @@ def test_variant_without_optional_parts_converts(tmp_path):
     assert exps.ggml_type == T.F32 and exps.shape == (32, 64, 8)
     assert np.array_equal(_values(g, "blk.2.ffn_down_exps.weight"), _np(model.layers[2].ffn.down_exps))
     assert g.kv["general.file_type"].value == 0
+
+
+def test_planning_reads_headers_only_and_writing_streams(ckpt, tmp_path, monkeypatch):
+    """All checks run before any tensor data is read; then each tensor's data is read while
+    that tensor is written (the sources are callables), never all up front."""
+    src, _ = ckpt
+    from k3kit.convert import checkpoint
+    from k3kit.gguf import writer
+
+    reads: list[str] = []
+    original = checkpoint.Checkpoint.raw
+    def counting_raw(self, e):
+        reads.append(e.name)
+        return original(self, e)
+
+    monkeypatch.setattr(checkpoint.Checkpoint, "raw", counting_raw)
+    kvs, specs = plan_target(src, "Q8_0")
+    assert reads == [] and all(callable(t.source) for t in specs)
+
+    order: list[tuple[str, int]] = []
+    original_write = writer._write_data
+
+    def spy(fd, t, progress):
+        order.append((t.name, len(reads)))
+        original_write(fd, t, progress)
+
+    monkeypatch.setattr(writer, "_write_data", spy)
+    writer.write_gguf(tmp_path / "s.gguf", kvs, specs)
+    reads_before = [n for _, n in order]
+    assert reads_before == sorted(reads_before) and reads_before[0] == 0   # reads grow as tensors are written
+    assert reads_before[-1] < len(reads)
+
+
+def test_kimi_linear_shaped_a_log_becomes_a_head_vector(ckpt, tmp_path):
+    src, model = ckpt
+    d = tmp_path / "tiny"
+    shutil.copytree(src, d)
+    name = "language_model.model.layers.2.self_attn.A_log"
+    _edit_tensors(d, lambda t: t.update({name: t[name].reshape(1, 1, -1, 1).contiguous()}))
+    convert_target(d, tmp_path / "a.gguf", "F32")
+    g = GGUFFile.open(tmp_path / "a.gguf")
+    t = next(t for t in g.tensors if t.name == "blk.2.ssm_a")
+    assert t.shape == (2,)
+    assert np.array_equal(_values(g, "blk.2.ssm_a"), _neg_exp(_np(model.layers[2].attn.A_log)))

@@ -157,7 +157,7 @@ def _llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
 
 def _sequences() -> list[list[int]]:
     rng = np.random.default_rng(11)
-    text = mini_tokenizer().encode("def f(x):\n    return x + 1  # the mini K3\n", add_special_tokens=True).ids
+    text = mini_tokenizer().encode("def f(x):\n    return x + 1  # the mini K3\n").ids
     return [rng.integers(0, 500, 1).tolist(), rng.integers(0, 500, 9).tolist(), text,
             rng.integers(0, 512, 48).tolist()]
 

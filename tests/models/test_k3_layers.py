@@ -116,3 +116,22 @@ def test_variants_without_optional_parts_run_and_differ():
         ref = base(toks).logits
     # float experts vs MXFP4 experts: same parameters, different (rounded) weights in use
     assert not torch.allclose(outs["float_experts"], ref, atol=1e-4)
+
+
+def test_chunked_delta_rule_equals_step_loop():
+    from k3kit.models.kimi_k3.activations import l2_norm
+    from k3kit.models.kimi_k3.kda import delta_rule, delta_rule_chunked
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D = 2, 45, 3, 16              # not a multiple of the chunk; non-zero start state
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q, k = l2_norm(r(B, T, H, D), 1e-5), l2_norm(r(B, T, H, D), 1e-5)
+    v, decay = r(B, T, H, D), -5 * torch.sigmoid(3 * r(B, T, H, D))
+    beta, S0 = torch.sigmoid(r(B, T, H)), 0.3 * r(B, H, D, D)
+    o1, S1 = delta_rule(S0, q, k, v, decay, beta)
+    for chunk in (1, 7, 16, 64):
+        o2, S2 = delta_rule_chunked(S0, q, k, v, decay, beta, chunk=chunk)
+        assert (o1 - o2).abs().max() < 1e-12 and (S1 - S2).abs().max() < 1e-12

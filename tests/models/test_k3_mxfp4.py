@@ -21,14 +21,15 @@ def _awkward_rows() -> torch.Tensor:
     """Random rows plus blocks that stress the exponent and tie rules."""
     g = torch.Generator().manual_seed(7)
     rows = [torch.randn(8, 128, generator=g) * s for s in (1e-3, 0.05, 1.0, 300.0)]
-    special = torch.zeros(6, 128)
+    special = torch.zeros(7, 128)
     special[0, :32] = 0.0                                             # all-zero block
     special[1, :32] = torch.tensor([4.0, 2.0, -8.0, 1.0] * 8)          # exact powers of two
     special[2, :32] = torch.arange(32) * 0.25                          # exact midpoints between codes
     special[3, :32] = -torch.arange(32) * 0.25
     special[4, :32] = torch.nextafter(torch.tensor(8.0), torch.tensor(0.0))  # just under 2^3
     special[5, :32] = torch.tensor(1e-30)                              # tiny (denormal scales)
-    special[:, 32:] = torch.randn(6, 96, generator=g)
+    special[6, :32] = torch.tensor(-1e-38)    # amax < 2^-125: ggml's uint8 cast wraps the exponent to 255
+    special[:, 32:] = torch.randn(7, 96, generator=g)
     return torch.cat(rows + [special]).float()
 
 
@@ -42,7 +43,8 @@ def _ggml_blocks(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
 def test_rounding_matches_ggml_reference():
     w = _awkward_rows()
     codes, scales = mxfp4_quantize(w)
-    ref = quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4)
+    with np.errstate(over="ignore"):     # gguf-py's search overflows on the wrapped-scale block
+        ref = quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4)
     assert np.array_equal(_ggml_blocks(codes, scales).reshape(ref.shape), ref)
     back = quants.dequantize(ref, GGMLQuantizationType.MXFP4)
     assert np.array_equal(mxfp4_dequantize(codes, scales).numpy(), back)
@@ -83,7 +85,8 @@ def test_compressed_tensors_packing():
     vals = torch.stack((lo, hi), dim=-1).reshape(w.shape[0], -1, 32)
     qs = vals[:, :, :16] | (vals[:, :, 16:] << 4)
     blocks = torch.cat((scales.unsqueeze(-1), qs), dim=-1).reshape(w.shape[0], -1).numpy()
-    assert np.array_equal(blocks, quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4))
+    with np.errstate(over="ignore"):
+        assert np.array_equal(blocks, quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4))
 
 
 def test_rejects_bad_width():
@@ -98,6 +101,11 @@ def test_rejects_bad_width():
 def test_q8_0_input_rounding_matches_ggml_q8_0():
     from k3kit.models.kimi_k3.mxfp4 import q8_0_round
 
-    x = _awkward_rows()[:-1]       # the 1e-30 row underflows float16 scales in both; skip it
+    # away from exact ties the x86 runtime rounding and the reference quantizer agree
+    x = _awkward_rows()[:-2]       # the tiny rows underflow float16 scales in both; skip them
     ref = quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
     assert np.array_equal(q8_0_round(x).numpy(), ref.reshape(x.shape))
+    # on ties it rounds half to even, as _mm256_round_ps does (the reference rounds away)
+    tie = torch.zeros(1, 32)
+    tie[0, :4] = torch.tensor([127.0, 0.5, 1.5, 2.5])
+    assert q8_0_round(tie)[0, :4].tolist() == [127.0, 0.0, 2.0, 2.0]

@@ -31,6 +31,22 @@ def test_decode_with_state_equals_full_forward_f64(chunks):
     assert (got - full).abs().max().item() < F64_TOL
 
 
+def test_long_prefill_uses_the_chunked_recurrence_and_matches_steps():
+    # 40 rows at once take the chunked KDA path; 5-row steps take the step loop
+    model = tiny_model(dtype=torch.float64)
+    toks = tokens(model, 40, seed=8)
+    with torch.no_grad():
+        full = model(toks).logits
+        got, _, _ = decode(model, toks, [5] * 8)
+        chunked_state = model.new_state()
+        model(toks, chunked_state)
+        _, step_state, _ = decode(model, toks, [5] * 8)
+    assert (got - full).abs().max().item() < F64_TOL
+    for a, b in zip(chunked_state.layers, step_state.layers, strict=True):
+        if isinstance(a, KDAState):
+            assert (a.S - b.S).abs().max().item() < 1e-12 and (a.conv - b.conv).abs().max().item() < 1e-12
+
+
 def test_decode_with_state_equals_full_forward_f32():
     model = tiny_model()
     toks = tokens(model, 13)

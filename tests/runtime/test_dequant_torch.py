@@ -228,3 +228,19 @@ def test_rejects_wrong_sizes_and_types():
     with pytest.raises(ValueError, match="no torch dequant kernel"):
         dequantize(np.zeros(18, np.uint8), T.Q4_0, (32,))
     assert nbytes_for(T.MXFP4, 64) == 34 and nbytes_for(T.Q6_K, 512) == 420
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_chunked_equals_reference(monkeypatch, qtype):
+    """Several kernel chunks, the last one partial, in float32 and through the bf16 scratch."""
+    import k3kit.runtime.dequant as dq
+
+    rng = np.random.default_rng(7 + int(qtype))
+    elems, _ = block_size(qtype)
+    n_blocks = 7 * 1024 // elems + 1
+    raw = random_blocks(qtype, n_blocks, rng, sane_scales=True)
+    monkeypatch.setattr(dq, "CHUNK_ELEMS", 2 * 256)  # 2 K-quant blocks, 16 MXFP4/Q8_0 blocks
+    got = dequantize(raw, qtype, (n_blocks * elems,))
+    assert_bitwise(got.numpy(), reference(qtype, raw))
+    bf = dequantize(raw, qtype, (n_blocks * elems,), dtype=torch.bfloat16)
+    assert torch.equal(bf, got.to(torch.bfloat16))

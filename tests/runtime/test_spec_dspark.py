@@ -315,3 +315,23 @@ def test_context_rows_buffer_matches_a_list():
             ref = ref[k:]
         assert torch.equal(rows.view(), torch.stack(ref) if ref else rows.view()[:0])
         assert rows.buf.shape[0] <= max(64, 4 * (len(ref) + 40))   # storage stays proportional
+
+
+def test_load_gguf_tensors_round_trip_and_errors():
+    d = _draft()
+    tensors = {gguf_tensor_name(n): p.detach().numpy().copy() for n, p in d.state_dict().items()}
+    tensors["token_embd.weight"] = d._embed.numpy()          # borrowed: accepted and ignored
+    fresh = DSparkDraft(d.cfg, embed=d._embed, lm_head=d._head).double()
+    fresh.load_gguf_tensors(tensors)
+    ids, pos = torch.tensor([3, V - 1, V - 1]), torch.arange(3)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids, pos), d(ids, pos))
+    broken = dict(tensors)
+    del broken["blk.1.attn_v.weight"]
+    with pytest.raises(ConvertError, match="missing tensor 'blk.1.attn_v.weight'"):
+        fresh.load_gguf_tensors(broken)
+    broken = dict(tensors, **{"fc.weight": tensors["fc.weight"].T.copy()})
+    with pytest.raises(ConvertError, match="fc.weight"):
+        fresh.load_gguf_tensors(broken)
+    with pytest.raises(ConvertError, match="blk.9.attn_q.weight"):
+        fresh.load_gguf_tensors(dict(tensors, **{"blk.9.attn_q.weight": tensors["fc.weight"]}))

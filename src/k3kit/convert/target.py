@@ -5,7 +5,8 @@ The output is the file llama.cpp's own `convert_hf_to_gguf.py` writes for
 names, shapes, types and bytes, same KVs (tests/interop/test_convert_vs_llama.py checks it
 tensor by tensor). The mapping, in short:
 
-* names lose `language_model.`; vision_tower./mm_projector. tensors are skipped (text only);
+* names lose `language_model.`; vision_tower./mm_projector. tensors are skipped (text only),
+  so are rotary inv_freq buffers; any other tensor the config does not explain is an error;
 * KDA convs [C, 1, K] -> ggml [K, 1, C, 1] (a pure reshape); A_log -> ssm_a = -exp(A_log);
   dt_bias -> ssm_dt.bias; g_proj is ssm_g on KDA layers and attn_gate on MLA layers;
 * MLA kv_b_proj [H*(nope+v), kv_lora] splits per head into attn_k_b (ggml [nope, kv_lora, H],
@@ -19,14 +20,19 @@ tensor by tensor). The mapping, in short:
   are not whole 32-blocks falls back to F16, as llama.cpp's converter does.
 
 Deliberate differences from llama.cpp's file: tensor ORDER (ours is embedding, layers in
-order, output; llama.cpp's follows the checkpoint's key order with experts first),
-`general.name` (the directory name as is; llama.cpp title-cases and parses it), and the
-tokenizer KVs (llama.cpp only converts tokenizers whose hash it knows; see vocab.py), and no
-bundled chat template when the checkpoint has none.
+order, output; llama.cpp's follows the checkpoint's key order with experts first);
+`general.name` is the directory name as is (llama.cpp title-cases and parses it; its
+general.size_label rule is reproduced); the tokenizer KVs (llama.cpp only converts tokenizers
+whose hash it knows; see vocab.py), with no bundled chat template when the checkpoint has
+none; ssm_a is -exp(A_log) computed in float64 and rounded once (llama.cpp: torch's float32
+exp, within 1 ulp of it), and always the [n_head] vector kimi-k3's loader wants, also from
+Kimi-Linear's [1, 1, H, 1] A_log (llama.cpp's converter keeps that shape, which its loader
+then rejects).
 
 Everything is planned and checked before the output is created (names, shapes, dtypes,
 config/tensor agreement), then written by k3kit.gguf.writer with one callable per tensor, so
-at most one tensor's data is in memory and a failure leaves nothing behind.
+at most one tensor's data is in memory (for K3, a stacked expert tensor: ~5.2 GB) and a
+failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ _FILE_TYPES = {T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.BF16: LlamaFileType.MOSTLY_B
                T.F32: LlamaFileType.ALL_F32}
 PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
-# w1 gate, w2 down, w3 up: (gguf base, rows, cols) with F expert width and L the expert input width
+SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")  # as llama.cpp
+# compressed-tensors expert projections: w1 gate, w2 down, w3 up
 _EXPERT_PROJ = (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps"))
 MXFP4_PACKED_DTYPES = ("U8", "I8")
 MXFP4_SCALE_DTYPES = ("U8", "F8_E8M0")
@@ -115,7 +122,7 @@ class _Planner:
         self.used: set[str] = set()
         self.by_name: dict[str, TensorEntry] = {}
         for raw, e in ckpt.tensors.items():
-            if raw.startswith(SKIPPED_PREFIXES):
+            if raw.startswith(SKIPPED_PREFIXES) or raw.endswith(SKIPPED_SUFFIXES):
                 continue
             name = raw.removeprefix(PREFIX)
             if name in self.by_name:

@@ -375,6 +375,7 @@ class ShardResult:
     requantized: int
     kept: int
     seconds: float
+    write_seconds: float
     check: dict = field(default_factory=dict)
 
 
@@ -468,6 +469,7 @@ def run_shard(sp: ShardPlan, exact: str = "sample", report: Callable[[int], None
         for p in sp.tensors:  # copied tensors were read in-kernel: report them now
             if not p.requant and report is not None:
                 report(p.nbytes_in)
+        t_write = time.perf_counter() - t0
         fd = os.open(sp.partial, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # verify what is on disk
@@ -492,7 +494,8 @@ def run_shard(sp: ShardPlan, exact: str = "sample", report: Callable[[int], None
     st = sp.output.stat()
     n_req = sum(p.requant for p in sp.tensors)
     return ShardResult(sp.name, str(sp.output), st.st_size, st.st_mtime_ns, chk.sha256, n_req,
-                       len(sp.tensors) - n_req, round(time.perf_counter() - t0, 3), chk.to_dict())
+                       len(sp.tensors) - n_req, round(time.perf_counter() - t0, 3), round(t_write, 3),
+                       chk.to_dict())
 
 
 _QUEUE = None
@@ -613,10 +616,6 @@ def _check_out_dir(source_dir: Path, out_dir: Path) -> None:
                       f"choose another directory")
 
 
-def _open_shard_files(paths: list[Path]) -> list[GGUFFile]:
-    return [GGUFFile.open(p) for p in paths]
-
-
 def requantize(input_path: str | os.PathLike, out_dir: str | os.PathLike, opts: Options, *,
                jobs: int = 1, delete_source: bool = False, resume: bool = False, dry_run: bool = False,
                exact: str = "sample", progress: bool = True) -> RequantResult:
@@ -629,7 +628,7 @@ def requantize(input_path: str | os.PathLike, out_dir: str | os.PathLike, opts: 
     if jobs < 1:
         raise K3Error(f"--jobs {jobs}: must be >= 1")
 
-    if journal_path.exists() and not resume:
+    if journal_path.exists() and not resume and not dry_run:
         raise K3Error(f"{journal_path}: output directory holds an unfinished or finished requant; "
                       f"pass --resume to continue it or choose an empty directory")
     if resume and dry_run:
@@ -702,6 +701,8 @@ def _result(out_dir, target, ftype, dry_run, plans, by_role, kept, disk, t0, res
                        "status": "resumed (verified earlier)" if sp.name in skipped
                        else ("planned" if dry_run else ("verified" if r else "not done")),
                        "sha256": r.sha256 if r else None,
+                       "seconds": r.seconds if r else None,
+                       "write_seconds": r.write_seconds if r else None,
                        "check": r.check if r else None})
     dt = time.perf_counter() - t0
     done_in = sum(sp.src_size for sp in plans if sp.name in results)

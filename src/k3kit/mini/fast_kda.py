@@ -41,13 +41,34 @@ _MAX_CHUNK_LOG_DECAY = 80.0
 
 
 def chunk_size(gate_lower_bound: float | None, limit: int = 16) -> int | None:
-    """Chunk length that keeps exp(-G) finite for this gate, or None if the decay is unbounded."""
+    """Chunk length (a power of two) that keeps exp(-G) finite for this gate, or None if the
+    decay is unbounded."""
     if gate_lower_bound is None:
         return None
     lb = abs(float(gate_lower_bound))
-    if lb == 0.0:
-        return limit
-    return max(1, min(limit, int(_MAX_CHUNK_LOG_DECAY // lb)))
+    c = limit
+    while c > 1 and c * lb > _MAX_CHUNK_LOG_DECAY:
+        c //= 2
+    return c
+
+
+def unit_lower_inverse(N: Tensor) -> Tensor:
+    """(I + N)^-1 for strictly lower-triangular N [..., C, C], C a power of two.
+
+    N is nilpotent (N^C = 0), so the inverse is sum_k (-N)^k = (I - N)(I + N^2)(I + N^4)...:
+    log2(C) batched matmuls, where a batched triangular solve on CPU runs one LAPACK call per
+    16x16 system and costs more than the rest of the layer.
+    """
+    C = N.shape[-1]
+    eye = torch.eye(C, dtype=N.dtype, device=N.device)
+    P = -N
+    inv = eye + P
+    span = 2
+    while span < C:
+        P = P @ P
+        inv = inv @ (eye + P)
+        span *= 2
+    return inv
 
 
 def chunk_delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -80,9 +101,7 @@ def chunk_delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
     strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
     incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     L = torch.where(strict, Kt @ Kh.transpose(-1, -2), torch.zeros((), dtype=k.dtype, device=k.device))
-    A = torch.eye(C, dtype=k.dtype, device=k.device) + b * L
-    rhs = torch.cat((b * v, b * Kt), dim=-1)
-    sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    sol = unit_lower_inverse(b * L) @ torch.cat((b * v, b * Kt), dim=-1)
     Ubar, W = sol[..., :dv], sol[..., dv:]
     Aqk = torch.where(incl, Qt @ Kh.transpose(-1, -2), torch.zeros((), dtype=k.dtype, device=k.device))
 

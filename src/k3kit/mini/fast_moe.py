@@ -4,17 +4,19 @@ The reference `LatentMoE.run_experts` fetches each routed expert, fake-quantizes
 its rows on its own; `mxfp4_fake_quant` finds each code by scanning all 16 candidates. That is
 right for checking llama.cpp and too slow to train with. Here:
 
-* `mxfp4_fake_quant_fast` rounds with a search over the 7 midpoints of the e2m1 magnitudes
-  (bucketize) instead of 16 error columns. It returns exactly what `mxfp4_fake_quant` returns:
-  the two grid values bracketing |x| are within a factor 2 of x, so ggml's float32 errors
-  |kv*d - x| are exact (Sterbenz) and its "first code wins a tie" is "the smaller magnitude
-  wins", which is what bucketize(right=False) does at a midpoint. A test checks equality.
+* `mxfp4_fake_quant_fast` rounds |x|/d (exact: d is a power of two) arithmetically on the
+  three spacings of the e2m1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} instead of scanning 16
+  error columns. It returns exactly what `mxfp4_fake_quant` returns: the two grid values
+  bracketing |x| are within a factor 2 of x, so ggml's float32 errors |kv*d - x| are exact
+  (Sterbenz) and its "first code wins a tie" means "the smaller magnitude wins", which the
+  ceil(. - 1/2) rounding does. A test checks equality, ties included.
 * the experts' (token, slot) rows are grouped by expert into a zero-padded [E, capacity, d]
   batch (capacity = the busiest expert's load, so nothing is dropped) and run with three bmm;
   slot outputs are then summed in top-k order as the reference does.
 
 The hook: `use_fast_moe(model)` rebinds `forward` of every LatentMoE that holds its own experts;
-with an ExpertProvider passed in, the reference path runs.
+with an ExpertProvider passed in, the reference path runs. In training mode the fast path
+leaves `balance_loss` (see there) on the module for the trainer.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ from k3kit.models.kimi_k3.activations import rms_norm, situ
 from k3kit.models.kimi_k3.moe import LatentMoE
 
 BLOCK = 32
-_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def mxfp4_round(w: Tensor) -> Tensor:
@@ -41,9 +41,11 @@ def mxfp4_round(w: Tensor) -> Tensor:
     lg = torch.log2(amax.to(torch.float64)).to(torch.float32).to(torch.float64)
     e = torch.where(amax > 0, torch.floor(lg) - 2 + 127, torch.zeros_like(lg)).clamp(0, 255)
     d = torch.ldexp(torch.ones_like(e), e - 127).to(torch.float32)      # 2^(e-127), exact
-    mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=x.device)
-    grid = torch.tensor(_GRID, dtype=torch.float32, device=x.device)
-    mag = grid[torch.bucketize(x.abs() / d, mids, right=False)] * d
+    y = x.abs() / d                                                      # in [0, 8), exact
+    # nearest grid value, ties to the smaller: steps of 0.5 below 2, 1 below 4, then {4, 6}
+    mag = torch.where(y < 2, torch.ceil(2 * y - 0.5) * 0.5,
+                      torch.where(y < 4, torch.ceil(y - 0.5),
+                                  torch.clamp(torch.ceil(0.5 * y - 0.5) * 2, max=6.0))) * d
     return torch.where(x < 0, -mag, mag).reshape(w.shape)
 
 
@@ -86,6 +88,17 @@ def run_experts_batched(xl: Tensor, ids: Tensor, w: Tensor, gate: Tensor, up: Te
     return y
 
 
+def balance_loss(router_w: Tensor, x: Tensor, ids: Tensor, n_experts: int) -> Tensor:
+    """Switch/DeepSeek-style balance term E * sum_e f_e * P_e (1.0 when perfectly balanced):
+    f_e = share of the top-k slots routed to e, P_e = mean over tokens of e's normalised
+    sigmoid score. It complements the selection-bias controller, which alone is too slow to
+    stop an early collapse onto a few experts in a run of a few hundred steps."""
+    probs = torch.sigmoid(x @ router_w.t())
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    f = torch.bincount(ids.reshape(-1), minlength=n_experts).to(probs.dtype) / ids.numel()
+    return n_experts * (f * probs.mean(dim=0)).sum()
+
+
 def moe_forward(self: LatentMoE, x: Tensor, experts=None) -> tuple[Tensor, Tensor]:
     """LatentMoE.forward with batched experts; the reference path when a provider is given."""
     if experts is not None or not self.has_experts or self.ggml_q8_inputs:
@@ -94,6 +107,8 @@ def moe_forward(self: LatentMoE, x: Tensor, experts=None) -> tuple[Tensor, Tenso
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     ids, w = self.router(xf)
+    if self.training:
+        self.balance_loss = balance_loss(self.router.weight, xf, ids, cfg.num_experts)
     xl = self.routed_down(xf) if self.routed_down is not None else xf
     q = mxfp4_fake_quant_fast if cfg.experts_mxfp4 else (lambda t: t)
     y = run_experts_batched(xl, ids, w, q(self.gate_exps), q(self.up_exps), q(self.down_exps),

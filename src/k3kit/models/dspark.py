@@ -515,6 +515,28 @@ class DSparkDraft(nn.Module):
     def set_target(self, embed: Embed, lm_head: Head) -> None:
         self._embed, self._head = embed, lm_head
 
+    # -- weights from a GGUF
+    # The target's tensors a self-contained draft may carry; the draft borrows the target's instead.
+    BORROWED = frozenset({"token_embd.weight", "output.weight"})
+
+    @torch.no_grad()
+    def load_gguf_tensors(self, tensors: Mapping[str, object], source: str = "draft.gguf") -> None:
+        """Fill every parameter from float arrays keyed by llama.cpp dflash name, in numpy
+        (row-major) shape = torch shape = reversed ggml shape. Missing, misshapen or unknown
+        tensors are errors: a draft that silently keeps random weights proposes garbage."""
+        names = {gguf_tensor_name(n): p for n, p in self.named_parameters()}
+        unknown = sorted(set(tensors) - set(names) - self.BORROWED)
+        if unknown:
+            raise ConvertError(f"{source}: tensors this draft does not have: {', '.join(unknown[:5])}")
+        for gname, p in names.items():
+            if gname not in tensors:
+                raise ConvertError(f"{source}: missing tensor {gname!r}")
+            t = torch.as_tensor(tensors[gname])
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConvertError(f"{source}: tensor {gname!r} has shape {tuple(reversed(t.shape))} "
+                                   f"(ggml order), expected {tuple(reversed(p.shape))}")
+            p.copy_(t.to(p.dtype))
+
     # -- borrowed pieces
     def embed(self, ids: Tensor) -> Tensor:
         if self._embed is None:

@@ -9,7 +9,8 @@
     attn_res.py     cross-layer residual mixing
     state.py        K3State (MLA latent caches, KDA recurrent state)
     model.py        K3Model, K3Output, Captured, commit_rows, init_random
-    hf.py           save_hf / load_hf
+    hf.py           save_hf / load_hf (HF checkpoint as llama.cpp's converter reads it)
+    gguf_map.py     config and weights from a kimi-k3 GGUF's values (no file access)
 """
 
 from .config import K3ModelConfig, tiny_config

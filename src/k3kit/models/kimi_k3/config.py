@@ -29,7 +29,14 @@ _MAX_VOCAB = 1 << 24
 
 @dataclass
 class K3ModelConfig:
-    """Every hyperparameter llama.cpp's kimi-k3 graph uses. Defaults: the published K3."""
+    """Every hyperparameter llama.cpp's kimi-k3 graph uses.
+
+    Defaults follow the published K3 where k3-notes states it (vocab, hidden 7168, 93 layers
+    with MLA every 4th and last, q_lora 1536, kv_lora 512, qk 128+64, v 128, conv 4,
+    lb -5, 896 experts top-16, expert FFN 3072, latent 3584, situ 4/25, 1M context); heads,
+    KDA head_dim, dense width, attn-res block size and the routing scale are placeholders.
+    Load the real config.json rather than trusting them.
+    """
 
     vocab_size: int = 163840
     hidden_size: int = 7168

@@ -112,6 +112,8 @@ class K3Model(nn.Module):
         B, T = tokens.shape
         if capture_mode not in ("raw", "mixed"):
             raise ValueError(f"capture_mode must be 'raw' or 'mixed', got {capture_mode!r}")
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         taps = set(capture_layers)
         if any(not 0 <= il <= cfg.num_layers for il in taps):
             raise ValueError(f"capture layers must be in 0..{cfg.num_layers}")

@@ -4,7 +4,8 @@ The draft needs, for every committed position, the concatenated hidden states of
 target layers. At giant-model widths that is tens of KB per token, so the ring stores them in a
 compact dtype and keeps only the last `capacity` rows (the draft's attention window):
   * "f32"  exact;
-  * "f16"  relative error <= 2^-11 for normal values (|x| >= 6.1e-5), |err| <= 2^-25 below that;
+  * "f16"  relative error <= 2^-11 for 6.1e-5 <= |x| < 65504 (larger overflows: use bf16 or q8),
+           |err| <= 2^-25 below that;
   * "bf16" relative error <= 2^-8;
   * "q8"   int8 with one float32 absmax scale per row: |err| <= max|row| / 254.
 Rows are addressed by absolute position; `length` is the number of committed positions and

@@ -1,0 +1,145 @@
+"""`k3kit generate`: run a kimi-k3 GGUF with lazily loaded experts and print the continuation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k3kit.errors import K3Error
+
+NAME = "generate"
+HELP = "generate text with a GGUF model: trunk in memory, routed experts streamed from the file"
+
+SHIPPED_REL = Path("assets") / "mini-k3" / "mini-k3.gguf"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="GGUF file or any shard (default: the shipped mini K3)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text")
+    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a UTF-8 file")
+    parser.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (128)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K best tokens (0 = off)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible)")
+    parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
+                        help="LRU budget for dequantized routed experts, MiB (256)")
+    parser.add_argument("--device", default="cpu", metavar="D",
+                        help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
+    parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
+                        help="compute dtype of trunk and experts (f32)")
+    parser.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt rows per pass")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn (Kimi format)")
+    parser.add_argument("--cold", action="store_true",
+                        help="read experts around the page cache, so payload = storage traffic")
+    parser.add_argument("--stats", action="store_true", help="print speed, cache and memory figures")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_draft_arguments(parser)
+
+
+def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
+    """Hook for speculative decoding flags (--draft ...): added by the speculative runtime."""
+
+
+def default_model() -> Path:
+    """The shipped mini model, from `k3kit.mini`'s path function if it has one."""
+    import k3kit.mini as mini
+    for fn_name in ("shipped_model_path", "model_path", "mini_model_path"):
+        fn = getattr(mini, fn_name, None)
+        if callable(fn):
+            return Path(fn())
+    path = Path(mini.__file__).parent / SHIPPED_REL
+    if not path.exists():
+        raise K3Error(f"{path}: no MODEL given and the shipped mini model is not built yet; "
+                      "pass a GGUF path")
+    return path
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise K3Error(f"{path}: prompt file is not UTF-8") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.max_tokens < 0:
+        raise K3Error(f"--max-tokens {args.max_tokens}: must be >= 0")
+    if args.expert_cache_mib < 0:
+        raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
+    if args.prefill_chunk < 1:
+        raise K3Error(f"--prefill-chunk {args.prefill_chunk}: must be >= 1")
+
+
+def decode_step(args: argparse.Namespace, adapter):
+    """The decode strategy: None = plain autoregressive. A --draft option returns its step here."""
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3kit.runtime.engine import generate
+    from k3kit.runtime.loader import DTYPES, LoadOptions, load_model
+    from k3kit.runtime.sampling import make_sampling
+    from k3kit.runtime.text import TextCodec
+
+    check_args(args)
+    sampling = make_sampling(args.temperature, args.top_p, args.top_k, args.seed)
+    text = read_prompt(args)
+    path = Path(args.model) if args.model else default_model()
+    options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype], expert_cache_mib=args.expert_cache_mib,
+                          cold=bool(args.cold))
+    adapter = load_model(path, options)
+    try:
+        codec = TextCodec(adapter.source.raw_kv, str(path))
+        if codec.n_vocab > adapter.vocab_size:
+            raise K3Error(f"{path}: tokenizer has {codec.n_vocab} tokens, the model {adapter.vocab_size}")
+        if args.chat:
+            text = codec.chat_prompt(text)
+        ids = codec.encode(text)
+        if not ids:
+            raise K3Error(f"{path}: the prompt encodes to no tokens")
+        stream = codec.streamer()
+
+        def on_token(t: int) -> None:
+            if not args.json:
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+
+        torch.set_grad_enabled(False)
+        result = generate(adapter, ids, max_tokens=args.max_tokens, sampling=sampling,
+                          stop_ids=codec.stop_ids(), prefill_chunk=args.prefill_chunk, on_token=on_token,
+                          step=decode_step(args, adapter),
+                          detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
+        adapter.source.check()
+    finally:
+        adapter.close()
+
+    if args.json:
+        d = result.to_dict()
+        keep = ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "expert_cache_hit_rate",
+                "payload_bytes", "payload_bytes_per_token", "peak_rss_bytes")
+        d["stats"] = {k: d["stats"][k] for k in keep} | {
+            k: v for k, v in d["stats"].items() if k not in keep}
+        print(json.dumps(d))
+        return 0
+    sys.stdout.write(stream.flush() + "\n")
+    if args.stats:
+        s = result.stats
+        mib = 1 << 20
+        print(f"prompt {s.prompt_tokens} tokens, prefill {s.prefill_tok_s:.2f} tok/s; "
+              f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.2f} tok/s ({s.stop_reason})",
+              file=sys.stderr)
+        print(f"experts: cache hit rate {100 * s.expert_cache_hit_rate:.1f}% ({s.expert_hits} hits, "
+              f"{s.expert_misses} misses); payload {s.payload_bytes / mib:.2f} MiB total, "
+              f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
+        print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB", file=sys.stderr)
+    return 0

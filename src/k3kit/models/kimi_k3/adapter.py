@@ -1,0 +1,242 @@
+"""The K3 engine adapter: a GGUF-loaded K3Model trunk + an ExpertStore, one sequence state.
+
+What the runtime sees (model-neutral, see k3kit.runtime.engine and
+k3kit.runtime.speculative.interface.Target):
+  forward(ids)            run and commit rows (prefill chunks, plain decode); logits
+  verify(ids, ...)        run rows on top of the committed state WITHOUT committing: KDA
+                          state untouched (rows captured), MLA rows appended as pending
+  commit(n) / rollback()  keep the first n verified rows: KDA replays them (commit_rows),
+                          MLA caches keep them by position
+  cost(n)                 expected expert bytes not in cache for n rows + the per-pass trunk
+                          and per-row compute, in bytes
+  embed / head / tap_layers   what a draft borrows and reads
+
+Routed experts: the MoE asks the provider once per distinct expert per forward and runs all
+of that expert's rows together (route batching); the provider serves it from the store,
+which reads the expert's bytes from the file only on a cache miss, and one expert at a time,
+so a batch never holds more than one uncached expert's dequantized weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from k3kit.runtime.experts import ExpertStats, ExpertStore
+from k3kit.runtime.loader import GGUFSource, LoadOptions, layer_devices, release_pages
+from k3kit.runtime.route_batch import expected_unique
+from k3kit.runtime.speculative.interface import VerifyOutput
+
+from .config import K3ModelConfig
+from .gguf_load import build_trunk, config_from_source, expert_tensor_names
+from .model import Captured, K3Model, commit_rows
+from .moe import ExpertWeights
+from .state import K3State, KDAState
+
+ARCHITECTURES = ("kimi-k3",)
+
+
+class StoreExperts:
+    """ExpertProvider backed by an ExpertStore; counts the distinct experts each forward asks for."""
+
+    def __init__(self, store: ExpertStore, layer_dev: Sequence[torch.device]):
+        self.store = store
+        self.layer_dev = list(layer_dev)
+        self.requests = 0
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        cached = self.store.is_cached(layer, expert)
+        gate, up, down = self.store.get(layer, [expert])[expert]
+        if not cached:
+            release_pages(self.store, layer, expert)
+        self.requests += 1
+        dev = self.layer_dev[layer]
+        if gate.device != dev:
+            gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
+        return ExpertWeights(gate, up, down)
+
+
+@dataclass
+class _Pending:
+    captured: Captured
+    n_rows: int
+
+
+class K3Adapter:
+    """One K3 sequence over GGUF weights. Not thread-safe; one state per adapter."""
+
+    def __init__(self, source: GGUFSource, cfg: K3ModelConfig, model: K3Model, store: ExpertStore,
+                 options: LoadOptions, layer_dev: Sequence[torch.device]):
+        self.source = source
+        self.cfg = cfg
+        self.model = model
+        self.store = store
+        self.options = options
+        self.layer_dev = list(layer_dev)
+        self.experts = StoreExperts(store, layer_dev)
+        self.vocab_size = cfg.vocab_size
+        self.tap_layers: tuple[int, ...] = ()
+        self.capture_mode = "raw"
+        self.dtype = options.dtype
+        self.trunk_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.trunk_file_bytes = source.trunk_bytes_read
+        self.replay_commits = 0
+        self._pending: _Pending | None = None
+        if len(set(self.layer_dev)) > 1:
+            _install_layer_split(model, self.layer_dev)
+        self.state = self.new_state()
+
+    # -- state --------------------------------------------------------------------------------
+    def new_state(self) -> K3State:
+        """Empty state in the compute dtype, each layer's tensors on its layer's device."""
+        st = K3State.new(self.cfg, 1, self.layer_dev[0], self.dtype)
+        for il, layer in enumerate(st.layers):
+            dev = self.layer_dev[il]
+            if isinstance(layer, KDAState):
+                layer.S, layer.conv = layer.S.to(dev), layer.conv.to(dev)
+            else:
+                layer.kv, layer.pe = layer.kv.to(dev), layer.pe.to(dev)
+        return st
+
+    def reset(self) -> None:
+        self.state = self.new_state()
+        self._pending = None
+
+    @property
+    def position(self) -> int:
+        return self.state.pos
+
+    def set_taps(self, layers: Sequence[int], mode: str = "raw") -> None:
+        """Layers whose inputs `verify(capture=True)` returns (il == num_layers: the final stream)."""
+        if any(not 0 <= il <= self.cfg.num_layers for il in layers):
+            raise ValueError(f"tap layers must be in 0..{self.cfg.num_layers}")
+        self.tap_layers, self.capture_mode = tuple(int(i) for i in layers), mode
+
+    # -- running ------------------------------------------------------------------------------
+    def _ids(self, ids: Sequence[int] | Tensor) -> Tensor:
+        t = torch.as_tensor(list(ids) if not isinstance(ids, Tensor) else ids, dtype=torch.long)
+        if t.numel() == 0:
+            raise ValueError("no token ids")
+        if int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return t.reshape(1, -1).to(self.layer_dev[0])
+
+    @torch.no_grad()
+    def forward(self, ids: Sequence[int] | Tensor, all_logits: bool = False) -> Tensor:
+        """Run and commit `ids`; float32 logits [n, V] (all rows) or [1, V] (the last)."""
+        self._pending = None
+        out = self.model(self._ids(ids), self.state, experts=self.experts,
+                         logits="all" if all_logits else "last")
+        return out.logits[0].float()
+
+    @torch.no_grad()
+    def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
+        """Run rows after the committed state without committing (see module doc)."""
+        taps = self.tap_layers if capture else ()
+        out = self.model(self._ids(ids), self.state, experts=self.experts, capture_layers=taps,
+                         capture_mode=self.capture_mode, speculative=True,
+                         logits="all" if all_logits else "last")
+        assert out.captured is not None
+        self._pending = _Pending(out.captured, out.captured.n_rows)
+        feats = None
+        if capture:
+            if taps:
+                feats = torch.cat([out.layer_inputs[il][0].to(self.layer_dev[-1]) for il in taps], dim=-1)
+            else:
+                feats = out.logits.new_zeros(out.captured.n_rows, 0)
+        return VerifyOutput(out.logits[0].float(), feats.float() if feats is not None else None)
+
+    def commit(self, n: int) -> None:
+        p = self._pending
+        if p is None:
+            if n:
+                raise ValueError("commit without a pending verify")
+            return
+        if not 0 <= n <= p.n_rows:
+            raise ValueError(f"cannot commit {n} of {p.n_rows} verified rows")
+        commit_rows(self.state, p.captured, n)
+        self._pending = None
+        self.replay_commits += 1
+
+    def rollback(self) -> None:
+        self.commit(0)
+
+    # -- for the scheduler and the draft ---------------------------------------------------
+    def cost(self, n_rows: int) -> float:
+        """Expected bytes one verify pass of n rows moves: routed expert bytes not in the cache
+        (uniform-routing estimate of distinct experts, scaled by the uncached fraction), the
+        trunk read once per pass, and per row the routed experts' bytes it computes with."""
+        k = self.cfg.num_experts_per_tok
+        total = float(self.trunk_file_bytes)
+        for il in self.store.layers:
+            n_exp = self.store.n_experts(il)
+            per = self.store.expert_nbytes(il)
+            uncached = 1.0 - self.store.cached_count(il) / n_exp
+            total += expected_unique(n_rows, k, n_exp) * uncached * per + n_rows * k * per * 0.05
+        return total
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.embed(ids.to(self.layer_dev[0]))
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(hidden.to(self.model.lm_head.weight.dtype)).float()
+
+    def counters(self) -> dict[str, int]:
+        s = self.store.stats()
+        return {"replay_commits": self.replay_commits, "expert_hits": s.hits, "expert_misses": s.misses,
+                "expert_bytes_read": s.bytes_read}
+
+    def expert_stats(self) -> ExpertStats:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+        self.source.close()
+
+
+def _install_layer_split(model: K3Model, layer_dev: Sequence[torch.device]) -> None:
+    """Multi-device layer split without touching the model's forward: each layer's attention
+    and FFN run on that layer's device (inputs moved there by a pre-hook) and hand their
+    outputs back to the stream's device (the first). Untested here: CPU-only machine."""
+    home = layer_dev[0]
+
+    def to_dev(dev: torch.device):
+        def pre(_mod, args):
+            return tuple(a.to(dev) if isinstance(a, Tensor) else a for a in args)
+        return pre
+
+    def back(_mod, _args, out):
+        if isinstance(out, tuple):
+            return tuple(o.to(home) if isinstance(o, Tensor) else o for o in out)
+        return out.to(home)
+
+    for il, layer in enumerate(model.layers):
+        for sub in (layer.attn, layer.ffn):
+            sub.register_forward_pre_hook(to_dev(layer_dev[il]))
+            sub.register_forward_hook(back)
+    model.lm_head.register_forward_pre_hook(to_dev(layer_dev[-1]))
+
+
+def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
+    """The registry entry: build the trunk and the expert store from an open GGUF."""
+    cfg = config_from_source(source)
+    devices = options.devices
+    layer_dev = layer_devices(cfg.num_layers, devices)
+    if len(devices) > 1:     # norms and scores used in the stream loop stay with the stream
+        layer_dev_params = [devices[0]] * cfg.num_layers
+    else:
+        layer_dev_params = layer_dev
+    model = build_trunk(source, cfg, options.dtype, layer_dev_params)
+    if len(devices) > 1:     # move each layer's attention and FFN weights to its device
+        for il, layer in enumerate(model.layers):
+            layer.attn.to(layer_dev[il])
+            layer.ffn.to(layer_dev[il])
+        model.lm_head.to(layer_dev[-1])
+    if options.ggml_parity:
+        model.set_ggml_q8_inputs(True)
+    store = source.expert_store(expert_tensor_names(cfg), cache_mib=options.expert_cache_mib,
+                                dtype=options.dtype, device=devices[0], cold=options.cold)
+    return K3Adapter(source, cfg, model, store, options, layer_dev)

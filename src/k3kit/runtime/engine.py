@@ -1,0 +1,170 @@
+"""The generation loop over a model adapter: chunked prefill, decode, sampling, streaming.
+
+The engine is model-neutral. It drives anything with the `CausalModel` shape (one sequence,
+`forward(ids)` runs and commits rows and returns logits) and talks to the model's expert
+ledger only through `expert_stats()` (anything with hits, misses, bytes_read), so the
+payload it reports is what the store actually read, not an estimate.
+
+Decoding goes through a `DecodeStep`: given the last emitted token (not yet fed to the
+model), feed it and return the next token(s). Plain autoregressive decoding is `ARStep`;
+a speculative step (draft proposes, target verifies several rows, commits the accepted
+ones) returns several tokens per call and slots in without changing the loop.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from k3kit.runtime.sampling import Sampler, Sampling
+
+
+class CausalModel(Protocol):
+    vocab_size: int
+
+    @property
+    def position(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def forward(self, ids: Sequence[int], all_logits: bool = False) -> Tensor: ...
+
+
+class DecodeStep(Protocol):
+    def __call__(self, anchor: int) -> list[int]: ...
+
+
+class ARStep:
+    """One row per model pass: feed the anchor, sample the next token."""
+
+    def __init__(self, model: CausalModel, sampler: Sampler):
+        self.model, self.sampler = model, sampler
+
+    def __call__(self, anchor: int) -> list[int]:
+        return [self.sampler(self.model.forward([anchor])[-1])]
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    expert_cache_hit_rate: float = 0.0
+    payload_bytes: int = 0              # expert bytes read from the model file, prefill + decode
+    prefill_payload_bytes: int = 0
+    payload_bytes_per_token: float = 0.0   # decode-phase bytes per generated token
+    peak_rss_bytes: int = 0
+    stop_reason: str = "length"         # "length", "stop" (eos / end of turn)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]                # generated tokens only (a stop token included)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class _Ledger:
+    """Deltas of the model's expert counters (if it has any) between two points."""
+
+    def __init__(self, model: Any):
+        self.fn = getattr(model, "expert_stats", None)
+
+    def read(self) -> tuple[int, int, int]:
+        if self.fn is None:
+            return 0, 0, 0
+        s = self.fn()
+        return int(s.hits), int(s.misses), int(s.bytes_read)
+
+
+def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, sampling: Sampling,
+             stop_ids: Iterable[int] = (), prefill_chunk: int = 256,
+             on_token: Callable[[int], None] | None = None,
+             step: Callable[[CausalModel, Sampler], DecodeStep] | None = None,
+             detokenize: Callable[[list[int]], str] | None = None) -> GenerationResult:
+    """Prefill `prompt_ids` in chunks, then decode up to `max_tokens` tokens.
+
+    on_token(id) is called as each token is accepted (stream text from it); `step` builds the
+    decode strategy (default ARStep); `detokenize` turns the emitted ids (stop excluded) into
+    the result's text. The model is reset first: one call = one sequence.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("empty prompt")
+    if prefill_chunk < 1:
+        raise ValueError("prefill_chunk must be >= 1")
+    stop = set(stop_ids)
+    sampler = Sampler(sampling)
+    ledger = _Ledger(model)
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    model.reset()
+
+    h0, m0, b0 = ledger.read()
+    t0 = time.perf_counter()
+    logits = None
+    for i in range(0, len(prompt), prefill_chunk):
+        logits = model.forward(prompt[i:i + prefill_chunk])
+    assert logits is not None
+    t1 = time.perf_counter()
+    _, _, b1 = ledger.read()
+
+    out: list[int] = []
+    decoder = (step or ARStep)(model, sampler)
+
+    def emit(tokens: list[int]) -> bool:
+        for t in tokens:
+            if len(out) >= max_tokens:
+                return True
+            out.append(t)
+            if t in stop:
+                stats.stop_reason = "stop"
+                return True
+            if on_token is not None:
+                on_token(t)
+        return len(out) >= max_tokens
+
+    if max_tokens > 0:
+        done = emit([sampler(logits[-1])])
+        while not done:
+            done = emit(decoder(out[-1]))
+    t2 = time.perf_counter()
+    h2, m2, b2 = ledger.read()
+
+    stats.generated_tokens = len(out)
+    stats.prefill_seconds, stats.decode_seconds = t1 - t0, t2 - t1
+    stats.prefill_tok_s = len(prompt) / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0
+    # the first token comes from the prefill's logits; the decode phase made the rest
+    decoded = max(len(out) - 1, 0)
+    stats.decode_tok_s = decoded / stats.decode_seconds if stats.decode_seconds > 0 and decoded else 0.0
+    stats.expert_hits, stats.expert_misses = h2 - h0, m2 - m0
+    looked = stats.expert_hits + stats.expert_misses
+    stats.expert_cache_hit_rate = stats.expert_hits / looked if looked else 0.0
+    stats.payload_bytes, stats.prefill_payload_bytes = b2 - b0, b1 - b0
+    stats.payload_bytes_per_token = (b2 - b1) / decoded if decoded else 0.0
+    stats.peak_rss_bytes = peak_rss_bytes()
+    emitted = out[:-1] if out and out[-1] in stop else out
+    text = detokenize(emitted) if detokenize is not None else ""
+    return GenerationResult(text, out, stats)
