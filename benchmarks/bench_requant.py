@@ -12,7 +12,7 @@ source, one after the other:
   not a Q4_K row; llama.cpp would fall back to Q5_0). Same-type tensors are copied by both.
 
 Then the two outputs are compared tensor by tensor (both use ggml's reference Q4_K
-quantizer, so they should agree byte for byte). Speeds are GB/s of input model bytes.
+quantizer, so they should agree byte for byte). Speeds are MB/s of input model bytes.
 
     python benchmarks/bench_requant.py [--layers 2] [--experts 64] [--shards 4] [--jobs 2] [--dir DIR]
 """
@@ -142,9 +142,9 @@ def main() -> int:
             t_ll = run_llama(first, work / "llama" / first.name.split("-00001-of-")[0], args.jobs,
                              mini=args.geometry == "mini")
             rows.append((f"llama_model_quantize nthread={args.jobs}", t_ll))
-        print(f"{'method':36s} {'seconds':>8s} {'GB/s':>7s} {'x cp':>6s}")
+        print(f"{'method':36s} {'seconds':>8s} {'MB/s':>8s} {'x cp time':>10s}")
         for name, t in rows:
-            print(f"{name:36s} {t:8.2f} {total / t / 1e9:7.3f} {t / t_cp:6.1f}")
+            print(f"{name:36s} {t:8.2f} {total / t / 1e6:8.1f} {t / t_cp:10.1f}")
         if not args.skip_llama:
             print(f"k3kit / llama.cpp time ratio: {t_k3 / t_ll:.2f} (below 1 = k3kit faster)")
             llama_first = sorted((work / "llama").glob("*.gguf"))[0]

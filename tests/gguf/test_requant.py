@@ -262,25 +262,27 @@ def test_preflight_refuses_with_numbers(source, tmp_path, monkeypatch, capsys):
     assert not list((tmp_path / "out").glob("*.gguf"))
 
 
-def _fake(name, src, out, index):
-    return requant.ShardPlan(index, name, Path("/s") / name, Path("/o") / name, [], [], 32, src, out, 0, "")
+def _fake(name, src, out, index, work=0):
+    t = requant.TensorPlan("w", (256, 1), Q.Q8_0, Q.Q4_K, work, 0, "attention", "requant")
+    return requant.ShardPlan(index, name, Path("/s") / name, Path("/o") / name, [t], [], 32, src, out, 0, "")
 
 
 def test_preflight_orders_by_saving_and_refuses_when_it_cannot_fit(monkeypatch):
     monkeypatch.setattr(requant, "same_filesystem", lambda a, b: True)
     mb = 1 << 20
-    plans = [_fake("a", 100 * mb, 90 * mb, 0), _fake("b", 100 * mb, 50 * mb, 1),
-             _fake("c", 100 * mb, 70 * mb, 2)]
+    plans = [_fake("a", 100 * mb, 90 * mb, 0, work=1), _fake("b", 100 * mb, 50 * mb, 1, work=3),
+             _fake("c", 100 * mb, 70 * mb, 2, work=2)]
     monkeypatch.setattr(requant, "free_bytes", lambda p: 300 << 20)
     order, info = preflight(plans, Path("/o"), delete_source=False)
-    assert [p.name for p in order] == ["a", "b", "c"]
+    assert [p.name for p in order] == ["b", "c", "a"]  # room for all: most requant work first
     monkeypatch.setattr(requant, "free_bytes", lambda p: 60 << 20)
     with pytest.raises(K3Error, match="the outputs need 224395264 bytes, 62914560 are free"):
         preflight(plans, Path("/o"), delete_source=False)
+    plans[1], plans[2] = _fake("b", 100 * mb, 70 * mb, 1, work=3), _fake("c", 100 * mb, 50 * mb, 2, work=2)
     order, info = preflight(plans, Path("/o"), delete_source=True)
-    assert [p.name for p in order] == ["b", "c", "a"]  # 50 fits, then +50 -> 110 free for 70, ...
+    assert [p.name for p in order] == ["c", "b", "a"]  # largest saving first: 50 fits, then 70 in 110, ...
     monkeypatch.setattr(requant, "free_bytes", lambda p: 40 << 20)
-    with pytest.raises(K3Error, match="even deleting sources shard by shard: shard b needs"):
+    with pytest.raises(K3Error, match="even deleting sources shard by shard: shard c needs"):
         preflight(plans, Path("/o"), delete_source=True)
 
 

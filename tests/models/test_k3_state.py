@@ -31,15 +31,21 @@ def test_decode_with_state_equals_full_forward_f64(chunks):
     assert (got - full).abs().max().item() < F64_TOL
 
 
-def test_long_prefill_uses_the_chunked_recurrence_and_matches_steps():
-    # 40 rows at once take the chunked KDA path; 5-row steps take the step loop
+def test_long_training_forward_uses_the_chunked_recurrence_and_matches_steps(monkeypatch):
+    # with gradients on, 40 rows take the chunked KDA path; 5-row steps take the step loop
+    import k3kit.models.kimi_k3.kda as kda_mod
+
+    calls = []
+    real = kda_mod.delta_rule_chunked
+    monkeypatch.setattr(kda_mod, "delta_rule_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model(dtype=torch.float64)
     toks = tokens(model, 40, seed=8)
+    full = model(toks).logits.detach()
+    assert len(calls) == sum(model.cfg.is_kda(i) for i in range(model.cfg.num_layers))
+    chunked_state = model.new_state()
+    model(toks, chunked_state)
     with torch.no_grad():
-        full = model(toks).logits
         got, _, _ = decode(model, toks, [5] * 8)
-        chunked_state = model.new_state()
-        model(toks, chunked_state)
         _, step_state, _ = decode(model, toks, [5] * 8)
     assert (got - full).abs().max().item() < F64_TOL
     for a, b in zip(chunked_state.layers, step_state.layers, strict=True):

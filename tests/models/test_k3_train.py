@@ -11,7 +11,7 @@ from k3_model_helpers import tiny_model, tokens
 
 def test_every_trainable_parameter_gets_a_gradient():
     model = tiny_model(seed=8)
-    toks = tokens(model, 12, batch=2)
+    toks = tokens(model, 40, batch=2)     # 39 rows: the chunked KDA path, backward included
     logits = model(toks[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), toks[:, 1:].reshape(-1))
     loss.backward()

@@ -228,6 +228,11 @@ class ShardPlan:
     def saving(self) -> int:
         return self.src_size - self.out_size
 
+    @property
+    def requant_bytes(self) -> int:
+        """Source bytes to dequantize and quantize again: the shard's share of the work."""
+        return sum(p.nbytes_in for p in self.tensors if p.requant)
+
     def summary(self) -> list[list]:
         return [[p.name, p.src_type.name, p.dst_type.name] for p in self.tensors]
 
@@ -541,7 +546,10 @@ def preflight(todo: list[ShardPlan], out_dir: Path, delete_source: bool) -> tupl
     info = {"free": free, "needed_all_at_once": need_all, "delete_source": delete_source}
     if need_all <= free or not todo:
         info["needed"] = need_all
-        return todo, info
+        # longest job first: parallel workers then finish close together
+        order = sorted(todo, key=lambda p: (-p.requant_bytes, p.index))
+        info["order"] = [p.name for p in order]
+        return order, info
     reclaim = delete_source and all(same_filesystem(p.source, out_dir) for p in todo)
     if not reclaim:
         extra = "" if delete_source else (" (--delete-source could free each source shard once its output "

@@ -96,6 +96,7 @@ class TrainSettings:
     vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE
     corpus_bytes: int | None = None   # cap on the corpus (tests); None: the whole stdlib
     checkpoint_every: int = 50
+    stop_at: int | None = None        # end early after this step (checkpointed): a run to `resume`
     log_every: int = 10
 
     def validate(self) -> TrainSettings:
@@ -369,6 +370,8 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
             if budget is not None and elapsed >= budget:
                 say(f"time budget of {s.minutes} min spent at step {step}")
                 break
+            if s.stop_at is not None and step >= s.stop_at:
+                break
             if total_steps is None and step == 20:
                 # size the schedule from the measured speed (eval passes cost ~ one step per window / 4)
                 per_step = elapsed / step
@@ -410,7 +413,7 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
                 ppl = f" held-out ppl {math.exp(last_eval):.2f}" if last_eval is not None else ""
                 say(f"step {step}/{total_steps or '?'} loss {last_loss:.3f} lr {lr:.2e} "
                     f"{tps:.0f} tok/s max-load {imbalance:.2f}{ppl}{eta}")
-            if step % s.checkpoint_every == 0:
+            if step % s.checkpoint_every == 0 or step == s.stop_at:
                 _atomic_torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                                     "total_steps": total_steps, "tokens": tokens_seen,
                                     "seconds": time.perf_counter() - t_run}, ckpt_path)

@@ -76,7 +76,7 @@ def delta_rule_chunked(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
         u_t + beta_t sum_{j<t} (k_t . e^{G_t-G_j} k_j) u_j = beta_t (v_t - (e^{G_t} k_t)^T S_0),
     then  o_t = ((e^{G_t} q_t)^T S_0 + sum_{j<=t} (q_t . e^{G_t-G_j} k_j) u_j) / sqrt(d)
     and   S_C = e^{G_C} S_0 + sum_j (e^{G_C-G_j} k_j) u_j^T.
-    Used for long chunks (training, prefill); decode and replay use the exact step loop.
+    Used for long training chunks; inference, decode and replay use the step loop.
     """
     B, T, H, D = q.shape
     scale = 1.0 / math.sqrt(v.shape[-1])
@@ -182,7 +182,10 @@ class KDA(nn.Module):
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x))
 
-        recur = delta_rule_chunked if T >= 2 * CHUNK else delta_rule
+        # llama.cpp's CPU op runs the step loop for prefill too; the loop keeps inference on its
+        # summation order (small differences get amplified by ggml's Q8 rounding of expert
+        # inputs and the routed norm). Training takes the parallel form.
+        recur = delta_rule_chunked if torch.is_grad_enabled() and T >= 2 * CHUNK else delta_rule
         o, S = recur(state.S, q, k, v, g, beta)
 
         rows = None

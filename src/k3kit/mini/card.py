@@ -1,0 +1,325 @@
+"""Ship a trained mini K3: GGUF, QAT table, training curve and the model card.
+
+`ship(run_dir, dest)` takes a `k3kit mini train` run directory and writes into `dest`:
+  hf/                 the HF checkpoint + tokenizer, as trained
+  mini-k3.gguf        `k3kit convert target` of hf/ (Q8_0 trunk, MXFP4 experts copied bit for bit)
+  training_curve.png  train loss and held-out perplexity against tokens
+  train_log.jsonl, summary.json, corpus_manifest.json, qat.json
+  MODEL_CARD.md
+
+The QAT table scores the held-out split with the weights as each format would hold them. All
+variants start from the GGUF's own bytes (dequantized with k3kit.gguf.quants, loaded through
+models/kimi_k3/gguf_map.py), so "shipped" is exactly the file, and each requantization is a real
+encode -> decode with the ggml-exact codecs:
+  * trunk F32 (the HF checkpoint), experts MXFP4          - what training evaluated
+  * trunk Q8_0, experts MXFP4                             - mini-k3.gguf as shipped
+  * trunk Q8_0, experts MXFP4 -> Q4_K                     - requantized experts lose the QAT grid
+  * trunk Q8_0 -> Q4_K, experts MXFP4                     - the 2x24 GB-box trick for the trunk
+Q4_K needs rows of 256. Trunk matrices whose rows are shorter stay Q8_0 (llama-quantize falls
+back for them too); the mini's experts have rows of 128 (latent) and 64 (FFN), so for the
+expert variant the super-blocks of 256 run over consecutive rows of each expert matrix (each
+32-weight sub-block still has its own scale and min; only the fp16 super-scale is shared).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from k3kit.errors import K3Error
+from k3kit.gguf import quants
+from k3kit.gguf.format import is_trunk_matrix
+from k3kit.gguf.shards import Model
+from k3kit.mini import data, paths
+from k3kit.mini.corpus import build_corpus
+from k3kit.mini.fast_kda import use_fast_kda
+from k3kit.mini.fast_moe import use_fast_moe
+from k3kit.mini.train import (HF_DIR, LOG_NAME, MANIFEST_NAME, SETTINGS_NAME, SUMMARY_NAME, count_params,
+                              evaluate)
+from k3kit.models.kimi_k3.gguf_map import infer_optional_parts, load_gguf_tensors
+from k3kit.models.kimi_k3.hf import load_hf
+from k3kit.models.kimi_k3.model import K3Model
+
+CURVE_NAME = "training_curve.png"
+QAT_NAME = "qat.json"
+CARD_NAME = "MODEL_CARD.md"
+
+
+def _roundtrip(a: np.ndarray, qtype: T, row: int) -> np.ndarray:
+    """Encode `a` (float32, numpy order) to `qtype` in rows of `row` values and decode it."""
+    flat = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, row)
+    raw = quants.quantize(flat, qtype)
+    return quants.dequantize(raw, qtype, flat.size).reshape(a.shape)
+
+
+class GGUFWeights:
+    """The float32 values of every tensor of a GGUF, with optional requantization rules."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.model = Model.open(path)
+        self.tensors = self.model.tensors
+
+    def get(self, name: str, experts_q4k: bool = False, trunk_q4k: bool = False) -> np.ndarray:
+        t = self.tensors[name]
+        vals = quants.dequantize(np.asarray(self.model.view(name)), t.ggml_type, t.n_elements)
+        vals = vals.reshape(t.np_shape)
+        if experts_q4k and t.ggml_type == T.MXFP4:
+            vals = _roundtrip(vals, T.Q4_K, 256)
+        if trunk_q4k and t.ggml_type == T.Q8_0 and is_trunk_matrix(name, len(t.shape)) and t.shape[0] % 256 == 0:
+            vals = _roundtrip(vals, T.Q4_K, t.shape[0])
+        return vals
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def model_from_gguf(weights: GGUFWeights, like: K3Model, **rules: bool) -> K3Model:
+    """A K3Model with `like`'s config holding the GGUF's weights (after `rules`)."""
+    cfg = infer_optional_parts(type(like.cfg).from_dict(like.cfg.to_dict()), set(weights.tensors))
+    model = K3Model(cfg)
+    load_gguf_tensors(model, lambda n: weights.get(n, **rules), set(weights.tensors), str(weights.path))
+    return model
+
+
+def qat_table(hf_dir: Path, gguf: Path, windows: torch.Tensor) -> list[dict]:
+    """Held-out nll/perplexity of the four weight formats described in the module docstring."""
+    ref = load_hf(hf_dir)
+    w = GGUFWeights(gguf)
+    rows = []
+    try:
+        variants = [
+            ("F32", "MXFP4", "HF checkpoint (as trained)", None),
+            ("Q8_0", "MXFP4", "mini-k3.gguf as shipped", {}),
+            ("Q8_0", "MXFP4 -> Q4_K", "experts requantized", {"experts_q4k": True}),
+            ("Q8_0 -> Q4_K", "MXFP4", "trunk requantized (rows of 256; others stay Q8_0)", {"trunk_q4k": True}),
+        ]
+        for trunk, experts, what, rules in variants:
+            model = ref if rules is None else model_from_gguf(w, ref, **rules)
+            use_fast_kda(model)
+            use_fast_moe(model)
+            nll = evaluate(model, windows)
+            rows.append({"trunk": trunk, "experts": experts, "what": what, "heldout_nll": nll,
+                         "heldout_ppl": math.exp(nll)})
+    finally:
+        w.close()
+    return rows
+
+
+def plot_curve(log: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["tokens"], r["loss"]) for r in log if "loss" in r]
+    held = [(r["tokens"], r["heldout_nll"]) for r in log if "heldout_nll" in r]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    if train:
+        ax.plot([t / 1e6 for t, _ in train], [v for _, v in train], lw=1, label="train loss (batch)")
+    if held:
+        ax.plot([t / 1e6 for t, _ in held], [v for _, v in held], "o-", ms=3, label="held-out nll")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("nats / token")
+    ax.set_title("mini K3 on the CPython stdlib")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(out)
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise K3Error(f"{p}: missing (not a `k3kit mini train` run directory?)") from None
+    except json.JSONDecodeError as e:
+        raise K3Error(f"{p}: not valid JSON ({e})") from None
+
+
+def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, log=print) -> Path:
+    """Assemble the shipped artifacts of `run_dir` in `dest` (built in a temp dir, then renamed)."""
+    run = Path(run_dir)
+    dest = Path(dest)
+    summary = _read_json(run / SUMMARY_NAME)
+    settings = _read_json(run / SETTINGS_NAME)
+    manifest = _read_json(run / MANIFEST_NAME)
+    log_rows = [json.loads(x) for x in (run / LOG_NAME).read_text().splitlines() if x.strip()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        shutil.copytree(run / HF_DIR, tmp / paths.HF_NAME)
+        for name in (LOG_NAME, SUMMARY_NAME, MANIFEST_NAME, SETTINGS_NAME):
+            shutil.copy2(run / name, tmp / name)
+        plot_curve(log_rows, tmp / CURVE_NAME)
+        table = None
+        if gguf:
+            from k3kit.convert.target import convert_target
+
+            convert_target(tmp / paths.HF_NAME, tmp / paths.GGUF_NAME, "Q8_0")
+            log(f"converted {tmp / paths.GGUF_NAME}")
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(tmp / paths.HF_NAME / "tokenizer.json"))
+            seq_len = settings["settings"]["seq_len"]
+            held = data.heldout_windows(data.pack(tok, build_corpus(settings["settings"]["corpus_bytes"])
+                                                  .heldout_docs), seq_len)
+            table = qat_table(tmp / paths.HF_NAME, tmp / paths.GGUF_NAME, held)
+            (tmp / QAT_NAME).write_text(json.dumps(table, indent=2) + "\n")
+            for r in table:
+                log(f"QAT: trunk {r['trunk']:<13} experts {r['experts']:<14} ppl {r['heldout_ppl']:.3f}")
+        card = render_card(summary, settings, manifest, log_rows, table, tmp)
+        (tmp / CARD_NAME).write_text(card)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.replace(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[dict], table: list[dict] | None,
+                folder: Path) -> str:
+    m = settings["model"]
+    s = settings["settings"]
+    kinds = m["layer_kinds"]
+    hf_model = load_hf(folder / paths.HF_NAME)
+    n_params, n_active = count_params(hf_model)
+    experts = sum(p.numel() for n, p in hf_model.named_parameters() if n.endswith("_exps"))
+    L = []
+    add = L.append
+    add("# mini K3\n")
+    add("A 6-layer, 8 M-parameter Kimi-K3: every architectural feature of the 2.8 T model (KDA + MLA "
+        "hybrid, latent MoE with MXFP4 quantization-aware-trained routed experts, shared expert, "
+        "attn-res, situ) at toy width, trained for "
+        f"{summary['seconds'] / 60:.0f} minutes on a shared 2-core CPU on the CPython standard library. "
+        "It is k3kit's reference model: small enough to run everywhere in tests, trained enough that "
+        "its predictions (and a drafter's acceptance) mean something. It is not a useful assistant.\n")
+    add("## Architecture\n")
+    add("| | mini K3 | Kimi-K3 |\n|---|---|---|")
+    mla = [i + 1 for i, k in enumerate(kinds) if k == "mla"]
+    rows = [
+        ("layers", f"{len(kinds)} ({kinds.count('kda')} KDA, {kinds.count('mla')} MLA at {mla}, 1-indexed)",
+         "93 (69 KDA, 24 MLA: every 4th + last)"),
+        ("hidden", m["hidden_size"], 7168),
+        ("heads (KDA and MLA)", m["num_heads"], 64),
+        ("KDA head_dim / conv kernel / gate lower bound", f"{m['kda_head_dim']} / {m['conv_kernel']} / "
+         f"{m['gate_lower_bound']}", "128 / 4 / -5"),
+        ("MLA q_lora / kv_lora / nope + pe / v, output gate",
+         f"{m['q_lora_rank']} / {m['kv_lora_rank']} / {m['qk_nope_head_dim']} + {m['qk_rope_head_dim']} / "
+         f"{m['v_head_dim']}, {'yes' if m['mla_output_gate'] else 'no'}", "1536 / 512 / 128 + 64 / 128, yes"),
+        ("dense layers (FFN width)", f"{m['first_k_dense']} ({m['intermediate_size']})", "1 (18432)"),
+        ("routed experts, top-k", f"{m['num_experts']}, top-{m['num_experts_per_tok']}", "896, top-16"),
+        ("expert FFN / latent length / routed norm", f"{m['moe_intermediate_size']} / {m['expert_latent_size']} / "
+         f"{'yes' if m['routed_expert_norm'] else 'no'}", "3072 / 3584 / yes"),
+        ("shared experts", m["num_shared_experts"], 1),
+        ("router", "sigmoid + selection bias, renormalised", "same"),
+        ("attn-res block", m["attn_res_block_size"], 6),
+        ("activation", f"situ (beta {m['situ_beta']}, linear beta {m['situ_linear_beta']})", "situ (4, 25)"),
+        ("vocab / context", f"{m['vocab_size']} / {m['max_position_embeddings']} (trained at {s['seq_len']})",
+         "163840 / 1M"),
+        ("expert format", "MXFP4 (QAT)", "MXFP4 (QAT)"),
+        ("parameters (active per token)", f"{n_params / 1e6:.2f} M ({n_active / 1e6:.2f} M); routed experts "
+         f"{experts / 1e6:.2f} M", "~2.8 T"),
+    ]
+    for name, a, b in rows:
+        add(f"| {name} | {a} | {b} |")
+    add("")
+    add("## Data\n")
+    tr, ho = manifest["train"], manifest["heldout"]
+    add(f"{manifest['source']}, Python {manifest['python_implementation']} {manifest['python_version']}; "
+        f"rules: {json.dumps(manifest['rules'])}.\n")
+    add("| split | files | bytes | tokens | sha256 of the text |\n|---|---|---|---|---|")
+    add(f"| train | {tr['files']} | {_fmt_int(tr['bytes'])} | {_fmt_int(manifest['train_tokens'])} | `{tr['sha256']}` |")
+    add(f"| held-out | {ho['files']} | {_fmt_int(ho['bytes'])} | {_fmt_int(manifest['heldout_tokens'])} | "
+        f"`{ho['sha256']}` |")
+    add("")
+    tm = manifest["tokenizer"]
+    add(f"Tokenizer: {tm['type']}, pre-tokenizer `{tm['pre']}`, {tm['vocab_size']} tokens "
+        f"({tm['merges']} merges), special tokens {', '.join(f'`{k}` {v}' for k, v in tm['special_tokens'].items())}; "
+        f"sha256 `{tm['sha256']}`. Chat template: Kimi-K2's (in tokenizer_config.json).\n")
+    add("## Training\n")
+    add(f"AdamW (betas 0.9/0.95, weight decay {s['weight_decay']}), peak LR {s['lr']}, {s['warmup']} warmup steps, "
+        f"cosine to {s['min_lr_ratio']}x; batch {s['batch']} x {s['seq_len']} tokens (packed documents, "
+        f"[BOS] doc [EOS]); gradient clip {s['grad_clip']}; fp32, {s['threads']} thread. Routed experts "
+        "fake-quantized to MXFP4 in every forward (straight-through gradient). Load balancing: "
+        f"selection-bias controller (step {s['bias_rate']}) plus an auxiliary balance loss "
+        f"(coefficient {s['balance_coef']}). Seed {s['seed']}.\n")
+    add(f"{summary['steps']} steps, {_fmt_int(summary['tokens'])} tokens in {summary['seconds'] / 60:.1f} min "
+        f"({summary['tokens'] / summary['seconds']:.0f} tok/s on a 2-core machine shared with other jobs).\n")
+    add(f"![training curve]({CURVE_NAME})\n")
+    add("| step | tokens | held-out perplexity |\n|---|---|---|")
+    for r in log_rows:
+        if "heldout_ppl" in r:
+            add(f"| {r['step']} | {_fmt_int(r['tokens'])} | {r['heldout_ppl']:.2f} |")
+    add(f"\n(periodic rows: the first {s['eval_windows']} held-out windows; the full split is below.)\n")
+    add("## Results\n")
+    add(f"Held-out perplexity (all {summary['heldout_windows']} windows of {summary['seq_len']} tokens, "
+        f"{_fmt_int(summary['heldout_tokens_scored'])} tokens scored): **{summary['heldout_ppl']:.2f}** "
+        f"(nll {summary['heldout_nll']:.4f} nats). Unigram baseline (train-split token frequencies, "
+        f"add-one smoothed, on the same tokens): **{summary['unigram_ppl']:.1f}**.\n")
+    if table:
+        add("### QAT: the experts are the 4-bit values\n")
+        add("| trunk | routed experts | held-out perplexity | vs shipped | |\n|---|---|---|---|---|")
+        shipped = table[1]["heldout_nll"]
+        for r in table:
+            add(f"| {r['trunk']} | {r['experts']} | {r['heldout_ppl']:.3f} | "
+                f"{100 * (math.exp(r['heldout_nll'] - shipped) - 1):+.2f} % | {r['what']} |")
+        add("\nQ4_K needs 256-value rows: trunk matrices with shorter rows stay Q8_0 in the trunk row, and "
+            "the expert row packs consecutive expert rows (128 / 64 values) into each 256-value super-block.\n")
+    add("## Files\n")
+    add("| file | bytes | sha256 |\n|---|---|---|")
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != CARD_NAME:
+            add(f"| {p.relative_to(folder)} | {_fmt_int(p.stat().st_size)} | `{_sha256(p)[:16]}…` |")
+    add("")
+    add("## Reproduce\n")
+    add(f"`k3kit mini train --out DIR --steps {summary['steps']} --seed {s['seed']} --batch {s['batch']} "
+        f"--seq-len {s['seq_len']} --lr {s['lr']}` (deterministic for a given torch build and thread count; "
+        "this run was sized by `--minutes`, which fixed the step count from the measured speed), then "
+        "`k3kit convert target DIR/hf -o mini-k3.gguf`. `k3kit mini path` prints the shipped GGUF, "
+        "`--hf` the checkpoint.\n")
+    return "\n".join(L)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m k3kit.mini.card RUN_DIR DEST [--no-gguf]"""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print("usage: python -m k3kit.mini.card RUN_DIR DEST [--no-gguf]", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    try:
+        ship(args[0], args[1], gguf="--no-gguf" not in args)
+    except K3Error as e:
+        print(f"k3kit: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
