@@ -286,18 +286,41 @@ def test_preflight_orders_by_saving_and_refuses_when_it_cannot_fit(monkeypatch):
         preflight(plans, Path("/o"), delete_source=True)
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    d = tmp_path / "tmpfs"
-    d.mkdir()
+def _mount_tmpfs(d: Path, size: str):
     import subprocess
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True)
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
         yield d
     finally:
         subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    yield from _mount_tmpfs(tmp_path / "tmpfs", "2m")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    yield from _mount_tmpfs(tmp_path / "tmpfs", "9m")
+
+
+def test_delete_source_makes_it_fit_shard_by_shard(source, reference, small_tmpfs, capsys):
+    """Sources (3.3 MB) and outputs share a 9 MiB disk: all outputs (2.4 MB + margin) do not fit
+    next to the sources, one at a time with each source deleted after its output does."""
+    src = copy_source(source, small_tmpfs / "src")
+    out = small_tmpfs / "out"
+    rc, _, err = run_cli(["requant", src[0], "-o", out, "--jobs", "2"], capsys)
+    assert rc == 2 and "not enough free space" in err and "--delete-source could free" in err
+    rc, text, _ = run_cli(["requant", src[0], "-o", out, "--jobs", "2", "--delete-source", "--json"], capsys)
+    assert rc == 0, text
+    r = json.loads(text)
+    assert r["disk"]["needed"] < r["disk"]["free"] < r["disk"]["needed_all_at_once"]
+    assert r["disk"]["order"] and len(r["deleted_sources"]) == 3 and not any(p.exists() for p in src)
+    assert {p.name: sha(p) for p in _shard_files(out)} == {p.name: sha(p) for p in _shard_files(reference)}
 
 
 def test_full_disk_preflight_and_mid_write(source, tiny_tmpfs, monkeypatch, capsys):
@@ -364,3 +387,17 @@ def test_single_file_model(tmp_path):
     out = tmp_path / "out" / src.name
     assert [s["status"] for s in r.shards] == ["verified"] and out.exists()
     assert verify_model(out, src, exact="all", progress=False).ok
+
+
+def test_small_chunks_give_the_same_bytes(source, reference, tmp_path, monkeypatch):
+    """Mini tensors fit one chunk; with tiny chunks the streaming paths (requant and verify) are exercised."""
+    from k3kit.gguf import verify
+    monkeypatch.setattr(requant, "CHUNK_ELEMS", 1000)  # < one 256 x 8 row group: one row per chunk
+    monkeypatch.setattr(verify, "CHUNK_ELEMS", 3000)
+    monkeypatch.setattr(verify, "HASH_CHUNK", 4096)
+    r = requantize(source[0], tmp_path / "out", Options(), jobs=1, progress=False)
+    ref = json.loads((reference / requant.JOURNAL_NAME).read_text())
+    for s, rec in zip(r.shards, ref["shards"], strict=True):
+        assert s["sha256"] == rec["output"]["sha256"]
+        assert s["check"]["exact_rows"] == rec["check"]["exact_rows"]
+        assert s["check"]["max_rel_rmse"] == pytest.approx(rec["check"]["max_rel_rmse"], rel=1e-6)

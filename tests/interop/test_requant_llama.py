@@ -25,19 +25,6 @@ import ggml_oracle  # noqa: E402
 pytestmark = pytest.mark.interop
 
 
-@pytest.fixture
-def no_extra_bufts(monkeypatch):
-    """No AMX/extra buffer types: llama.cpp aborts on them for any kimi-k3 (see test_synth_llama.py)."""
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("rq")
@@ -77,7 +64,7 @@ def _logits(path: Path, text: bytes) -> np.ndarray:
         model.close()
 
 
-def test_llama_cpp_runs_the_requantized_model(pair, no_extra_bufts):
+def test_llama_cpp_runs_the_requantized_model(pair):
     text = b"the quick brown fox jumps over"
     before, after = _logits(pair[0], text), _logits(pair[1], text)
     assert after.shape == before.shape and after.shape[1] == 1024

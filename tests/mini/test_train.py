@@ -11,7 +11,8 @@ import torch
 
 from k3kit.cli import main
 from k3kit.errors import K3Error
-from k3kit.mini.fast_moe import mxfp4_round
+from k3kit.mini.fast_kda import use_fast_kda
+from k3kit.mini.fast_moe import mxfp4_round, use_fast_moe
 from k3kit.mini.train import TrainSettings, build_model, evaluate, mini_config, train
 from k3kit.models.kimi_k3.hf import load_hf
 
@@ -71,8 +72,8 @@ def test_same_seed_same_weights(runs):
 
 def test_exported_checkpoint_is_the_evaluated_model(runs):
     """QAT: the experts were trained through MXFP4 rounding, so the MXFP4 export loses nothing.
-    The reloaded model (reference code paths, no fast paths) scores the held-out split exactly as
-    the trainer reported, and its experts sit on the MXFP4 grid."""
+    The reloaded model scores the held-out split exactly as the trainer reported (the reference
+    code paths agree with the fast ones on a slice), and its experts sit on the MXFP4 grid."""
     (d, r), _ = runs
     model = load_hf(d / "hf")
     for layer in model.layers:
@@ -85,7 +86,11 @@ def test_exported_checkpoint_is_the_evaluated_model(runs):
     from k3kit.mini.corpus import build_corpus
     tok = Tokenizer.from_file(str(d / "hf" / "tokenizer.json"))
     held = data.heldout_windows(data.pack(tok, build_corpus(300_000).heldout_docs), 48)
-    assert evaluate(model, held) == pytest.approx(r.heldout_nll, abs=1e-4)
+    reference_paths = evaluate(model, held[:3])
+    use_fast_kda(model)
+    use_fast_moe(model)
+    assert evaluate(model, held[:3]) == pytest.approx(reference_paths, abs=1e-5)
+    assert evaluate(model, held) == pytest.approx(r.heldout_nll, abs=1e-5)
     cfg = json.loads((d / "hf" / "config.json").read_text())
     tcfg = json.loads((d / "hf" / "tokenizer_config.json").read_text())
     assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
@@ -118,3 +123,33 @@ def test_bad_settings_are_user_errors(tmp_path, capsys):
     f.write_text("x")
     assert main(["mini", "train", "--out", str(f), "--steps", "3"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_ship_writes_gguf_card_and_qat_table(runs, tmp_path):
+    """The shipping step: GGUF from the converter, a QAT table whose rows are real re-encodings,
+    the curve and the card; the shipped GGUF scores like the checkpoint it came from."""
+    from k3kit.gguf.shards import Model
+    from k3kit.mini.card import ship
+
+    (d, r), _ = runs
+    dest = ship(d, tmp_path / "mini-k3", log=lambda m: None)
+    for name in ("hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "hf/tokenizer_config.json",
+                 "mini-k3.gguf", "MODEL_CARD.md", "training_curve.png", "qat.json", "corpus_manifest.json"):
+        assert (dest / name).is_file(), name
+    assert (dest / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = Model.open(dest / "mini-k3.gguf")
+    types = {t.name: t.ggml_type.name for t in m.tensors.values()}
+    m.close()
+    assert types["blk.1.ffn_gate_exps.weight"] == "MXFP4" and types["blk.1.attn_q.weight"] == "Q8_0"
+    table = json.loads((dest / "qat.json").read_text())
+    assert [(x["trunk"], x["experts"]) for x in table[:4]] == [
+        ("BF16", "MXFP4"), ("Q8_0", "MXFP4"), ("Q8_0", "MXFP4 -> Q4_K"), ("Q8_0 -> Q4_K", "MXFP4")]
+    assert table[0]["heldout_nll"] == pytest.approx(r.heldout_nll, abs=0.02)     # BF16 trunk
+    assert json.loads((dest / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert abs(table[1]["heldout_nll"] - table[0]["heldout_nll"]) < 0.02          # Q8_0 trunk: tiny loss
+    assert table[2]["heldout_nll"] != table[1]["heldout_nll"]                     # Q4_K experts differ
+    card = (dest / "MODEL_CARD.md").read_text()
+    assert f"{r.heldout_ppl:.2f}" in card and f"{r.unigram_ppl:.1f}" in card
+    assert "| held-out |" in card and "sha256" in card
+    if len(table) > 4:      # llama-cpp-python installed: llama.cpp scores the shipped GGUF alike
+        assert table[4]["heldout_nll"] == pytest.approx(table[4]["torch_same_windows_nll"], abs=0.02)

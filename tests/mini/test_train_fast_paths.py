@@ -101,7 +101,7 @@ def test_kda_fast_path_defers_to_the_reference_with_a_state():
     a = model(toks, s1).logits
     b = fast(toks, s2).logits
     assert torch.equal(a, b)
-    for l1, l2 in zip(s1.layers, s2.layers):
+    for l1, l2 in zip(s1.layers, s2.layers, strict=True):
         if hasattr(l1, "S"):
             assert torch.equal(l1.S, l2.S) and torch.equal(l1.conv, l2.conv)
 

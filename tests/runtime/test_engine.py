@@ -67,7 +67,8 @@ def test_greedy_equals_torch_reference(tiny, cache):
             assert misses <= total_experts and s.evictions == 0
         else:                   # a smaller cache must re-read
             assert misses > total_experts and s.evictions > 0
-        assert s.bytes_read == sum(ls.misses * adapter.store.expert_nbytes(il) for il, ls in s.per_layer.items())
+        per_layer = s.per_layer.items()
+        assert s.bytes_read == sum(ls.misses * adapter.store.expert_nbytes(il) for il, ls in per_layer)
         assert hits > 0
     finally:
         adapter.close()

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
     parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
                         help="compute dtype of trunk and experts (f32)")
+    parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
     parser.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt rows per pass")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn (Kimi format)")
     parser.add_argument("--cold", action="store_true",
@@ -74,6 +75,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--max-tokens {args.max_tokens}: must be >= 0")
     if args.expert_cache_mib < 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
+    if args.threads < 0:
+        raise K3Error(f"--threads {args.threads}: must be >= 0")
     if args.prefill_chunk < 1:
         raise K3Error(f"--prefill-chunk {args.prefill_chunk}: must be >= 1")
 
@@ -95,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
     sampling = make_sampling(args.temperature, args.top_p, args.top_k, args.seed)
     text = read_prompt(args)
     path = Path(args.model) if args.model else default_model()
-    options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype], expert_cache_mib=args.expert_cache_mib,
-                          cold=bool(args.cold))
+    options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
+                          expert_cache_mib=args.expert_cache_mib, cold=bool(args.cold))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     adapter = load_model(path, options)
     try:
         codec = TextCodec(adapter.source.raw_kv, str(path))
@@ -120,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
                           step=decode_step(args, adapter),
                           detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
         adapter.source.check()
+        trunk_bytes, cache_bytes = adapter.trunk_bytes, adapter.expert_stats().resident_bytes
     finally:
         adapter.close()
 
@@ -141,5 +147,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"experts: cache hit rate {100 * s.expert_cache_hit_rate:.1f}% ({s.expert_hits} hits, "
               f"{s.expert_misses} misses); payload {s.payload_bytes / mib:.2f} MiB total, "
               f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
-        print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB", file=sys.stderr)
+        print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {trunk_bytes / mib:.1f} MiB, "
+              f"expert cache {cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)", file=sys.stderr)
     return 0

@@ -28,7 +28,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,7 +50,7 @@ JOURNAL_NAME = "k3kit-requant.json"
 JOURNAL_FORMAT = "k3kit-requant-journal"
 JOURNAL_VERSION = 1
 MAX_JOURNAL_BYTES = 64 << 20
-CHUNK_ELEMS = 4 << 20  # float32 elements dequantized at once per worker (16 MiB, ~5x in temporaries)
+CHUNK_ELEMS = 4 << 20  # float32 elements per chunk per worker (16 MiB; the codecs' temporaries ~5x)
 DISK_MARGIN = 4 << 20  # bytes kept free beyond the planned outputs
 KILL_ENV = "K3KIT_TEST_KILL_AT"  # test hook: "phase:shard" -> SIGKILL at that point
 _PGID_ENV = "K3KIT_REQUANT_PGID"
@@ -386,17 +386,20 @@ class ShardResult:
 
 def _requant_source(f: GGUFFile, t: TensorInfo, p: TensorPlan, hashes: dict[str, str],
                     report: Callable[[int], None] | None,
-                    on_call: Callable[[], None]) -> Callable[[], np.ndarray]:
-    """A writer source that dequantizes `t` in row chunks and quantizes each chunk to the target."""
+                    on_call: Callable[[], None]) -> Callable[[], Iterator[np.ndarray]]:
+    """A streaming writer source: `t` dequantized and quantized to the target in row chunks.
 
-    def make() -> np.ndarray:
+    Memory per worker is one chunk (CHUNK_ELEMS floats and the codec's temporaries), whatever
+    the tensor's size; the sha256 of the bytes produced is left in `hashes` for the verifier.
+    """
+
+    def make() -> Iterator[np.ndarray]:
         on_call()
         ne0 = p.shape[0]
         rows = t.n_elements // ne0
         src_row = quants.row_bytes(p.src_type, ne0)
-        dst_row = quants.row_bytes(p.dst_type, ne0)
-        out = np.empty((rows, dst_row), dtype=np.uint8)
         raw = f.view(t)
+        h = hashlib.sha256()
         step = max(1, CHUNK_ELEMS // ne0)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
@@ -405,11 +408,12 @@ def _requant_source(f: GGUFFile, t: TensorInfo, p: TensorPlan, hashes: dict[str,
                 row = r0 + int(np.flatnonzero(~np.isfinite(x))[0]) // ne0
                 raise K3Error(f"{f.path}: tensor '{t.name}' row {row} decodes to non-finite values "
                               f"(corrupt {p.src_type.name} data?)")
-            out[r0:r1] = quants.quantize(x.reshape(r1 - r0, ne0), p.dst_type)
+            q = quants.quantize(x.reshape(r1 - r0, ne0), p.dst_type)
+            h.update(q)
             if report is not None:
                 report((r1 - r0) * src_row)
-        hashes[t.name] = hashlib.sha256(out).hexdigest()
-        return out
+            yield q
+        hashes[t.name] = h.hexdigest()
 
     return make
 

@@ -43,15 +43,23 @@ from k3kit.mini import data, paths
 from k3kit.mini.corpus import build_corpus
 from k3kit.mini.fast_kda import use_fast_kda
 from k3kit.mini.fast_moe import use_fast_moe
-from k3kit.mini.train import (HF_DIR, LOG_NAME, MANIFEST_NAME, SETTINGS_NAME, SUMMARY_NAME, count_params,
-                              evaluate)
+from k3kit.mini.train import (
+    HF_DIR,
+    LOG_NAME,
+    MANIFEST_NAME,
+    SETTINGS_NAME,
+    SUMMARY_NAME,
+    count_params,
+    evaluate,
+)
 from k3kit.models.kimi_k3.gguf_map import infer_optional_parts, load_gguf_tensors
-from k3kit.models.kimi_k3.hf import load_hf
+from k3kit.models.kimi_k3.hf import load_hf, save_hf
 from k3kit.models.kimi_k3.model import K3Model
 
 CURVE_NAME = "training_curve.png"
 QAT_NAME = "qat.json"
 CARD_NAME = "MODEL_CARD.md"
+LLAMA_WINDOWS = 16       # held-out windows scored by llama.cpp as a cross-check of the GGUF
 
 
 def _roundtrip(a: np.ndarray, qtype: T, row: int) -> np.ndarray:
@@ -75,7 +83,8 @@ class GGUFWeights:
         vals = vals.reshape(t.np_shape)
         if experts_q4k and t.ggml_type == T.MXFP4:
             vals = _roundtrip(vals, T.Q4_K, 256)
-        if trunk_q4k and t.ggml_type == T.Q8_0 and is_trunk_matrix(name, len(t.shape)) and t.shape[0] % 256 == 0:
+        trunk = t.ggml_type == T.Q8_0 and is_trunk_matrix(name, len(t.shape))
+        if trunk_q4k and trunk and t.shape[0] % 256 == 0:
             vals = _roundtrip(vals, T.Q4_K, t.shape[0])
         return vals
 
@@ -91,17 +100,18 @@ def model_from_gguf(weights: GGUFWeights, like: K3Model, **rules: bool) -> K3Mod
     return model
 
 
-def qat_table(hf_dir: Path, gguf: Path, windows: torch.Tensor) -> list[dict]:
+def qat_table(hf_dir: Path, gguf: Path, windows: torch.Tensor, hf_trunk: str = "BF16") -> list[dict]:
     """Held-out nll/perplexity of the four weight formats described in the module docstring."""
     ref = load_hf(hf_dir)
     w = GGUFWeights(gguf)
     rows = []
     try:
         variants = [
-            ("F32", "MXFP4", "HF checkpoint (as trained)", None),
+            (hf_trunk, "MXFP4", "hf/ checkpoint as shipped", None),
             ("Q8_0", "MXFP4", "mini-k3.gguf as shipped", {}),
             ("Q8_0", "MXFP4 -> Q4_K", "experts requantized", {"experts_q4k": True}),
-            ("Q8_0 -> Q4_K", "MXFP4", "trunk requantized (rows of 256; others stay Q8_0)", {"trunk_q4k": True}),
+            ("Q8_0 -> Q4_K", "MXFP4", "trunk requantized (rows of 256; others stay Q8_0)",
+             {"trunk_q4k": True}),
         ]
         for trunk, experts, what, rules in variants:
             model = ref if rules is None else model_from_gguf(w, ref, **rules)
@@ -113,6 +123,42 @@ def qat_table(hf_dir: Path, gguf: Path, windows: torch.Tensor) -> list[dict]:
     finally:
         w.close()
     return rows
+
+
+def llama_cpp_nll(gguf: Path, windows: torch.Tensor) -> float | None:
+    """Mean next-token nll of `windows` as llama.cpp (llama-cpp-python) computes it on the GGUF,
+    or None when llama-cpp-python is not installed. Extra (AMX/repack) weight buffers are off:
+    on AMX Xeons llama.cpp aborts with them for kimi-k3 Q8_0 weights (see tests/interop)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_extra_bufts():
+        p = params()
+        p.use_extra_bufts = False
+        return p
+
+    n = windows.shape[1] - 1
+    llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n + 8, n_batch=n + 8, logits_all=True,
+                              verbose=False, n_threads=torch.get_num_threads(), type_k=0, type_v=0)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = params
+    total = 0.0
+    try:
+        for w in windows.tolist():
+            llm.reset()
+            llm.eval(w[:-1])
+            logits = np.asarray(llm.scores[:n], dtype=np.float64)
+            top = logits.max(axis=-1, keepdims=True)
+            logp = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+            total -= float(logp[np.arange(n), w[1:]].sum())
+    finally:
+        llm.close()
+    return total / (windows.shape[0] * n)
 
 
 def plot_curve(log: list[dict], out: Path) -> None:
@@ -156,8 +202,13 @@ def _read_json(p: Path) -> dict:
         raise K3Error(f"{p}: not valid JSON ({e})") from None
 
 
-def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, log=print) -> Path:
-    """Assemble the shipped artifacts of `run_dir` in `dest` (built in a temp dir, then renamed)."""
+def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, hf_dtype: torch.dtype = torch.bfloat16,
+         log=print) -> Path:
+    """Assemble the shipped artifacts of `run_dir` in `dest` (built in a temp dir, then renamed).
+
+    The HF trunk is stored in `hf_dtype` (bfloat16 by default, as K3 ships: half the bytes of the
+    float32 training weights; the experts are MXFP4 either way) and the GGUF is converted from it.
+    """
     run = Path(run_dir)
     dest = Path(dest)
     summary = _read_json(run / SUMMARY_NAME)
@@ -167,9 +218,12 @@ def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, log=print)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
+        tmp.chmod(0o755)
         shutil.copytree(run / HF_DIR, tmp / paths.HF_NAME)
+        if hf_dtype != torch.float32:
+            save_hf(load_hf(run / HF_DIR), tmp / paths.HF_NAME, dtype=hf_dtype)
         for name in (LOG_NAME, SUMMARY_NAME, MANIFEST_NAME, SETTINGS_NAME):
-            shutil.copy2(run / name, tmp / name)
+            shutil.copyfile(run / name, tmp / name)
         plot_curve(log_rows, tmp / CURVE_NAME)
         table = None
         if gguf:
@@ -183,9 +237,23 @@ def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, log=print)
             seq_len = settings["settings"]["seq_len"]
             held = data.heldout_windows(data.pack(tok, build_corpus(settings["settings"]["corpus_bytes"])
                                                   .heldout_docs), seq_len)
-            table = qat_table(tmp / paths.HF_NAME, tmp / paths.GGUF_NAME, held)
+            hf_trunk = {torch.bfloat16: "BF16", torch.float16: "F16"}.get(hf_dtype, "F32")
+            table = qat_table(tmp / paths.HF_NAME, tmp / paths.GGUF_NAME, held, hf_trunk)
+            check = held[:LLAMA_WINDOWS]
+            ll = llama_cpp_nll(tmp / paths.GGUF_NAME, check)
+            if ll is not None:
+                gw = GGUFWeights(tmp / paths.GGUF_NAME)
+                ref = model_from_gguf(gw, load_hf(tmp / paths.HF_NAME))
+                gw.close()
+                use_fast_kda(ref)
+                use_fast_moe(ref)
+                table.append({"trunk": "Q8_0", "experts": "MXFP4", "what": "llama.cpp on mini-k3.gguf",
+                              "windows": int(check.shape[0]), "heldout_nll": ll, "heldout_ppl": math.exp(ll),
+                              "torch_same_windows_nll": evaluate(ref, check)})
+                log(f"llama.cpp on the first {check.shape[0]} windows: nll {ll:.4f} "
+                    f"(torch on the same GGUF weights {table[-1]['torch_same_windows_nll']:.4f})")
             (tmp / QAT_NAME).write_text(json.dumps(table, indent=2) + "\n")
-            for r in table:
+            for r in table[:4]:
                 log(f"QAT: trunk {r['trunk']:<13} experts {r['experts']:<14} ppl {r['heldout_ppl']:.3f}")
         card = render_card(summary, settings, manifest, log_rows, table, tmp)
         (tmp / CARD_NAME).write_text(card)
@@ -213,7 +281,8 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     L = []
     add = L.append
     add("# mini K3\n")
-    add("A 6-layer, 8 M-parameter Kimi-K3: every architectural feature of the 2.8 T model (KDA + MLA "
+    add(f"A {len(kinds)}-layer, {n_params / 1e6:.1f} M-parameter Kimi-K3: every architectural feature "
+        "of the 2.8 T model (KDA + MLA "
         "hybrid, latent MoE with MXFP4 quantization-aware-trained routed experts, shared expert, "
         "attn-res, situ) at toy width, trained for "
         f"{summary['seconds'] / 60:.0f} minutes on a shared 2-core CPU on the CPython standard library. "
@@ -234,7 +303,8 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
          f"{m['v_head_dim']}, {'yes' if m['mla_output_gate'] else 'no'}", "1536 / 512 / 128 + 64 / 128, yes"),
         ("dense layers (FFN width)", f"{m['first_k_dense']} ({m['intermediate_size']})", "1 (18432)"),
         ("routed experts, top-k", f"{m['num_experts']}, top-{m['num_experts_per_tok']}", "896, top-16"),
-        ("expert FFN / latent length / routed norm", f"{m['moe_intermediate_size']} / {m['expert_latent_size']} / "
+        ("expert FFN / latent length / routed norm",
+         f"{m['moe_intermediate_size']} / {m['expert_latent_size']} / "
          f"{'yes' if m['routed_expert_norm'] else 'no'}", "3072 / 3584 / yes"),
         ("shared experts", m["num_shared_experts"], 1),
         ("router", "sigmoid + selection bias, renormalised", "same"),
@@ -254,22 +324,26 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     add(f"{manifest['source']}, Python {manifest['python_implementation']} {manifest['python_version']}; "
         f"rules: {json.dumps(manifest['rules'])}.\n")
     add("| split | files | bytes | tokens | sha256 of the text |\n|---|---|---|---|---|")
-    add(f"| train | {tr['files']} | {_fmt_int(tr['bytes'])} | {_fmt_int(manifest['train_tokens'])} | `{tr['sha256']}` |")
+    add(f"| train | {tr['files']} | {_fmt_int(tr['bytes'])} | {_fmt_int(manifest['train_tokens'])} | "
+        f"`{tr['sha256']}` |")
     add(f"| held-out | {ho['files']} | {_fmt_int(ho['bytes'])} | {_fmt_int(manifest['heldout_tokens'])} | "
         f"`{ho['sha256']}` |")
     add("")
     tm = manifest["tokenizer"]
     add(f"Tokenizer: {tm['type']}, pre-tokenizer `{tm['pre']}`, {tm['vocab_size']} tokens "
-        f"({tm['merges']} merges), special tokens {', '.join(f'`{k}` {v}' for k, v in tm['special_tokens'].items())}; "
+        f"({tm['merges']} merges), special tokens "
+        f"{', '.join(f'`{k}` {v}' for k, v in tm['special_tokens'].items())}; "
         f"sha256 `{tm['sha256']}`. Chat template: Kimi-K2's (in tokenizer_config.json).\n")
     add("## Training\n")
-    add(f"AdamW (betas 0.9/0.95, weight decay {s['weight_decay']}), peak LR {s['lr']}, {s['warmup']} warmup steps, "
+    add(f"AdamW (betas 0.9/0.95, weight decay {s['weight_decay']}), peak LR {s['lr']}, "
+        f"{s['warmup']} warmup steps, "
         f"cosine to {s['min_lr_ratio']}x; batch {s['batch']} x {s['seq_len']} tokens (packed documents, "
         f"[BOS] doc [EOS]); gradient clip {s['grad_clip']}; fp32, {s['threads']} thread. Routed experts "
         "fake-quantized to MXFP4 in every forward (straight-through gradient). Load balancing: "
         f"selection-bias controller (step {s['bias_rate']}) plus an auxiliary balance loss "
         f"(coefficient {s['balance_coef']}). Seed {s['seed']}.\n")
-    add(f"{summary['steps']} steps, {_fmt_int(summary['tokens'])} tokens in {summary['seconds'] / 60:.1f} min "
+    add(f"{summary['steps']} steps, {_fmt_int(summary['tokens'])} tokens in "
+        f"{summary['seconds'] / 60:.1f} min "
         f"({summary['tokens'] / summary['seconds']:.0f} tok/s on a 2-core machine shared with other jobs).\n")
     add(f"![training curve]({CURVE_NAME})\n")
     add("| step | tokens | held-out perplexity |\n|---|---|---|")
@@ -281,16 +355,22 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     add(f"Held-out perplexity (all {summary['heldout_windows']} windows of {summary['seq_len']} tokens, "
         f"{_fmt_int(summary['heldout_tokens_scored'])} tokens scored): **{summary['heldout_ppl']:.2f}** "
         f"(nll {summary['heldout_nll']:.4f} nats). Unigram baseline (train-split token frequencies, "
-        f"add-one smoothed, on the same tokens): **{summary['unigram_ppl']:.1f}**.\n")
+        f"add-one smoothed, on the same tokens): **{summary['unigram_ppl']:.1f}**. (The float32 training "
+        "weights; the shipped files hold the trunk in BF16 (hf/) and Q8_0 (GGUF): see the table.)\n")
     if table:
         add("### QAT: the experts are the 4-bit values\n")
         add("| trunk | routed experts | held-out perplexity | vs shipped | |\n|---|---|---|---|---|")
         shipped = table[1]["heldout_nll"]
-        for r in table:
+        for r in table[:4]:
             add(f"| {r['trunk']} | {r['experts']} | {r['heldout_ppl']:.3f} | "
                 f"{100 * (math.exp(r['heldout_nll'] - shipped) - 1):+.2f} % | {r['what']} |")
-        add("\nQ4_K needs 256-value rows: trunk matrices with shorter rows stay Q8_0 in the trunk row, and "
-            "the expert row packs consecutive expert rows (128 / 64 values) into each 256-value super-block.\n")
+        for r in table[4:]:
+            add(f"\nCross-check: llama.cpp (llama-cpp-python, CPU) on mini-k3.gguf, first {r['windows']} "
+                f"held-out windows: nll {r['heldout_nll']:.4f} (perplexity {r['heldout_ppl']:.2f}); k3kit's "
+                f"torch model on the same GGUF weights and windows: nll {r['torch_same_windows_nll']:.4f}.")
+        add("\nQ4_K needs 256-value rows: trunk matrices with shorter rows stay Q8_0 in the trunk row, "
+            "and the expert row packs consecutive expert rows (128 / 64 values) into each 256-value "
+            "super-block.\n")
     add("## Files\n")
     add("| file | bytes | sha256 |\n|---|---|---|")
     for p in sorted(folder.rglob("*")):

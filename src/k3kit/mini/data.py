@@ -38,7 +38,8 @@ def train_batch(stream: Tensor, batch: int, seq_len: int, seed: int, step: int) 
     """`batch` windows of seq_len + 1 tokens (inputs and next-token targets) at random offsets."""
     n = stream.numel() - seq_len - 1
     if n <= 0:
-        raise K3Error(f"training stream of {stream.numel()} tokens is shorter than one window of {seq_len + 1}")
+        raise K3Error(f"training stream of {stream.numel()} tokens is shorter than one window "
+                      f"of {seq_len + 1}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, n + 1, (batch,), generator=g)
     return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])
@@ -50,7 +51,8 @@ def heldout_windows(stream: Tensor, seq_len: int, max_windows: int | None = None
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise K3Error(f"held-out stream of {stream.numel()} tokens is shorter than one window of {seq_len + 1}")
+        raise K3Error(f"held-out stream of {stream.numel()} tokens is shorter than one window "
+                      f"of {seq_len + 1}")
     return stream[:n * (seq_len + 1)].view(n, seq_len + 1)
 
 

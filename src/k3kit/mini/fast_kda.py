@@ -126,7 +126,7 @@ def kda_forward(self: KDA, x: Tensor, state=None, commit: bool = True):
     conv_in = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
     window = x.new_zeros(B, cfg.conv_kernel - 1, cfg.kda_dim)
     outs = [F.silu(causal_conv(window, xi, w)[0]).view(B, T, H, D)
-            for xi, w in zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))]
+            for xi, w in zip(conv_in, (self.q_conv, self.k_conv, self.v_conv), strict=True)]
     q = l2_norm(outs[0], cfg.rms_norm_eps)
     k = l2_norm(outs[1], cfg.rms_norm_eps)
     g = self.decay(x)

@@ -100,7 +100,8 @@ class TrainSettings:
     log_every: int = 10
 
     def validate(self) -> TrainSettings:
-        for name in ("seq_len", "batch", "eval_every", "eval_windows", "threads", "checkpoint_every", "log_every"):
+        for name in ("seq_len", "batch", "eval_every", "eval_windows", "threads", "checkpoint_every",
+                     "log_every"):
             if getattr(self, name) <= 0:
                 raise K3Error(f"train settings: {name} must be positive, got {getattr(self, name)}")
         if self.steps is None and self.minutes is None:
@@ -247,6 +248,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)             # mkstemp's 0600 is wrong for files meant to be shipped
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -376,7 +378,8 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
                 # size the schedule from the measured speed (eval passes cost ~ one step per window / 4)
                 per_step = elapsed / step
                 n_evals = budget / per_step / s.eval_every
-                total_steps = max(step + 1, int((budget - n_evals * per_step * s.eval_windows / 8) / per_step))
+                eval_cost = n_evals * per_step * s.eval_windows / 8
+                total_steps = max(step + 1, int((budget - eval_cost) / per_step))
                 say(f"{per_step:.2f} s/step: schedule set to {total_steps} steps")
             sched_total = total_steps if total_steps is not None else 10 ** 9
             lr = lr_at(step, sched_total, s)
@@ -400,7 +403,8 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
                        "lr": lr, "grad_norm": gnorm, "max_load_ratio": imbalance}
             if step % s.eval_every == 0 or step == total_steps:
                 last_eval = evaluate(model, held_eval)
-                rec = rec or {"step": step, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t_run, 2)}
+                rec = rec or {"step": step, "tokens": tokens_seen,
+                              "seconds": round(time.perf_counter() - t_run, 2)}
                 rec.update(heldout_nll=last_eval, heldout_ppl=math.exp(last_eval))
             if rec is not None:
                 logf.write(json.dumps(rec) + "\n")
@@ -420,7 +424,8 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
 
     seconds = time.perf_counter() - t_run
     nll = evaluate(model, held_all)
-    say(f"held-out ({held_all.shape[0]} windows of {s.seq_len}): nll {nll:.4f}, perplexity {math.exp(nll):.2f} "
+    say(f"held-out ({held_all.shape[0]} windows of {s.seq_len}): nll {nll:.4f}, "
+        f"perplexity {math.exp(nll):.2f} "
         f"(unigram {unigram:.1f})")
 
     hf = out / HF_DIR
