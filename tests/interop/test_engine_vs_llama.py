@@ -1,0 +1,99 @@
+"""Greedy decoding: k3kit's engine and llama.cpp agree token for token on the same GGUF.
+
+Model: the shipped mini K3 (src/k3kit/mini/assets/mini-k3/mini-k3.gguf) when it exists, else a
+random tiny K3 converted with `k3kit convert target --trunk-type F32` (tests/runtime/
+engine_models.py; 16 MXFP4 experts top-4). The engine runs with ggml parity on (routed expert
+inputs rounded to Q8_0 as ggml-cpu does for MXFP4 weights), llama.cpp with an F32 KV cache.
+10 prompts x 64 tokens, engine expert cache at 100%, 25% and one expert per layer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from engine_models import SHIPPED, prompts, tiny_gguf  # noqa: E402
+
+from k3kit.runtime.engine import generate  # noqa: E402
+from k3kit.runtime.loader import LoadOptions, load_model  # noqa: E402
+from k3kit.runtime.sampling import make_sampling  # noqa: E402
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+N_PROMPTS, N_TOKENS = 10, 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def llama_greedy(llm, prompt: list[int], n: int) -> list[int]:
+    llm.reset()
+    llm.eval(prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_llama(tmp_path_factory, no_extra_bufts_module):
+    if SHIPPED.exists():
+        path = SHIPPED
+    else:
+        path, _ = tiny_gguf(tmp_path_factory.mktemp("engine_llama"), "F32")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=1, logits_all=True,
+                          type_k=0, type_v=0, verbose=False)
+    vocab = llm.n_vocab() - 16          # stay below the special tokens at the end of the vocab
+    ps = prompts(N_PROMPTS, vocab)
+    want = [llama_greedy(llm, p, N_TOKENS) for p in ps]
+    llm.close()
+    return path, ps, want
+
+
+@pytest.fixture(scope="module")
+def no_extra_bufts_module():
+    """tests/interop/conftest.py's AMX guard, for module-scoped fixtures that create a Llama."""
+    mp = pytest.MonkeyPatch()
+    original = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    mp.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
+    yield
+    mp.undo()
+
+
+@pytest.mark.parametrize("cache", ["all", "quarter", "one_per_layer"])
+def test_engine_greedy_equals_llama_cpp(model_and_llama, cache):
+    path, ps, want = model_and_llama
+    probe = load_model(path, LoadOptions(expert_cache_mib=0))
+    st = probe.store
+    one = sum(4 * t.shape[0] * t.shape[1] for t in st.layers[next(iter(st.layers))]) / 2**20
+    total = one * sum(st.n_experts(il) for il in st.layers)
+    n_moe = len(st.layers)
+    probe.close()
+    mib = {"all": total, "quarter": total / 4, "one_per_layer": one * n_moe}[cache]
+    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, ggml_parity=True))
+    try:
+        for i, p in enumerate(ps):
+            got = generate(adapter, p, max_tokens=N_TOKENS, sampling=make_sampling(0.0, seed=0),
+                           prefill_chunk=8).token_ids
+            assert got == want[i], f"prompt {i}: first difference at token " \
+                f"{next(j for j, (a, b) in enumerate(zip(got, want[i], strict=True)) if a != b)}"
+        assert adapter.expert_stats().misses > 0
+    finally:
+        adapter.close()
