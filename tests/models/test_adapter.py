@@ -63,7 +63,7 @@ def test_target_contract(tiny):
 
     p = prompts(1, 500, seed=4, lo=9, hi=9)[0]
     try:
-        check_target_contract(make, p, [5, 77, 300, 12, 401], atol=2e-5)
+        check_target_contract(make, p, [5, 77, 300, 12, 401], atol=1e-4)   # float32 batch vs row
     finally:
         for a in made:
             a.close()

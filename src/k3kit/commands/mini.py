@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "OpenMP spinning makes 2 threads far slower)")
     t.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
     t.add_argument("--corpus-bytes", type=int, default=None, help="cap the corpus (quick runs)")
+    t.add_argument("--stop-at", type=int, default=None, metavar="STEP", help="end after this step "
+                   "(checkpointed, resumable) without finishing the schedule")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
     t.set_defaults(_mini=_run_train)
@@ -36,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf", action="store_true", help="the Hugging Face checkpoint directory instead")
     g.add_argument("--draft", action="store_true", help="the shipped DSpark drafter GGUF instead")
     p.set_defaults(_mini=_run_path)
+
+    # `train-draft`: the drafter's sub-parser and runner live in k3kit.mini.draft_cli
+    from k3kit.mini.draft_cli import add_parser as add_train_draft
+    add_train_draft(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +61,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     s = TrainSettings(steps=args.steps, minutes=args.minutes, seed=args.seed, batch=args.batch,
                       seq_len=args.seq_len, lr=args.lr, threads=args.threads, eval_every=args.eval_every,
-                      corpus_bytes=args.corpus_bytes)
+                      corpus_bytes=args.corpus_bytes, stop_at=args.stop_at)
     r = train(args.out, s, resume=args.resume, log=None if not args.json else (lambda m: None))
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))

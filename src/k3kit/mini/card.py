@@ -44,6 +44,7 @@ from k3kit.mini.corpus import build_corpus
 from k3kit.mini.fast_kda import use_fast_kda
 from k3kit.mini.fast_moe import use_fast_moe
 from k3kit.mini.train import (
+    CHECKPOINT_NAME,
     HF_DIR,
     LOG_NAME,
     MANIFEST_NAME,
@@ -212,6 +213,8 @@ def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, hf_dtype: 
     run = Path(run_dir)
     dest = Path(dest)
     summary = _read_json(run / SUMMARY_NAME)
+    if summary.get("schedule_steps") is None and (run / CHECKPOINT_NAME).is_file():
+        summary["schedule_steps"] = torch.load(run / CHECKPOINT_NAME, weights_only=False)["total_steps"]
     settings = _read_json(run / SETTINGS_NAME)
     manifest = _read_json(run / MANIFEST_NAME)
     log_rows = [json.loads(x) for x in (run / LOG_NAME).read_text().splitlines() if x.strip()]
@@ -257,6 +260,8 @@ def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, hf_dtype: 
                 log(f"QAT: trunk {r['trunk']:<13} experts {r['experts']:<14} ppl {r['heldout_ppl']:.3f}")
         card = render_card(summary, settings, manifest, log_rows, table, tmp)
         (tmp / CARD_NAME).write_text(card)
+        for p in tmp.rglob("*"):          # package data: world-readable (mkstemp files are 0600)
+            p.chmod(0o755 if p.is_dir() else 0o644)
         if dest.exists():
             shutil.rmtree(dest)
         tmp.replace(dest)
@@ -378,9 +383,12 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
             add(f"| {p.relative_to(folder)} | {_fmt_int(p.stat().st_size)} | `{_sha256(p)[:16]}…` |")
     add("")
     add("## Reproduce\n")
-    add(f"`k3kit mini train --out DIR --steps {summary['steps']} --seed {s['seed']} --batch {s['batch']} "
+    sched = summary.get("schedule_steps") or summary["steps"]
+    stop = f" --stop-at {summary['steps']}" if sched != summary["steps"] else ""
+    add(f"`k3kit mini train --out DIR --steps {sched}{stop} --seed {s['seed']} --batch {s['batch']} "
         f"--seq-len {s['seq_len']} --lr {s['lr']}` (deterministic for a given torch build and thread count; "
-        "this run was sized by `--minutes`, which fixed the step count from the measured speed), then "
+        "this run was sized by `--minutes`, which fixed the schedule from the speed of its first steps "
+        "and stopped it when the time was spent), then "
         "`k3kit convert target DIR/hf -o mini-k3.gguf`. `k3kit mini path` prints the shipped GGUF, "
         "`--hf` the checkpoint.\n")
     return "\n".join(L)

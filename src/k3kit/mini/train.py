@@ -436,7 +436,8 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
     result = TrainResult(out, step, tokens_seen, seconds, last_loss, nll, math.exp(nll), unigram,
                          n_params, n_active)
     _atomic_write_text(out / SUMMARY_NAME, json.dumps(
-        {**result.to_dict(), "heldout_windows": held_all.shape[0], "seq_len": s.seq_len,
+        {**result.to_dict(), "schedule_steps": total_steps, "heldout_windows": held_all.shape[0],
+         "seq_len": s.seq_len,
          "heldout_tokens_scored": held_all[:, 1:].numel(), "kda_modules": _count(model, KDAModule),
          "moe_modules": _count(model, LatentMoE)}, indent=2) + "\n")
     say(f"saved {hf}")

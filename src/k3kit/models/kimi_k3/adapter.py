@@ -189,6 +189,15 @@ class K3Adapter:
         return {"replay_commits": self.replay_commits, "expert_hits": s.hits, "expert_misses": s.misses,
                 "expert_bytes_read": s.bytes_read}
 
+    def reset_expert_cache(self, cache_mib: float | None = None) -> None:
+        """Empty the expert cache (optionally with a new budget) and zero its counters."""
+        if cache_mib is not None:
+            if cache_mib < 0:
+                raise ValueError("cache_mib must be >= 0")
+            self.store.cache_bytes = int(cache_mib * (1 << 20))
+        self.store.clear()
+        self.store.reset_stats()
+
     def expert_stats(self) -> ExpertStats:
         return self.store.stats()
 

@@ -1,0 +1,122 @@
+"""Prefill and AR decode tok/s: k3kit's engine vs llama.cpp, same GGUF, same thread count.
+
+    python benchmarks/bench_decode.py [--threads 1] [--prompt 64] [--tokens 32] [--dir /tmp]
+                                      [--slice-tokens 4] [--model PATH]
+
+Models: the shipped mini K3 if built (else a random tiny K3 converted with `k3kit convert
+target`, Q8_0 trunk, 16 MXFP4 experts), and a K3-geometry slice from `k3kit synth` (hidden
+7168, K3 expert and MLA dims, 8 heads, 2 layers, 16 experts, vocab 512; the same file as
+tests/runtime/test_engine_memory.py). Engine: f32 compute on the small model, bf16 on the
+slice, expert cache big enough for every expert (steady state) and, on the slice, 128 MiB.
+llama.cpp: llama-cpp-python, F32 KV cache, AMX repacking off (it crashes on this CPU).
+Prints tok/s of both and the ratio engine / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+
+def llama_speed(path: Path, prompt: list[int], n: int, threads: int) -> tuple[float, float]:
+    import llama_cpp
+    original = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    for _ in range(n):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t2 = time.perf_counter()
+    llm.close()
+    llama_cpp.llama_cpp.llama_model_default_params = original
+    return len(prompt) / (t1 - t0), n / (t2 - t1)
+
+
+def engine_speed(path: Path, prompt: list[int], n: int, dtype: torch.dtype, cache_mib: float
+                 ) -> tuple[float, float, dict]:
+    from k3kit.runtime.engine import generate
+    from k3kit.runtime.loader import LoadOptions, load_model
+    from k3kit.runtime.sampling import make_sampling
+    a = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=cache_mib))
+    try:
+        r = generate(a, prompt, max_tokens=n + 1, sampling=make_sampling(0.0, seed=0), prefill_chunk=512)
+    finally:
+        a.close()
+    return r.stats.prefill_tok_s, r.stats.decode_tok_s, r.stats.to_dict()
+
+
+def row(name: str, ours: tuple[float, float], peer: tuple[float, float]) -> None:
+    print(f"{name:38s} prefill {ours[0]:9.2f} vs {peer[0]:9.2f} tok/s (x{ours[0] / peer[0]:.3f})   "
+          f"decode {ours[1]:8.2f} vs {peer[1]:8.2f} tok/s (x{ours[1] / peer[1]:.3f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--slice-prompt", type=int, default=4)
+    ap.add_argument("--slice-tokens", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--model", default=None, help="small model GGUF (default: shipped mini or a tiny one)")
+    ap.add_argument("--no-slice", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from engine_models import SHIPPED, prompts, tiny_gguf
+
+    from k3kit.gguf.synth import K3, synthesize
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        tmp = Path(tmp)
+        if args.model:
+            small, label = Path(args.model), Path(args.model).name
+        elif SHIPPED.exists():
+            small, label = SHIPPED, "shipped mini K3"
+        else:
+            small, _ = tiny_gguf(tmp / "tiny", "Q8_0")
+            label = "tiny random K3 (Q8_0 trunk)"
+        p = prompts(1, 400, seed=2, lo=args.prompt, hi=args.prompt)[0]
+        print(f"threads {args.threads}; prompt {args.prompt} tokens, decode {args.tokens} tokens (greedy)")
+        peer = llama_speed(small, p, args.tokens, args.threads)
+        ours = engine_speed(small, p, args.tokens, torch.float32, 1024)
+        row(f"{label}, f32, all experts cached", ours[:2], peer)
+        if args.no_slice:
+            return
+        r = synthesize(tmp / "slice", replace(K3, n_dense_lead=0, n_head=8), 2, 16, vocab=512, progress=False,
+                       name="k3slice")
+        sl = r.paths[0]
+        p = prompts(1, 400, seed=3, lo=args.slice_prompt, hi=args.slice_prompt)[0]
+        peer = llama_speed(sl, p, args.slice_tokens, args.threads)
+        for cache in (4096, 128):
+            ours = engine_speed(sl, p, args.slice_tokens, torch.bfloat16, cache)
+            st = ours[2]
+            row(f"K3 slice, bf16, cache {cache} MiB", ours[:2], peer)
+            print(f"{'':38s} hit rate {st['expert_cache_hit_rate']:.2f}, payload/token "
+                  f"{st['payload_bytes_per_token'] / 2**20:.1f} MiB, "
+                  f"peak RSS {st['peak_rss_bytes'] / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
