@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from engine_models import prompts, tiny_gguf  # noqa: E402
 from target_contract import check_target_contract  # noqa: E402
 
-from k3kit.models.kimi_k3.adapter import K3Adapter  # noqa: E402
+from k3kit.models.kimi_k3.adapter import K3Adapter, _install_layer_split  # noqa: E402
 from k3kit.runtime.loader import LoadOptions, adapter_for, load_model  # noqa: E402
 from k3kit.runtime.speculative.interface import Target  # noqa: E402
 
@@ -109,5 +109,21 @@ def test_cost_follows_cache_contents(tiny):
         a.forward(prompts(1, 500, seed=1, lo=40, hi=40)[0])    # warms the cache with many experts
         assert a.cost(8) < cold8
         assert a.counters()["expert_misses"] > 0
+    finally:
+        a.close()
+
+
+def test_layer_split_hooks_leave_results_unchanged(tiny):
+    """The multi-device split (hooks moving activations to each layer's device and back) on a
+    CPU-only machine: every "device" is the CPU, so only the plumbing is exercised, not CUDA."""
+    path, _ = tiny
+    a = load_model(path, LoadOptions(expert_cache_mib=2))
+    try:
+        p = prompts(1, 500, seed=8, lo=12, hi=12)[0]
+        want = a.forward(p, all_logits=True)
+        a.reset()
+        _install_layer_split(a.model, [torch.device("cpu")] * a.cfg.num_layers)
+        assert torch.equal(a.forward(p, all_logits=True), want)
+        assert all(len(layer.attn._forward_pre_hooks) == 1 for layer in a.model.layers)
     finally:
         a.close()

@@ -47,13 +47,13 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_model() -> Path:
-    """The shipped mini model, from `k3kit.mini`'s path function if it has one."""
-    import k3kit.mini as mini
-    for fn_name in ("shipped_model_path", "model_path", "mini_model_path"):
-        fn = getattr(mini, fn_name, None)
-        if callable(fn):
-            return Path(fn())
-    path = Path(mini.__file__).parent / SHIPPED_REL
+    """The shipped mini model (`k3kit mini path`); a clear error until it is built."""
+    try:
+        from k3kit.mini import paths
+        path = Path(paths.shipped_gguf())
+    except (ImportError, AttributeError):
+        import k3kit.mini as mini
+        path = Path(mini.__file__).parent / SHIPPED_REL
     if not path.exists():
         raise K3Error(f"{path}: no MODEL given and the shipped mini model is not built yet; "
                       "pass a GGUF path")

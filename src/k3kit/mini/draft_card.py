@@ -9,7 +9,8 @@ from pathlib import Path
 
 def _hist(h: list[int]) -> str:
     total = sum(h) or 1
-    return " ".join(f"{m}:{n}" for m, n in enumerate(h)) + f"  (mean accepted {sum(m * n for m, n in enumerate(h)) / total:.2f})"
+    mean = sum(m * n for m, n in enumerate(h)) / total
+    return " ".join(f"{m}:{n}" for m, n in enumerate(h)) + f"  (mean accepted {mean:.2f})"
 
 
 def render_card(summary: dict) -> str:
@@ -29,7 +30,8 @@ def render_card(summary: dict) -> str:
         f"* block size {d['block_size']} (7 proposals per draft step, verify width 8), sample-from-anchor",
         f"* taps: target layer inputs {[i + 1 for i in d['target_layer_ids']]} of {cfg['num_target_layers']} "
         f"(GGUF `dflash.target_layers`; HF `target_layer_ids` {d['target_layer_ids']})",
-        f"* {cfg['num_hidden_layers']} layer(s), hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads "
+        f"* {cfg['num_hidden_layers']} layer(s), hidden {cfg['hidden_size']}, "
+        f"{cfg['num_attention_heads']} heads "
         f"(kv {cfg['num_key_value_heads']}) x {cfg['head_dim']}, FFN {cfg['intermediate_size']}, "
         f"RMS eps {cfg['rms_norm_eps']}, rope theta {cfg['rope_theta']}",
         f"* Markov rank {cfg['markov_rank']}, confidence head over [h ; W1[x_prev]]: "
@@ -60,12 +62,19 @@ def render_card(summary: dict) -> str:
         "against the torch mini K3 (the HF checkpoint), greedy, full verify width (anchor + 7), "
         f"{summary['card_tokens']} new tokens per prompt. tau = tokens committed per target pass "
         "(1.0 = no speedup in passes, max 8). Histogram: passes that accepted m proposals, m = 0..7.",
-        "",
-        "| workload | prompts | target passes | tau | acceptance histogram |",
-        "|---|---|---|---|---|",
     ]
-    for name, w in summary["workloads"].items():
-        lines.append(f"| {name} | {w['prompts']} | {w['passes']} | {w['tau']:.3f} | {_hist(w['histogram'])} |")
+    shipped = summary.get("shipped")
+    tables = [("float32 checkpoint (as trained)", summary["workloads"])]
+    if shipped:
+        tables.insert(0, (f"the shipped `{shipped['file']}` ({shipped['type']}, loaded back from the file)",
+                          shipped["workloads"]))
+    for title, table in tables:
+        lines += ["", f"Draft: {title}", "",
+                  "| workload | prompts | target passes | tau | acceptance histogram |",
+                  "|---|---|---|---|---|"]
+        for name, w in table.items():
+            lines.append(f"| {name} | {w['prompts']} | {w['passes']} | {w['tau']:.3f} "
+                         f"| {_hist(w['histogram'])} |")
     if he.get("before") and he.get("after"):
         lines += ["", f"Held-out code prompts used during training ({s['eval_prompts']} x "
                   f"{s['eval_tokens']} tokens): tau {he['before']['tau']:.3f} untrained -> "
@@ -84,7 +93,8 @@ def render_card(summary: dict) -> str:
         "",
         "* `mini-k3-draft.gguf`: llama.cpp `dflash` GGUF from `k3kit draft convert hf --target "
         "mini-k3.gguf` (tokenizer copied from the target)",
-        "* `hf/`: config.json + model.safetensors (float32), the converter's input",
+        "* `hf/`: config.json + model.safetensors, the converter's input (the shipped copy is "
+        "bfloat16 to stay small; the GGUF was converted from the float32 weights)",
         "* `draft_summary.json`: every figure above; `convert_report.json`: the converter's report",
         "",
     ]

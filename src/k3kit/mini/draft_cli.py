@@ -38,7 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
     d.add_argument("--reuse", type=int, default=6, help="steps per generated round")
     d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--card-tokens", type=int, default=64, help="new tokens per prompt in the card's measurement")
+    d.add_argument("--card-tokens", type=int, default=64,
+                   help="new tokens per prompt in the card's measurement")
     d.add_argument("--corpus-bytes", type=int, default=None, help="cap the corpus (quick runs)")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.set_defaults(_mini=run)

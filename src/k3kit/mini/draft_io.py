@@ -72,16 +72,19 @@ def _atomic(path: Path, write) -> None:
 
 
 def save_draft(draft: DSparkDraft, out_dir: str | Path, *, num_target_layers: int,
-               max_position_embeddings: int, extra_metadata: dict[str, str] | None = None) -> Path:
-    """config.json + model.safetensors (float32) into out_dir; each file written atomically."""
+               max_position_embeddings: int, extra_metadata: dict[str, str] | None = None,
+               dtype: torch.dtype = torch.float32) -> Path:
+    """config.json + model.safetensors (float32, or bfloat16 for a smaller shipped copy) into
+    out_dir; each file written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_tensor_name(n): p.detach().float().contiguous().clone()
+    tensors = {hf_tensor_name(n): p.detach().to(dtype).contiguous().clone()
                for n, p in draft.named_parameters()}
     meta = {"format": "pt", **(extra_metadata or {})}
     _atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata=meta))
     cfg = hf_config(draft.cfg, num_target_layers=num_target_layers,
                     max_position_embeddings=max_position_embeddings)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     _atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))
     return out
 
@@ -122,4 +125,28 @@ def load_draft(src_dir: str | Path) -> DSparkDraft:
             if tuple(t.shape) != tuple(p.shape):
                 raise ConvertError(f"{wpath}: {hf_name} has shape {list(t.shape)}, expected {list(p.shape)}")
             p.copy_(t.to(p.dtype))
+    return draft
+
+
+def load_gguf_draft(path: str | Path) -> DSparkDraft:
+    """A DSparkDraft from a llama.cpp `dflash` GGUF (any tensor type k3kit dequantizes): the
+    shipped artifact itself, so its acceptance can be measured rather than assumed."""
+    from k3kit.gguf import quants
+    from k3kit.gguf.reader import GGUFFile
+
+    f = GGUFFile.open(path)
+    kv = {k: v.value for k, v in f.kv.items()}
+    tensors = {t.name: quants.dequantize(f.view(t), t.ggml_type, t.n_elements).reshape(t.np_shape)
+               for t in f.tensors}
+    w1, conf, fc = (tensors.get(n) for n in ("markov_w1.weight", "conf_proj.weight", "fc.weight"))
+    hidden = int(kv.get("dflash.embedding_length", 0))
+    n_taps = len(kv.get("dflash.target_layers", ()))
+    if w1 is None or fc is None or n_taps == 0:
+        raise ConvertError(f"{path}: no markov_w1 / fc / dflash.target_layers: not a DSpark draft")
+    rank, vocab = int(w1.shape[1]), int(w1.shape[0])
+    cfg = DraftConfig.from_gguf_kv(kv, vocab_size=vocab, markov_rank=rank, source=str(path),
+                                   target_hidden_size=int(fc.shape[1]) // n_taps,
+                                   confidence_with_markov=conf is None or conf.shape[-1] != hidden)
+    draft = DSparkDraft(cfg)
+    draft.load_gguf_tensors(tensors, str(path))
     return draft

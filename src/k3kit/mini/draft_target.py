@@ -16,8 +16,13 @@ from torch import Tensor
 
 from k3kit.models.dspark import DSparkDraft, DSparkDrafter
 from k3kit.models.kimi_k3.model import Captured, K3Model
-from k3kit.runtime.speculative import (DecodeStats, Sampling, ScheduleConfig, VerifyOutput,
-                                       speculative_generate)
+from k3kit.runtime.speculative import (
+    DecodeStats,
+    Sampling,
+    ScheduleConfig,
+    VerifyOutput,
+    speculative_generate,
+)
 
 
 class TorchK3Target:

@@ -126,6 +126,7 @@ def draft_config(target: K3Model, mask_id: int, s: DraftTrainSettings) -> DraftC
         hidden_size=tcfg.hidden_size, num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.kv_heads,
         head_dim=tcfg.hidden_size // s.heads, intermediate_size=s.intermediate, vocab_size=tcfg.vocab_size,
         block_size=s.block_size, target_layer_ids=taps, mask_token_id=mask_id,
+        target_hidden_size=tcfg.hidden_size,
         rms_norm_eps=tcfg.rms_norm_eps, rope_theta=10000.0, markov_rank=s.markov_rank,
         has_confidence=s.markov_rank > 0, confidence_with_markov=True, sample_from_anchor=True,
     ).validate("draft config")
@@ -236,22 +237,26 @@ def sample_blocks(rd: Round, anchors: int, block: int, mask_id: int, g: torch.Ge
 
 
 @torch.no_grad()
-def round_loss(draft: DSparkDraft, rd: Round, anchors: int, seed: int, decay: float = 4.0) -> tuple[float, float]:
+def round_loss(draft: DSparkDraft, rd: Round, anchors: int, seed: int,
+               decay: float = 4.0) -> tuple[float, float]:
     """(position-weighted CE, teacher-forced row accuracy) of `draft` on fixed blocks of a round:
     the same blocks for every draft given the seed, for before/after comparisons."""
     was = draft.training
     draft.eval()
     g = torch.Generator().manual_seed(seed)
-    ids, labels, anchor, seq_index = sample_blocks(rd, anchors, draft.cfg.block_size, draft.cfg.mask_token_id, g)
+    cfg = draft.cfg
+    ids, labels, anchor, seq_index = sample_blocks(rd, anchors, cfg.block_size, cfg.mask_token_id, g)
     out = block_loss(draft, ids, labels, anchor, seq_index, context_kv(draft, rd.feats), decay=decay)
     draft.train(was)
     return float(out.ce), float(out.correct.float().mean())
 
 
-def lr_at(step: int, total: int, s: DraftTrainSettings) -> float:
+def lr_at(step: int, progress: float, s: DraftTrainSettings) -> float:
+    """Linear warmup over `warmup` steps, then cosine to lr * min_lr_ratio as `progress` (the
+    share of the step count, or of the time budget, that is spent) goes from 0 to 1."""
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
-    frac = min(1.0, (step - s.warmup) / max(1, total - s.warmup))
+    frac = min(1.0, max(0.0, progress))
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -326,14 +331,14 @@ def train_draft_model(target: K3Model, train_stream: Tensor, eval_prompts: Seque
             if budget is not None and elapsed >= budget:
                 say(f"time budget of {s.minutes} min spent at step {step}")
                 break
-            if s.steps is None and step == 2 * s.reuse:      # size the schedule from measured speed
-                total = max(step + 1, int(budget / (elapsed / step)))
-                say(f"{elapsed / step:.2f} s/step: schedule set to {total} steps")
             if step % s.reuse == 0:
                 rd = make_round(target, train_stream, s, cfg.target_layer_ids, step // s.reuse)
             g = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
             ids, labels, anchor, seq_index = sample_blocks(rd, s.anchors, cfg.block_size, mask_id, g)
-            lr = lr_at(step, total or 10 ** 9, s)
+            # the schedule follows the step count if given, else the clock: on a shared machine
+            # the speed changes, and a budget cut must land at the end of the decay
+            progress = step / total if total is not None else elapsed / budget
+            lr = lr_at(step, progress, s)
             for grp in opt.param_groups:
                 grp["lr"] = lr
             ctx = context_kv(draft, rd.feats)
@@ -354,7 +359,8 @@ def train_draft_model(target: K3Model, train_stream: Tensor, eval_prompts: Seque
                 logf.flush()
             if step % s.log_every == 0 or step == total:
                 el = time.perf_counter() - t0
-                eta = f" eta {(total - step) * el / step / 60:.1f} min" if total else ""
+                left = (total - step) * el / step if total else budget - el
+                eta = f" eta {left / 60:.1f} min"
                 say(f"step {step}/{total or '?'} loss {rec.loss:.3f} ce {rec.ce:.3f} acc@1 {rec.acc[0]:.2f} "
                     f"tf-tau {rec.tf_tau:.2f} lr {lr:.2e} {blocks * cfg.block_size / el:.0f} tok/s "
                     f"(consistency {rd.consistency:.3f}){eta}")
@@ -439,7 +445,8 @@ def train_mini_draft(target_hf: str | Path, out_dir: str | Path, s: DraftTrainSe
     train_stream = data.pack(tok, corpus.train_docs)
     held_stream = data.pack(tok, corpus.heldout_docs)
     say(f"target {target_hf}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}; corpus "
-        f"{train_stream.numel()} train / {held_stream.numel()} held-out tokens ({time.perf_counter() - t0:.0f} s)")
+        f"{train_stream.numel()} train / {held_stream.numel()} held-out tokens "
+        f"({time.perf_counter() - t0:.0f} s)")
     prompts = heldout_prompts(held_stream, s.eval_prompts, s.eval_prompt_len)
     res = train_draft_model(target, train_stream, prompts, mask_id, s, log=say, log_file=out / LOG_NAME)
     hf = save_draft(res.draft, out / HF_DIR, num_target_layers=target.cfg.num_layers,
