@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def no_extra_bufts(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def no_extra_bufts():
+    """Session-wide, so module- and session-scoped fixtures that create a Llama are covered too."""
     llama_cpp = pytest.importorskip("llama_cpp")
     original = llama_cpp.llama_cpp.llama_model_default_params
 
@@ -21,4 +22,7 @@ def no_extra_bufts(monkeypatch):
         p.use_extra_bufts = False
         return p
 
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
+    yield
+    mp.undo()

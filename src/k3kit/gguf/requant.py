@@ -42,7 +42,7 @@ from k3kit.gguf import quants
 from k3kit.gguf.reader import KV, GGUFFile, TensorInfo, align_up
 from k3kit.gguf.shards import Model
 from k3kit.gguf.verify import FILE_TYPE_KEY, ShardCheck, verify_shard, with_file_type
-from k3kit.gguf.writer import FileRange, TensorSpec, encode_kv, write_gguf
+from k3kit.gguf.writer import FileRange, TensorSpec, encode_kv, fsync_dir, temp_path, write_gguf
 from k3kit.progress import byte_progress
 
 T = GGMLQuantizationType
@@ -248,16 +248,8 @@ def plan_shard(index: int, f: GGUFFile, out_dir: Path, opts: Options, ftype: int
 # ---------------------------------------------------------------- journal
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     data = json.dumps(obj, indent=1).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -268,7 +260,7 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _valid_record(s: object) -> bool:
@@ -495,7 +487,7 @@ def run_shard(sp: ShardPlan, exact: str = "sample", report: Callable[[int], None
             raise VerifyError(f"{sp.output}: verification failed: {chk.problems[0]}"
                               + (f" (+{chk.n_problems - 1} more)" if chk.n_problems > 1 else ""))
         os.replace(sp.partial, sp.output)
-        _fsync_dir(sp.output.parent)
+        fsync_dir(sp.output.parent)
     except BaseException:
         clean_partials(sp.output.parent, sp.name)
         raise
@@ -747,7 +739,7 @@ def _delete_source(journal: Journal, name: str, source: Path, deleted: list[str]
         if rec["state"] not in DONE_STATES:
             raise AssertionError(f"refusing to delete {source}: shard not verified")
         _remove(source)
-        _fsync_dir(source.parent)
+        fsync_dir(source.parent)
         _kill_point("deleted", journal.shards.index(rec) + 1)
         rec["state"] = SOURCE_DELETED
         journal.save()

@@ -300,11 +300,13 @@ def _write_data(fd: int, t: TensorSpec, progress: ByteProgress | None) -> None:
         raise ValueError(f"tensor '{t.name}': source has {n} bytes, expected {t.nbytes}")
 
 
-def _temp_path(path: Path) -> Path:
+def temp_path(path: Path) -> Path:
+    """The hidden temporary name an output is written under before its atomic rename."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
+    """Make a rename in directory `d` durable."""
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -347,7 +349,7 @@ def _commit(pairs: list[tuple[Path, Path]]) -> None:
     for tmp, final in pairs:
         os.replace(tmp, final)
     for d in {final.parent for _, final in pairs}:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
 def _remove_quietly(paths: Iterable[Path]) -> None:
@@ -365,7 +367,7 @@ def write_gguf(path: str | os.PathLike, kv: Iterable[KV], tensors: Sequence[Tens
     kvs, alignment = _resolve_alignment(list(kv), alignment)
     _check_specs(tensors)
     _check_out_dir(path)
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     try:
         _write_file(tmp, kvs, tensors, alignment, progress)
         _commit([(tmp, path)])
@@ -466,7 +468,7 @@ def write_model(out: str | os.PathLike, kv: Iterable[KV], tensors: Sequence[Tens
                 raise ValueError(f"{len(groups)} shards do not fit in split.count (u16)")
             jobs.append((p, (kvs if i == 0 else extra) + split, g))
 
-    temps = [_temp_path(p) for p in paths]
+    temps = [temp_path(p) for p in paths]
     try:
         for tmp, (_, shard_kvs, group) in zip(temps, jobs, strict=True):
             _write_file(tmp, shard_kvs, group, alignment, progress)
