@@ -36,6 +36,9 @@ def ship(run_dir: str | Path, target_hf: str | Path, target_gguf: str | Path, de
         gguf = stage / DRAFT_GGUF_NAME
         report = convert_draft(run / HF_DIR, target_gguf, gguf, out_type=out_type, progress=False)
         write_report(report, stage / "convert_report.json")
+        rj = json.loads((stage / "convert_report.json").read_text())      # paths as shipped, not staged
+        rj["output"], rj["source"] = DRAFT_GGUF_NAME, f"{HF_DIR}/ (float32, before the bfloat16 copy)"
+        (stage / "convert_report.json").write_text(json.dumps(rj, indent=2) + "\n")
         say(f"converted {run / HF_DIR} -> {gguf} ({out_type}, {gguf.stat().st_size} bytes)")
 
         target, tok = load_target(target_hf)
