@@ -7,8 +7,8 @@ same kind of bar and can be switched off in one place.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rich.progress import (
     BarColumn,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gguf import GGUFValueType as T
+
 from k3kit.gguf import format as fmt
 from k3kit.gguf.reader import KV
 

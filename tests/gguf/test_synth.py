@@ -7,12 +7,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, TokenType
+
 from k3kit.cli import main
 from k3kit.errors import K3Error
 from k3kit.gguf import format as fmt

@@ -13,8 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from gguf import GGUFReader
+
 from k3kit.cli import main
 from k3kit.gguf import format as fmt
 from k3kit.gguf import synth

@@ -11,8 +11,8 @@ import ctypes
 import random
 
 import pytest
-
 from gguf import GGUFValueType as T
+
 from k3kit.gguf.reader import KV, GGUFFile
 from k3kit.gguf.tokenizer_kv import tokenizer_from_kv
 from k3kit.gguf.writer import write_gguf

@@ -16,11 +16,11 @@ import unicodedata
 import jinja2
 import numpy as np
 import pytest
+from gguf import GGUFValueType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
 
-from gguf import GGUFValueType as T
 from k3kit.errors import FormatError, K3Error
 from k3kit.gguf.reader import KV, GGUFFile
 from k3kit.gguf.tokenizer_kv import KIMI_K2_SPLIT, special_ids_from_kv, tokenizer_from_kv

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType, TokenType
+
 from k3kit.errors import K3Error
 from k3kit.gguf import format as fmt
 from k3kit.gguf.reader import KV, align_up, tensor_nbytes

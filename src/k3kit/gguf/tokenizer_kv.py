@@ -32,9 +32,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGUFValueType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from gguf import GGUFValueType
 from k3kit.errors import FormatError
 from k3kit.gguf.reader import KV
 

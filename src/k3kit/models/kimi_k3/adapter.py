@@ -31,7 +31,7 @@ from k3kit.runtime.route_batch import expected_unique
 from k3kit.runtime.speculative.interface import VerifyOutput
 
 from .config import K3ModelConfig
-from .gguf_load import build_trunk, config_from_source, expert_tensor_names
+from .gguf_load import build_trunk, config_from_source, expert_tensor_names, ggml_input_kinds
 from .model import Captured, K3Model, commit_rows
 from .moe import ExpertWeights
 from .state import K3State, KDAState
@@ -245,7 +245,7 @@ def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
             layer.ffn.to(layer_dev[il])
         model.lm_head.to(layer_dev[-1])
     if options.ggml_parity:
-        model.set_ggml_q8_inputs(True)
+        model.set_ggml_q8_inputs(True, ggml_input_kinds(source, model))
     store = source.expert_store(expert_tensor_names(cfg), cache_mib=options.expert_cache_mib,
                                 dtype=options.dtype, device=devices[0], cold=options.cold)
     return K3Adapter(source, cfg, model, store, options, layer_dev)

@@ -22,8 +22,10 @@ from k3kit.errors import FormatError
 
 from .config import K3ModelConfig
 from .gguf_map import _param_map, config_from_gguf_kv, infer_optional_parts
+from .mla import MLA
 from .model import K3Model
 from .moe import LatentMoE
+from .mxfp4 import input_kind
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")   # the order ExpertWeights wants
 
@@ -128,6 +130,31 @@ def build_trunk(src: Source, cfg: K3ModelConfig, dtype: torch.dtype,
     if left:
         raise FormatError(f"{src.where}: no GGUF tensor for {left[0]} ({len(left)} parameters unset)")
     return model.eval()
+
+
+def ggml_input_kinds(src: Source, model: K3Model) -> dict[str, str | None]:
+    """Per weight, how ggml-cpu rounds that matmul's input, from the file's tensor types.
+
+    The keys `K3Model.set_ggml_q8_inputs` reads: Linear / router parameter names, and per
+    layer "attn.k_b" / "attn.v_b" (or "attn.kv_b") and "ffn.experts". The model opens no
+    file, so the loader, which knows the types, hands them over.
+    """
+    def kind(gname: str) -> str | None:
+        return input_kind(GGMLQuantizationType(src.tensors[gname].ggml_type).name)
+
+    kinds = {pname: kind(gname) for gname, pname in _param_map(model) if gname in src.tensors}
+    for il, layer in enumerate(model.layers):
+        b, o = f"blk.{il}.", f"layers.{il}."
+        if isinstance(layer.attn, MLA):
+            if b + "attn_kv_b.weight" in src.tensors:
+                kinds[o + "attn.kv_b"] = kind(b + "attn_kv_b.weight")
+            else:
+                kinds[o + "attn.k_b"] = kind(b + "attn_k_b.weight")
+                kinds[o + "attn.v_b"] = kind(b + "attn_v_b.weight")
+        if isinstance(layer.ffn, LatentMoE):
+            exp = {kind(f"{b}ffn_{p}_exps.weight") for p in EXPERT_PROJECTIONS}
+            kinds[o + "ffn.experts"] = exp.pop() if len(exp) == 1 else None
+    return kinds
 
 
 def moe_layers(model: K3Model) -> list[int]:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .activations import rms_norm
 from .config import K3ModelConfig
+from .mxfp4 import ggml_input_round
 from .state import MLACache
 
 
@@ -38,6 +39,9 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.g_proj = nn.Linear(E, H * cfg.v_head_dim, bias=False) if cfg.mla_output_gate else None
         self.o_proj = nn.Linear(H * cfg.v_head_dim, E, bias=False)
+        # ggml-cpu input rounding of the products that are not one Linear ("k_b", "v_b",
+        # "kv_b" -> "q8_0" / "f16" / ...), see K3Model.set_ggml_q8_inputs
+        self.ggml_inputs: dict[str, str | None] = {}
 
     def forward(self, x: Tensor, cache: MLACache | None = None) -> Tensor:
         """x [B, T, hidden] (attn-normed). With `cache`, the new rows are appended and the
@@ -71,7 +75,10 @@ class MLA(nn.Module):
 
         kv_b = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, L)
         w_kb, w_vb = kv_b[:, :nope], kv_b[:, nope:]              # [H, nope, L], [H, v, L]
-        q_abs = torch.einsum("bthd,hdl->bthl", q_nope, w_kb)
+        rnd = self.ggml_inputs
+        if rnd.get("kv_b"):     # llama.cpp's unabsorbed path multiplies kv_b with the latent rows
+            c_all = ggml_input_round(c_all, rnd["kv_b"])
+        q_abs = torch.einsum("bthd,hdl->bthl", ggml_input_round(q_nope, rnd.get("k_b")), w_kb)
         Q = torch.cat((q_abs, q_pe), dim=-1)                     # [B, T, H, L + pe]
         K = torch.cat((c_all, pe_all), dim=-1)                   # [B, S, L + pe]
         scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + pe_dim))
@@ -81,6 +88,7 @@ class MLA(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         lat = torch.einsum("bhts,bsl->bthl", probs, c_all)       # [B, T, H, L]
+        lat = ggml_input_round(lat, rnd.get("v_b"))
         out = torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(B, T, H * cfg.v_head_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))

@@ -13,11 +13,12 @@ The bank lives only inside one forward (see attn_res.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .activations import rms_norm
 from .attn_res import res_mix
@@ -25,7 +26,8 @@ from .config import K3ModelConfig
 from .kda import KDA, KDARows
 from .kda import commit_rows as kda_commit_rows
 from .mla import MLA
-from .moe import DenseFFN, ExpertProvider, LatentMoE
+from .moe import DenseFFN, ExpertProvider, LatentMoE, Router
+from .mxfp4 import ggml_input_round
 from .state import K3State, KDAState, MLACache
 
 
@@ -74,16 +76,39 @@ class K3Model(nn.Module):
         if cfg.attn_res_block_size > 0:
             self.output_res_score = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._ggml_hooks: list[RemovableHandle] = []     # set_ggml_q8_inputs' input rounding
 
-    def set_ggml_q8_inputs(self, on: bool = True) -> None:
-        """Round routed-expert inputs to Q8_0 as ggml-cpu does for MXFP4 weights.
+    def set_ggml_q8_inputs(self, on: bool = True,
+                           input_kinds: Mapping[str, str | None] | None = None) -> None:
+        """Round matmul inputs as ggml-cpu does for quantized weights (llama.cpp parity only).
 
-        With it, float32 logits match llama.cpp's CPU backend to ~1e-5 on a tiny model
-        (F32 trunk, F32 KV cache); without it they differ by that rounding (~1e-1 there).
+        ggml-cpu converts the activation operand of every matmul to its weight type's
+        vec_dot_type first: Q8_0 blocks of 32 for Q8_0 / MXFP4 / Q4_0 ... weights, F16 for F16.
+        `input_kinds` says, per weight, which rounding applies ("q8_0", "f16", "bf16" or
+        None; see mxfp4.input_kind): keys are parameter names ("layers.3.attn.q_a_proj.weight",
+        "lm_head.weight", "layers.1.ffn.router.weight") plus, for what is not one Linear,
+        "layers.N.attn.k_b" / ".v_b" (MLA's absorbed per-head products) or ".kv_b" (the
+        unabsorbed kv_b product) and "layers.N.ffn.experts" (the routed experts). A loader
+        builds it from the file's tensor types (gguf_load.ggml_input_kinds). Without it, only
+        the routed experts' inputs are rounded to Q8_0 (an F32 trunk with MXFP4 experts).
+        With the right kinds, float32 logits match llama.cpp's CPU backend to ~1e-5 on an
+        F32-trunk tiny model; without the rounding they differ by ~1e-1 there.
         """
-        for layer in self.layers:
-            if isinstance(layer.ffn, LatentMoE):
-                layer.ffn.ggml_q8_inputs = on
+        for h in self._ggml_hooks:
+            h.remove()
+        self._ggml_hooks.clear()
+        kinds: Mapping[str, str | None] = input_kinds if on and input_kinds is not None else {}
+        for name, mod in self.named_modules():
+            pre = f"{name}." if name else ""
+            if isinstance(mod, LatentMoE):
+                exp = kinds.get(pre + "experts") if input_kinds is not None else "q8_0"
+                mod.ggml_q8_inputs = on and exp == "q8_0"
+            elif isinstance(mod, Router):
+                mod.ggml_input = kinds.get(pre + "weight")
+            elif isinstance(mod, MLA):
+                mod.ggml_inputs = {k: kinds.get(pre + k) for k in ("k_b", "v_b", "kv_b")}
+            elif isinstance(mod, nn.Linear) and kinds.get(pre + "weight") is not None:
+                self._ggml_hooks.append(mod.register_forward_pre_hook(_rounding_hook(kinds[pre + "weight"])))
 
     def new_state(self, batch: int = 1) -> K3State:
         return K3State.new(self.cfg, batch, self.norm.device, self.norm.dtype)
@@ -176,6 +201,13 @@ class K3Model(nn.Module):
         """Commit the first `n` rows of a speculative forward: KDA layers replay them from the
         captured inputs, MLA caches keep them by position; `state.pos` advances by n."""
         commit_rows(state, captured, n)
+
+
+def _rounding_hook(kind: str):
+    """A Linear pre-hook rounding its input as ggml-cpu does for a weight of this kind."""
+    def hook(_mod: nn.Module, args: tuple) -> tuple:
+        return (ggml_input_round(args[0], kind), *args[1:])
+    return hook
 
 
 def commit_rows(state: K3State, captured: Captured, n: int) -> None:

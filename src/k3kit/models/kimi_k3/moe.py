@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .activations import rms_norm, situ
 from .config import K3ModelConfig
-from .mxfp4 import mxfp4_fake_quant, q8_0_round
+from .mxfp4 import ggml_input_round, mxfp4_fake_quant, q8_0_round
 
 # ggml clamps the routing weight sum to the smallest normal float16
 _WEIGHT_SUM_MIN = 6.103515625e-5
@@ -48,11 +48,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         # selection bias (e_score_correction_bias): balanced by a controller, not by gradients
         self.bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+        self.ggml_input: str | None = None     # see K3Model.set_ggml_q8_inputs
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, hidden] -> (expert ids [N, k] best first, routing weights [N, k])."""
         cfg = self.cfg
-        probs = torch.sigmoid(x @ self.weight.t())
+        probs = torch.sigmoid(ggml_input_round(x, self.ggml_input) @ self.weight.t())
         ids = torch.topk(probs + self.bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
         w = torch.gather(probs, -1, ids)
         if cfg.moe_renormalize:

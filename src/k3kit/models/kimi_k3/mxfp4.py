@@ -123,3 +123,31 @@ def q8_0_round(x: Tensor) -> Tensor:
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv)            # half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
     return (q * d.half().float()).reshape(x.shape).to(x.dtype)
+
+
+# ggml weight type -> how ggml-cpu converts a matmul's activation operand (its vec_dot_type):
+# the quants below pair with Q8_0 (Q8_1 rounds the values the same way), F16/BF16 weights
+# take F16/BF16 activations, F32 takes them as they are. K-quants (Q8_K, blocks of 256) are
+# not emulated: `input_kind` returns None for them as for F32.
+_Q8_0_PAIRED = frozenset({"Q1_0", "Q2_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
+                          "MXFP4", "NVFP4", "IQ4_NL"})
+
+
+def input_kind(weight_type: str) -> str | None:
+    """The activation rounding ("q8_0", "f16", "bf16" or None) ggml-cpu applies for a weight type."""
+    if weight_type in _Q8_0_PAIRED:
+        return "q8_0"
+    return {"F16": "f16", "BF16": "bf16"}.get(weight_type)
+
+
+def ggml_input_round(x: Tensor, kind: str | None) -> Tensor:
+    """Round a matmul's activation operand along its last dim as ggml-cpu does for `kind`."""
+    if kind is None:
+        return x
+    if kind == "q8_0":
+        return q8_0_round(x)
+    if kind == "f16":
+        return x.to(torch.float16).to(x.dtype)
+    if kind == "bf16":
+        return x.to(torch.bfloat16).to(x.dtype)
+    raise ValueError(f"unknown ggml input kind {kind!r}")
