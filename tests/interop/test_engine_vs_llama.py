@@ -62,7 +62,7 @@ def _llama(path: Path):
 
 
 @pytest.fixture(scope="module")
-def model_and_llama(tmp_path_factory, no_extra_bufts_module):
+def model_and_llama(tmp_path_factory):
     d = tmp_path_factory.mktemp("engine_llama")
     if SHIPPED.exists():
         from k3kit.mini.paths import shipped_hf
@@ -76,22 +76,6 @@ def model_and_llama(tmp_path_factory, no_extra_bufts_module):
     want = [llama_greedy(llm, p, N_TOKENS) for p in ps]
     llm.close()
     return path, ps, want
-
-
-@pytest.fixture(scope="module")
-def no_extra_bufts_module():
-    """tests/interop/conftest.py's AMX guard, for module-scoped fixtures that create a Llama."""
-    mp = pytest.MonkeyPatch()
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    mp.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
-    yield
-    mp.undo()
 
 
 @pytest.mark.parametrize("cache", ["all", "quarter", "one_per_layer"])
@@ -116,7 +100,7 @@ def test_engine_greedy_equals_llama_cpp(model_and_llama, cache):
         adapter.close()
 
 
-def test_shipped_q8_gguf_agrees_except_at_near_ties(no_extra_bufts_module):
+def test_shipped_q8_gguf_agrees_except_at_near_ties():
     if not SHIPPED.exists():
         pytest.skip(f"{SHIPPED} not built")
     llm = _llama(SHIPPED)

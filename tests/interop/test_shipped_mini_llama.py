@@ -37,22 +37,6 @@ N_PROMPTS, PROMPT_LEN, N_TOKENS = 10, 32, 64
 NEAR_TIE = 0.02      # top-1/top-2 logit margin treated as a float-order near-tie
 
 
-@pytest.fixture(scope="module")
-def no_extra_bufts_module():
-    """tests/interop/conftest.py's AMX guard, for module-scoped fixtures that create a Llama."""
-    mp = pytest.MonkeyPatch()
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    mp.setattr(llama_cpp.llama_cpp, "llama_model_default_params", params)
-    yield
-    mp.undo()
-
-
 @pytest.fixture(autouse=True)
 def one_thread():
     n = torch.get_num_threads()
@@ -62,7 +46,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def llama_runs(no_extra_bufts_module):
+def llama_runs():
     """(path, prompts, llama.cpp's greedy tokens, its logits for prompt + continuation)."""
     try:
         path = shipped_gguf()
