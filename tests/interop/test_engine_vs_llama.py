@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from engine_models import SHIPPED, prompts, tiny_gguf  # noqa: E402
@@ -39,11 +38,8 @@ N_PROMPTS, N_TOKENS = 10, 64
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs torch on one thread (tests/conftest.py)."""
 
 
 def llama_greedy(llm, prompt: list[int], n: int) -> list[int]:

@@ -38,11 +38,8 @@ NEAR_TIE = 0.02      # top-1/top-2 logit margin treated as a float-order near-ti
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs torch on one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,8 @@ from k3kit.runtime.speculative.interface import Target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs torch on one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

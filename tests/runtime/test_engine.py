@@ -21,11 +21,8 @@ N_PROMPTS, N_TOKENS = 10, 64
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)     # 2 shared cores: threads only add contention at this size
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """2 shared cores: threads only add contention at this size (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

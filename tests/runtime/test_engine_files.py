@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from engine_models import prompts, reference_greedy, tiny_gguf
 
 from k3kit.errors import FormatError, K3Error
@@ -19,11 +18,8 @@ from k3kit.runtime.text import TextCodec
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs torch on one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
