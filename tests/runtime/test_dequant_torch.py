@@ -244,3 +244,36 @@ def test_chunked_equals_reference(monkeypatch, qtype):
     assert_bitwise(got.numpy(), reference(qtype, raw))
     bf = dequantize(raw, qtype, (n_blocks * elems,), dtype=torch.bfloat16)
     assert torch.equal(bf, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.Q8_0], ids=lambda t: t.name)
+def test_direct_narrow_output_is_one_rounding_of_float32(qtype, dtype):
+    """MXFP4 and Q8_0 write 2-byte outputs without the float32 scratch (MXFP4 from a table of
+    pre-rounded values): every bit must still equal float32 -> dtype, over all scale bytes
+    (MXFP4 e = 0..255, subnormal and overflowing ones included; Q8_0 raw f16 scales, NaN/inf)."""
+    rng = np.random.default_rng(11 + int(qtype))
+    elems, bb = block_size(qtype)
+    raw = rng.integers(0, 256, size=(512, bb), dtype=np.uint8)
+    raw[:256, 0] = np.arange(256)  # MXFP4: every e; Q8_0: every low byte of the f16 scale
+    raw[256:, 1 if qtype == T.Q8_0 else 0] = np.arange(256)  # Q8_0: every high byte (sign, exp)
+    shape = (elems * 4, 128)
+    f32 = dequantize(raw.reshape(-1), qtype, shape)
+    assert_bitwise(f32.numpy().reshape(-1), reference(qtype, raw.reshape(-1)))
+    got = dequantize(raw.reshape(-1), qtype, shape, dtype=dtype)
+    assert got.dtype == dtype and got.shape == f32.shape
+    assert torch.equal(got.view(torch.int16), f32.to(dtype).view(torch.int16))
+
+
+def test_mxfp4_table_kernel_across_chunks_and_dtypes(monkeypatch):
+    """The table kernel on several chunks (last one partial) into float32 and bf16 outputs."""
+    import k3kit.runtime.dequant as dq
+
+    rng = np.random.default_rng(12)
+    raw = rng.integers(0, 256, size=(37, 17), dtype=np.uint8).reshape(-1)
+    monkeypatch.setattr(dq, "CHUNK_ELEMS", 8 * 32)
+    want = reference(T.MXFP4, raw)
+    got = dequantize(raw, T.MXFP4, (37 * 32,))
+    assert_bitwise(got.numpy(), want)
+    bf = dequantize(raw, T.MXFP4, (37 * 32,), dtype=torch.bfloat16)
+    assert torch.equal(bf.view(torch.int16), torch.from_numpy(want).to(torch.bfloat16).view(torch.int16))

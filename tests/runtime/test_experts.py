@@ -210,7 +210,7 @@ def _vmas(path: Path) -> list[tuple[int, int, str, int]]:
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_mapping_is_lazy_and_random_advised(model_file):
     path, spec, _ = model_file
-    with ExpertStore(spec) as store:
+    with ExpertStore(spec, release_pages=False) as store:
         vmas = _vmas(path)
         assert vmas and sum(v[3] for v in vmas) == 0  # nothing faulted in at open: no populate
         assert any(" rr" in v[2] for v in vmas)  # MADV_RANDOM on the expert ranges
@@ -218,6 +218,62 @@ def test_mapping_is_lazy_and_random_advised(model_file):
         assert sum(v[3] for v in _vmas(path)) > 0
     with ExpertStore(spec, madvise_random=False):
         assert not any(" rr" in v[2] for v in _vmas(path))
+
+
+def _big_expert_file(tmp_path: Path, n_experts: int = 3) -> tuple[Path, dict[int, list[ExpertTensor]]]:
+    """One layer, one MXFP4 projection of 256 KiB per expert: many pages, so RSS is measurable."""
+    rng = np.random.default_rng(9)
+    shape = (2048, 128)
+    data = _random_quant(T.MXFP4, shape[0] * shape[1] * n_experts, rng)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data.tobytes())
+    return path, {0: [ExpertTensor(path, 0, T.MXFP4, shape, n_experts, "gate")]}
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_miss_leaves_no_mapped_pages_in_rss(tmp_path):
+    """After a miss the expert's bytes live in the page cache and the dequantized LRU, not in
+    this process's mapping (smaps Rss of the file); release_pages=False keeps them mapped."""
+    path, spec = _big_expert_file(tmp_path)
+    expert_kib = spec[0][0].expert_nbytes // 1024
+    with ExpertStore(spec, release_pages=False, cache_mib=16) as keep:
+        w = keep.get(0, [1])[1][0]
+        assert sum(v[3] for v in _vmas(path)) >= expert_kib
+    with ExpertStore(spec, cache_mib=16) as store:
+        got = store.get(0, [1])[1][0]
+        assert torch.equal(got, w)  # released after the copy: the data is intact
+        assert sum(v[3] for v in _vmas(path)) == 0
+        assert store.is_cached(0, 1) and torch.equal(store.get(0, [1])[1][0], w)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_release_and_loader_wrapper_unmap_one_expert(tmp_path):
+    """`release(layer, expert)` (and loader.release_pages over it) drops exactly that expert's
+    pages; a neighbour faulted in with release_pages=False stays mapped."""
+    from k3kit.runtime.loader import release_pages
+
+    path, spec = _big_expert_file(tmp_path)
+    expert_kib = spec[0][0].expert_nbytes // 1024
+    with ExpertStore(spec, release_pages=False) as store:
+        store.get(0, [0, 2])
+        assert sum(v[3] for v in _vmas(path)) >= 2 * expert_kib
+        store.release(0, 0)
+        assert expert_kib <= sum(v[3] for v in _vmas(path)) < 2 * expert_kib
+        release_pages(store, 0, 2)
+        assert sum(v[3] for v in _vmas(path)) == 0
+        store.release(0, 1)  # never read: nothing to drop, no error
+
+
+def test_release_is_a_no_op_without_a_mapping(model_file):
+    path, spec, datas = model_file
+    whole = np.fromfile(path, dtype=np.uint8)
+    mem = {layer: [ExpertTensor(whole, t.offset, t.ggml_type, t.shape, t.n_experts) for t in ts]
+           for layer, ts in spec.items()}
+    with ExpertStore(mem) as a, ExpertStore(spec, cold="fadvise") as b:
+        for store in (a, b):
+            w = store.get(3, [2])[2]
+            store.release(3, 2)
+            assert all(torch.equal(x, y) for x, y in zip(w, _expected(datas, 3, 2), strict=True))
 
 
 def test_changed_file_raises_format_error(model_file):

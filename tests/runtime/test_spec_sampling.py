@@ -16,7 +16,7 @@ from toy_target import (
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
-import k3kit.runtime.speculative.loop as loop
+import k3kit.runtime.speculative.decoder as decoder
 from k3kit.runtime.speculative import Sampling, ar_generate, speculative_generate
 from k3kit.runtime.speculative.accept import accept_sampled
 from k3kit.runtime.speculative.sampling import probs, sample
@@ -137,7 +137,7 @@ def test_speculative_sampling_matches_target_distribution(monkeypatch):
     def accept_all(proposals, q, p, gen):
         return len(proposals), sample(p[len(proposals)], gen)
 
-    monkeypatch.setattr(loop, "accept_sampled", accept_all)
+    monkeypatch.setattr(decoder, "accept_sampled", accept_all)
     s = Sampling(temperature=1.3)
     stat, df = _chi2(_run_many(s, vocab, 600), _exact_first3(s, vocab), 600)
     assert stat > _chi2_critical(df)

@@ -43,7 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    """Hook for speculative decoding flags (--draft ...): added by the speculative runtime."""
+    """Speculative decoding: a DFlash/DSpark draft proposes, the model verifies."""
+    g = parser.add_argument_group("speculative decoding (DSpark / DFlash draft)")
+    g.add_argument("--draft", metavar="DRAFT", help="draft GGUF (dflash architecture), or 'default' for "
+                   "the shipped mini drafter (`k3kit mini path --draft`)")
+    g.add_argument("--block-size", type=int, default=None, metavar="K",
+                   help="draft block (proposals per pass); default: the draft's trained block")
+    g.add_argument("--verify-budget", default="auto", metavar="auto|N",
+                   help="rows verified per pass: 'auto' picks the width with the best expected tokens "
+                   "per unit of cost (expert bytes not cached + compute); N fixes it (default auto)")
+    g.add_argument("--confidence-threshold", type=float, default=0.0, metavar="C",
+                   help="drop proposals from the first one whose confidence is below C (0 = off)")
+    g.add_argument("--feature-ring", default="f16", choices=("f32", "f16", "bf16", "q8"),
+                   help="storage of the target features the draft reads (f16)")
 
 
 def default_model() -> Path:
@@ -81,9 +93,55 @@ def check_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--prefill-chunk {args.prefill_chunk}: must be >= 1")
 
 
-def decode_step(args: argparse.Namespace, adapter):
-    """The decode strategy: None = plain autoregressive. A --draft option returns its step here."""
-    return None
+def check_draft_args(args: argparse.Namespace) -> None:
+    if args.draft is None:
+        for flag, value, default in (("--block-size", args.block_size, None),
+                                     ("--verify-budget", args.verify_budget, "auto"),
+                                     ("--confidence-threshold", args.confidence_threshold, 0.0)):
+            if value != default:
+                raise K3Error(f"{flag} needs --draft")
+        return
+    if args.block_size is not None and args.block_size < 1:
+        raise K3Error(f"--block-size {args.block_size}: must be >= 1")
+    if not 0.0 <= args.confidence_threshold <= 1.0:
+        raise K3Error(f"--confidence-threshold {args.confidence_threshold}: must be in [0, 1]")
+
+
+def load_draft(args: argparse.Namespace, options, target):
+    """The --draft GGUF attached to `target` (None without --draft)."""
+    if args.draft is None:
+        return None
+    from k3kit.runtime.loader import load_model
+
+    if args.draft == "default":
+        from k3kit.mini import paths
+        path = paths.shipped_draft()
+    else:
+        path = Path(args.draft)
+    draft = load_model(path, options)
+    try:
+        if not hasattr(draft, "attach"):
+            raise K3Error(f"{path}: architecture {draft.source.arch!r} is not a draft (expected dflash)")
+        draft.set_block_size(args.block_size)
+        draft.attach(target)
+    except BaseException:
+        draft.close()
+        raise
+    return draft
+
+
+def decode_step(args: argparse.Namespace, draft, stop_ids):
+    """The decode strategy: None = plain autoregressive; with a draft, a SpeculativeDecoder."""
+    if draft is None:
+        return None
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder, parse_budget
+
+    schedule = ScheduleConfig(budget=parse_budget(args.verify_budget), threshold=args.confidence_threshold)
+
+    def build(model, sampler):
+        return SpeculativeDecoder(model, draft, sampler.sampling, sampler.generator, schedule=schedule,
+                                  ring_storage=args.feature_ring, stop_ids=stop_ids)
+    return build
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from k3kit.runtime.text import TextCodec
 
     check_args(args)
+    check_draft_args(args)
     sampling = make_sampling(args.temperature, args.top_p, args.top_k, args.seed)
     text = read_prompt(args)
     path = Path(args.model) if args.model else default_model()
@@ -103,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter = load_model(path, options)
+    draft = None
     try:
+        draft = load_draft(args, options, adapter)
         codec = TextCodec(adapter.source.raw_kv, str(path))
         if codec.n_vocab > adapter.vocab_size:
             raise K3Error(f"{path}: tokenizer has {codec.n_vocab} tokens, the model {adapter.vocab_size}")
@@ -122,11 +183,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_grad_enabled(False)
         result = generate(adapter, ids, max_tokens=args.max_tokens, sampling=sampling,
                           stop_ids=codec.stop_ids(), prefill_chunk=args.prefill_chunk, on_token=on_token,
-                          step=decode_step(args, adapter),
+                          step=decode_step(args, draft, codec.stop_ids()),
                           detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
         adapter.source.check()
         trunk_bytes, cache_bytes = adapter.trunk_bytes, adapter.expert_stats().resident_bytes
     finally:
+        if draft is not None:
+            draft.close()
         adapter.close()
 
     if args.json:
@@ -149,4 +212,12 @@ def run(args: argparse.Namespace) -> int:
               f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
         print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {trunk_bytes / mib:.1f} MiB, "
               f"expert cache {cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)", file=sys.stderr)
+        if s.speculative is not None:
+            d = s.speculative
+            print(f"speculative: {d['target_passes']} target passes, {d['draft_steps']} draft steps, "
+                  f"{d['committed_per_pass']:.2f} tokens committed per pass, "
+                  f"{d['verify_rows']} rows verified; "
+                  f"accepted proposals per pass {d['acceptance_histogram']}; replay: "
+                  f"{d['replay_fast_commits']} fast commits, {d['replay_full_replays']} full replays, "
+                  f"{d['replay_failed_fallbacks']} failed fallbacks", file=sys.stderr)
     return 0

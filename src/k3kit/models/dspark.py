@@ -643,11 +643,18 @@ class DSparkDrafter:
     bounds the attention window (None: whatever the ring holds).
     """
 
-    def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256):
+    def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256,
+                 block_size: int | None = None):
         self.draft = draft
         self.chunk = chunk
         self.cfg = draft.cfg
         self.max_context = max_context
+        lo = 1 if draft.cfg.sample_from_anchor else 2
+        if block_size is not None and not lo <= block_size <= draft.cfg.block_size:
+            raise ValueError(f"block size {block_size} must be in {lo}..{draft.cfg.block_size} "
+                             "(the draft's trained block)")
+        # a shorter block than trained: fewer MASK rows in the forward, fewer proposals
+        self.block_size = block_size or draft.cfg.block_size
         self.has_markov = draft.markov_head is not None
         self.has_confidence = draft.confidence_head is not None
         self._rows: list[tuple[_Rows, _Rows]] = []
@@ -656,7 +663,7 @@ class DSparkDrafter:
 
     @property
     def n_proposals(self) -> int:
-        return self.cfg.n_proposals
+        return self.block_size if self.cfg.sample_from_anchor else self.block_size - 1
 
     @property
     def feature_width(self) -> int:
@@ -697,7 +704,7 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def draft_block(self, anchor: int, position: int) -> DraftBlock:
-        b = self.cfg.block_size
+        b = self.block_size
         ids = torch.full((b,), self.cfg.mask_token_id, dtype=torch.long)
         ids[0] = anchor
         pos = torch.arange(position, position + b)

@@ -7,8 +7,11 @@ payload it reports is what the store actually read, not an estimate.
 
 Decoding goes through a `DecodeStep`: given the last emitted token (not yet fed to the
 model), feed it and return the next token(s). Plain autoregressive decoding is `ARStep`;
-a speculative step (draft proposes, target verifies several rows, commits the accepted
-ones) returns several tokens per call and slots in without changing the loop.
+a speculative step (k3kit.runtime.speculative.SpeculativeDecoder: draft proposes, target
+verifies several rows, commits the accepted ones) returns several tokens per call and slots
+in without changing the loop. A step that needs the prompt's features (the draft's context)
+also has `prefill(ids)`, used instead of `model.forward` for the prompt chunks, and one with
+`finish()` hands back statistics whose `summary()` is merged into the result's stats.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class CausalModel(Protocol):
 
 
 class DecodeStep(Protocol):
-    def __call__(self, anchor: int) -> list[int]: ...
+    def __call__(self, anchor: int, remaining: int) -> list[int]: ...
 
 
 class ARStep:
@@ -46,7 +49,7 @@ class ARStep:
     def __init__(self, model: CausalModel, sampler: Sampler):
         self.model, self.sampler = model, sampler
 
-    def __call__(self, anchor: int) -> list[int]:
+    def __call__(self, anchor: int, remaining: int = 1) -> list[int]:
         return [self.sampler(self.model.forward([anchor])[-1])]
 
 
@@ -72,9 +75,13 @@ class GenerationStats:
     payload_bytes_per_token: float = 0.0   # decode-phase bytes per generated token
     peak_rss_bytes: int = 0
     stop_reason: str = "length"         # "length", "stop" (eos / end of turn)
+    speculative: dict[str, Any] | None = None   # a speculative step's summary (target_passes, ...)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Flat: a speculative step's figures sit next to the others."""
+        d = asdict(self)
+        d.update(d.pop("speculative") or {})
+        return d
 
 
 @dataclass
@@ -103,7 +110,7 @@ class _Ledger:
 def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, sampling: Sampling,
              stop_ids: Iterable[int] = (), prefill_chunk: int = 256,
              on_token: Callable[[int], None] | None = None,
-             step: Callable[[CausalModel, Sampler], DecodeStep] | None = None,
+             step: Callable[[Any, Sampler], DecodeStep] | None = None,
              detokenize: Callable[[list[int]], str] | None = None) -> GenerationResult:
     """Prefill `prompt_ids` in chunks, then decode up to `max_tokens` tokens.
 
@@ -121,18 +128,19 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
     ledger = _Ledger(model)
     stats = GenerationStats(prompt_tokens=len(prompt))
     model.reset()
+    decoder = (step or ARStep)(model, sampler)
+    prefill = getattr(decoder, "prefill", None) or model.forward
 
     h0, m0, b0 = ledger.read()
     t0 = time.perf_counter()
     logits = None
     for i in range(0, len(prompt), prefill_chunk):
-        logits = model.forward(prompt[i:i + prefill_chunk])
+        logits = prefill(prompt[i:i + prefill_chunk])
     assert logits is not None
     t1 = time.perf_counter()
     _, _, b1 = ledger.read()
 
     out: list[int] = []
-    decoder = (step or ARStep)(model, sampler)
 
     def emit(tokens: list[int]) -> bool:
         for t in tokens:
@@ -149,9 +157,12 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
     if max_tokens > 0:
         done = emit([sampler(logits[-1])])
         while not done:
-            done = emit(decoder(out[-1]))
+            done = emit(decoder(out[-1], max_tokens - len(out)))
     t2 = time.perf_counter()
     h2, m2, b2 = ledger.read()
+    finish = getattr(decoder, "finish", None)
+    if finish is not None:
+        stats.speculative = finish().summary()
 
     stats.generated_tokens = len(out)
     stats.prefill_seconds, stats.decode_seconds = t1 - t0, t2 - t1

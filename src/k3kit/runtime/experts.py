@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
+PAGE_TABLE_SPAN = max(PAGE, 1 << 21)  # bytes one x86-64/arm64 (4 KiB page) page table maps
 DIRECT_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every common block device accepts
 # Linux 5.14+: fault a range in with one call instead of one fault per page (not in Python 3.11's mmap).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
@@ -147,6 +148,24 @@ class _File:
         self.direct_fd = None
 
 
+def _drop_mapped(mm: mmap.mmap, start: int, n: int) -> None:
+    """MADV_DONTNEED on bytes [start, start + n) of a read-only file mapping, widened to the
+    enclosing PAGE_TABLE_SPAN windows: unmapped from this process, still in the page cache.
+
+    Faulting a page of a file mapping also maps cached neighbours (the kernel's fault-around,
+    and whole large folios), so pages outside the slice get mapped too: measured here, a
+    136 KiB slice left 192 KiB mapped after dropping exactly its 64 KiB-aligned windows.
+    Neither reaches past the 2 MiB one page table spans. Dropping a neighbour's mapping is
+    harmless: the next touch maps it again from the page cache. Advice only: errors ignored.
+    """
+    lo = start // PAGE_TABLE_SPAN * PAGE_TABLE_SPAN
+    hi = min(len(mm), -(-(start + n) // PAGE_TABLE_SPAN) * PAGE_TABLE_SPAN)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        pass
+
+
 def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
     parts, got = [], 0
     while got < n:
@@ -175,6 +194,8 @@ class ExpertStore:
             dequant). MADV_RANDOM alone turns a cold multi-MB slice into one 4 KiB read per
             page fault (3-30x slower from disk in benchmarks/expert_store.py); this asks for
             the slice in large requests without reading a byte outside it.
+    release_pages: after a miss copied a slice out of a mapping, unmap its pages from this
+            process (MADV_DONTNEED; see `release`). Only mmap mode maps anything.
     """
 
     def __init__(
@@ -187,6 +208,7 @@ class ExpertStore:
         cold: bool | str = False,
         madvise_random: bool = True,
         slice_readahead: bool = True,
+        release_pages: bool = True,
     ) -> None:
         if cold is True:
             cold = "fadvise"
@@ -199,6 +221,7 @@ class ExpertStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.cold = cold
         self.slice_readahead = slice_readahead
+        self.release_pages = release_pages
         self._files: dict[Path, _File] = {}
         self._cache: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._resident = 0
@@ -406,7 +429,10 @@ class ExpertStore:
             if self.slice_readahead:
                 self._advise_slice(t, start, n, populate=True)
             self._stats.io_bytes += n
-            return np.frombuffer(f.mm, np.uint8, n, start).copy()
+            data = np.frombuffer(f.mm, np.uint8, n, start).copy()
+            if self.release_pages:
+                _drop_mapped(f.mm, start, n)
+            return data
         if f.direct_fd is not None:
             return self._read_direct(f, start, n)
         os.posix_fadvise(f.fd, start, n, os.POSIX_FADV_DONTNEED)  # make sure the read goes to storage
@@ -414,6 +440,21 @@ class ExpertStore:
         os.posix_fadvise(f.fd, start, n, os.POSIX_FADV_DONTNEED)  # and leave nothing behind
         self._stats.io_bytes += n
         return np.frombuffer(data, np.uint8).copy()
+
+    def release(self, layer: int, expert: int) -> None:
+        """Unmap one expert's file pages from this process (all projections of `layer`).
+
+        A miss copies the slice out of the mapping, and the pages it touched stay in this
+        process's resident set (shared, clean, reclaimable, yet counted in RSS) until the
+        kernel needs the memory. The page cache is the quantized expert cache we want; our
+        RSS should hold only the dequantized LRU. MADV_DONTNEED drops the mappings here while
+        the page cache keeps the data. Misses do this themselves unless release_pages=False;
+        no-op for buffer sources and the pread/O_DIRECT modes, which map nothing.
+        """
+        for t in self.layers[layer]:
+            f = self._files.get(Path(t.source)) if t.is_file else None
+            if f is not None and f.mm is not None:
+                _drop_mapped(f.mm, t.offset + int(expert) * t.expert_nbytes, t.expert_nbytes)
 
     def _advise_slice(self, t: ExpertTensor, start: int, n: int, populate: bool) -> None:
         """WILLNEED (asynchronous read of the slice), then optionally POPULATE_READ (wait for it

@@ -187,25 +187,11 @@ class GGUFSource:
 
 
 def release_pages(store: ExpertStore, layer: int, expert: int) -> None:
-    """Drop the mapped file pages of one expert from this process after it was read.
+    """Drop the mapped file pages of one expert from this process: `ExpertStore.release`.
 
-    ExpertStore copies a slice out of its mapping and keeps the mapping: the pages it touched
-    stay in this process's resident set (shared, clean, reclaimable, but counted in RSS) until
-    the kernel needs them. The page cache is the expert cache we want; our RSS should hold
-    only the dequantized LRU. MADV_DONTNEED unmaps the pages here, the page cache keeps them.
+    Kept for callers written before the store did this itself on every miss (its default).
     """
-    for t in store.layers[layer]:
-        if not t.is_file:
-            continue
-        f = store._files.get(Path(t.source))  # noqa: SLF001 -- see the report: belongs in ExpertStore
-        if f is None or f.mm is None:
-            continue
-        start = t.offset + expert * t.expert_nbytes
-        lo = start // PAGE * PAGE
-        try:
-            f.mm.madvise(mmap.MADV_DONTNEED, lo, start + t.expert_nbytes - lo)
-        except (OSError, ValueError):
-            pass
+    store.release(layer, expert)
 
 
 # -- adapter registry -------------------------------------------------------------------------

@@ -6,10 +6,18 @@ k3kit.runtime.speculative.interface.Target):
   verify(ids, ...)        run rows on top of the committed state WITHOUT committing: KDA
                           state untouched (rows captured), MLA rows appended as pending
   commit(n) / rollback()  keep the first n verified rows: KDA replays them (commit_rows),
-                          MLA caches keep them by position
+                          MLA caches keep them by position (ReplaySSM, below)
   cost(n)                 expected expert bytes not in cache for n rows + the per-pass trunk
                           and per-row compute, in bytes
   embed / head / tap_layers   what a draft borrows and reads
+
+ReplaySSM: verification never touches the committed KDA state; commit(n) applies the first n
+rows' transitions from the per-row inputs verify captured (a "fast commit": no expert is read
+again). If the capture cannot be used (it does not match the state), the accepted rows are
+run again through the whole model from the committed state (a "full replay", which re-reads
+their experts); if that fails too, the state is rebuilt from the committed token history (a
+"failed fallback"). The three counters are reported with the decode statistics; in normal
+operation only fast commits happen.
 
 Routed experts: the MoE asks the provider once per distinct expert per forward and runs all
 of that expert's rows together (route batching); the provider serves it from the store,
@@ -63,6 +71,7 @@ class StoreExperts:
 class _Pending:
     captured: Captured
     n_rows: int
+    ids: list[int]
 
 
 class K3Adapter:
@@ -78,12 +87,17 @@ class K3Adapter:
         self.layer_dev = list(layer_dev)
         self.experts = StoreExperts(store, layer_dev)
         self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.hidden_size
+        self.num_layers = cfg.num_layers
         self.tap_layers: tuple[int, ...] = ()
         self.capture_mode = "raw"
         self.dtype = options.dtype
         self.trunk_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.trunk_file_bytes = source.trunk_bytes_read
-        self.replay_commits = 0
+        self.replay_fast_commits = 0
+        self.replay_full_replays = 0
+        self.replay_failed_fallbacks = 0
+        self.history: list[int] = []          # committed token ids: the last-resort rebuild
         self._pending: _Pending | None = None
         if len(set(self.layer_dev)) > 1:
             _install_layer_split(model, self.layer_dev)
@@ -103,6 +117,7 @@ class K3Adapter:
 
     def reset(self) -> None:
         self.state = self.new_state()
+        self.history = []
         self._pending = None
 
     @property
@@ -128,19 +143,21 @@ class K3Adapter:
     def forward(self, ids: Sequence[int] | Tensor, all_logits: bool = False) -> Tensor:
         """Run and commit `ids`; float32 logits [n, V] (all rows) or [1, V] (the last)."""
         self._pending = None
-        out = self.model(self._ids(ids), self.state, experts=self.experts,
-                         logits="all" if all_logits else "last")
+        t = self._ids(ids)
+        out = self.model(t, self.state, experts=self.experts, logits="all" if all_logits else "last")
+        self.history += t[0].tolist()
         return out.logits[0].float()
 
     @torch.no_grad()
     def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
         """Run rows after the committed state without committing (see module doc)."""
         taps = self.tap_layers if capture else ()
-        out = self.model(self._ids(ids), self.state, experts=self.experts, capture_layers=taps,
+        t = self._ids(ids)
+        out = self.model(t, self.state, experts=self.experts, capture_layers=taps,
                          capture_mode=self.capture_mode, speculative=True,
                          logits="all" if all_logits else "last")
         assert out.captured is not None
-        self._pending = _Pending(out.captured, out.captured.n_rows)
+        self._pending = _Pending(out.captured, out.captured.n_rows, t[0].tolist())
         feats = None
         if capture:
             if taps:
@@ -157,9 +174,42 @@ class K3Adapter:
             return
         if not 0 <= n <= p.n_rows:
             raise ValueError(f"cannot commit {n} of {p.n_rows} verified rows")
-        commit_rows(self.state, p.captured, n)
         self._pending = None
-        self.replay_commits += 1
+        if self._replayable(p.captured, n):
+            commit_rows(self.state, p.captured, n)
+            self.replay_fast_commits += n > 0
+        else:
+            self._full_replay(p.ids[:n])
+        self.history += p.ids[:n]
+
+    def _replayable(self, captured: Captured, n: int) -> bool:
+        """Can commit_rows apply these captured rows to the committed state as it is now?"""
+        if captured.start_pos != self.state.pos or n > captured.n_rows:
+            return False
+        for il, layer in enumerate(self.state.layers):
+            if isinstance(layer, KDAState):
+                rows = captured.kda.get(il)
+                if rows is None or rows.n_rows < n or rows.k.shape[0] != layer.S.shape[0]:
+                    return False
+            elif layer.length < self.state.pos + n:
+                return False
+        return True
+
+    def _full_replay(self, ids: list[int]) -> None:
+        """Run the accepted rows again from the committed state; if even that fails, rebuild
+        the whole state from the committed history."""
+        try:
+            for layer in self.state.mla_caches():
+                layer.truncate(self.state.pos)              # drop the verify's pending rows
+            if ids:
+                self.model(self._ids(ids), self.state, experts=self.experts, logits="none")
+            self.replay_full_replays += 1
+        except (RuntimeError, ValueError):
+            self.replay_failed_fallbacks += 1
+            self.state = self.new_state()
+            tokens = self.history + ids
+            for i in range(0, len(tokens), 256):
+                self.model(self._ids(tokens[i:i + 256]), self.state, experts=self.experts, logits="none")
 
     def rollback(self) -> None:
         self.commit(0)
@@ -186,8 +236,10 @@ class K3Adapter:
 
     def counters(self) -> dict[str, int]:
         s = self.store.stats()
-        return {"replay_commits": self.replay_commits, "expert_hits": s.hits, "expert_misses": s.misses,
-                "expert_bytes_read": s.bytes_read}
+        return {"replay_fast_commits": self.replay_fast_commits,
+                "replay_full_replays": self.replay_full_replays,
+                "replay_failed_fallbacks": self.replay_failed_fallbacks, "expert_hits": s.hits,
+                "expert_misses": s.misses, "expert_bytes_read": s.bytes_read}
 
     def reset_expert_cache(self, cache_mib: float | None = None) -> None:
         """Empty the expert cache (optionally with a new budget) and zero its counters."""

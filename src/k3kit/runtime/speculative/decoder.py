@@ -1,0 +1,150 @@
+"""The speculative decoder as a step object: prefill once, then one draft + verify per call.
+
+`speculative_generate` (loop.py) drives it to completion; the engine (k3kit.runtime.engine)
+drives it token-stream style, so `k3kit generate --draft` streams, stops and reports exactly
+like plain decoding. Both paths run the same code, so what the exactness tests prove about
+one holds for the other.
+
+Invariant between calls: the target has committed every output token except the last one
+(the anchor); the feature ring holds exactly the committed positions; the anchor sits at
+position == target.position. One call = one draft step + one target verify of
+[anchor, proposals[:n-1]], then commit(accepted + 1) and append those rows' tap features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
+from k3kit.runtime.speculative.feature_ring import FeatureRing
+from k3kit.runtime.speculative.interface import Draft, Target
+from k3kit.runtime.speculative.proposal import propose
+from k3kit.runtime.speculative.sampling import Sampling, probs
+from k3kit.runtime.speculative.schedule import DepthAcceptance, ScheduleConfig, choose_width
+
+REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
+
+
+@dataclass
+class DecodeStats:
+    prefill_rows: int = 0
+    target_passes: int = 0                                     # verify calls after the prefill
+    draft_steps: int = 0
+    committed_per_pass: list[int] = field(default_factory=list)   # tokens emitted per pass
+    acceptance_histogram: list[int] = field(default_factory=list)  # [m] = passes accepting m
+    verify_rows: list[int] = field(default_factory=list)        # rows verified per pass
+    target_counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target pass (1.0 for plain decoding)."""
+        return sum(self.committed_per_pass) / max(1, len(self.committed_per_pass))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("target_counters"))
+        d["tau"] = self.tau
+        d["verify_rows_total"] = sum(self.verify_rows)
+        return d
+
+    def summary(self) -> dict:
+        """The figures `k3kit generate --draft --json` reports: averages and totals, not lists
+        (committed_per_pass is the mean tokens committed per target pass)."""
+        out = {
+            "target_passes": self.target_passes,
+            "draft_steps": self.draft_steps,
+            "committed_per_pass": self.tau,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "verify_rows": sum(self.verify_rows),
+        }
+        for k in REPLAY_COUNTERS:
+            out[k] = int(self.target_counters.get(k, 0))
+        return out
+
+
+def merge_counters(target: Target, stats: DecodeStats) -> None:
+    """A target's own counters: from `counters()` if it has one, else the replay attributes."""
+    counters = getattr(target, "counters", None)
+    if callable(counters):
+        stats.target_counters = {k: int(v) for k, v in counters().items()}
+    else:
+        stats.target_counters = {k: int(getattr(target, k)) for k in REPLAY_COUNTERS if hasattr(target, k)}
+
+
+class SpeculativeDecoder:
+    """Draft-and-verify decoding of one sequence, one pass per call.
+
+    `prefill(chunk)` feeds prompt rows (taps captured into the ring) and returns the last row's
+    logits; `step(anchor, remaining)` returns the tokens one pass commits (1..block+1, never
+    more than `remaining`, cut after a stop token). Sampling draws come from `generator`, the
+    same one that picked the anchor, so a seed fixes the whole output.
+    """
+
+    def __init__(self, target: Target, draft: Draft, sampling: Sampling, generator: torch.Generator, *,
+                 schedule: ScheduleConfig | None = None, ring: FeatureRing | None = None,
+                 ring_storage: str = "f16", ring_capacity: int = 4096, stop_ids: Iterable[int] = ()):
+        self.target, self.draft, self.sampling, self.gen = target, draft, sampling, generator
+        self.schedule = schedule or ScheduleConfig()
+        self.stop = set(stop_ids)
+        self.stats = DecodeStats(acceptance_histogram=[0] * (draft.n_proposals + 1))
+        self.depth = DepthAcceptance()
+        if ring is None:
+            ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
+        if ring.length != target.position:
+            raise ValueError(f"feature ring holds {ring.length} positions, target is at {target.position}")
+        self.ring = ring
+
+    def prefill(self, ids: Sequence[int]) -> Tensor:
+        """Commit prompt rows with their tap features; -> logits of the last row [1, V]."""
+        part = [int(t) for t in ids]
+        out = self.target.verify(part, capture=True, all_logits=False)
+        self.target.commit(len(part))
+        self.ring.append(out.taps)
+        self.stats.prefill_rows += len(part)
+        return out.logits[-1:]
+
+    def step(self, anchor: int, remaining: int) -> list[int]:
+        target, draft, st = self.target, self.draft, self.stats
+        if self.schedule.budget == 1 or remaining <= 1:      # nothing to propose: skip the draft
+            props, width = None, 1
+        else:
+            draft.sync(self.ring)
+            props = propose(draft, anchor, target.position, self.sampling, self.gen)
+            st.draft_steps += 1
+            conf = (props.confidence.tolist() if props.confidence is not None
+                    else self.depth.rates(len(props.tokens)))
+            width = choose_width(conf, target.cost, min(len(props.tokens) + 1, remaining), self.schedule)
+        cand = props.tokens[: width - 1] if props else []
+        v = target.verify([anchor, *cand], capture=True)
+        if self.sampling.greedy:
+            m, nxt = accept_greedy(cand, v.logits)
+        else:
+            q = props.q[: len(cand)] if props else torch.zeros(0, v.logits.shape[1], dtype=torch.float64)
+            m, nxt = accept_sampled(cand, q, probs(v.logits, self.sampling), self.gen)
+        new = [*cand[:m], nxt]
+        for j, t in enumerate(new):
+            if t in self.stop:
+                new = new[: j + 1]
+                break
+        n_commit = len(new)                 # anchor + accepted proposals up to the last new one
+        target.commit(n_commit)
+        self.ring.append(v.taps[:n_commit])
+
+        st.target_passes += 1
+        st.verify_rows.append(len(cand) + 1)
+        st.committed_per_pass.append(len(new))
+        st.acceptance_histogram[m] += 1
+        if cand:
+            self.depth.record(len(cand), m)
+        return new
+
+    __call__ = step
+
+    def finish(self) -> DecodeStats:
+        """The statistics, with the target's counters (replay, experts) merged in."""
+        merge_counters(self.target, self.stats)
+        return self.stats
