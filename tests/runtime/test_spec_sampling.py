@@ -6,9 +6,9 @@ tokens against the exact distribution enumerated from the toy target. A delibera
 acceptance rule must fail the same test, so the test has teeth.
 """
 
-import math
-
 import torch
+from chi2 import chi2 as _chi2
+from chi2 import chi2_critical as _chi2_critical
 from toy_target import (
     OracleDraft,
     ToyTarget,
@@ -20,31 +20,6 @@ import k3kit.runtime.speculative.decoder as decoder
 from k3kit.runtime.speculative import Sampling, ar_generate, speculative_generate
 from k3kit.runtime.speculative.accept import accept_sampled
 from k3kit.runtime.speculative.sampling import probs, sample
-
-
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square(df); z = 3.09 is p = 0.001."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2(counts: dict, expected: dict, n: int) -> tuple[float, int]:
-    """Pearson statistic, pooling cells with expected count < 5 into one."""
-    stat, pool_o, pool_e, cells = 0.0, 0, 0.0, 0
-    for key, p in expected.items():
-        e, o = p * n, counts.get(key, 0)
-        if e < 5:
-            pool_o, pool_e = pool_o + o, pool_e + e
-        else:
-            stat += (o - e) ** 2 / e
-            cells += 1
-    extra = sum(o for k, o in counts.items() if k not in expected)
-    pool_o += extra
-    if pool_e > 0:
-        stat += (pool_o - pool_e) ** 2 / pool_e
-        cells += 1
-    elif extra:
-        stat = math.inf
-    return stat, cells - 1
 
 
 def _resample_from_p(proposals, q, p, gen):
