@@ -129,24 +129,14 @@ def load_draft(src_dir: str | Path) -> DSparkDraft:
 
 
 def load_gguf_draft(path: str | Path) -> DSparkDraft:
-    """A DSparkDraft from a llama.cpp `dflash` GGUF (any tensor type k3kit dequantizes): the
-    shipped artifact itself, so its acceptance can be measured rather than assumed."""
-    from k3kit.gguf import quants
-    from k3kit.gguf.reader import GGUFFile
+    """A DSparkDraft from a llama.cpp `dflash` GGUF: the shipped artifact itself, loaded the way
+    `k3kit generate --draft` loads it, so its acceptance is measured rather than assumed."""
+    from k3kit.runtime.loader import load_model
 
-    f = GGUFFile.open(path)
-    kv = {k: v.value for k, v in f.kv.items()}
-    tensors = {t.name: quants.dequantize(f.view(t), t.ggml_type, t.n_elements).reshape(t.np_shape)
-               for t in f.tensors}
-    w1, conf, fc = (tensors.get(n) for n in ("markov_w1.weight", "conf_proj.weight", "fc.weight"))
-    hidden = int(kv.get("dflash.embedding_length", 0))
-    n_taps = len(kv.get("dflash.target_layers", ()))
-    if w1 is None or fc is None or n_taps == 0:
-        raise ConvertError(f"{path}: no markov_w1 / fc / dflash.target_layers: not a DSpark draft")
-    rank, vocab = int(w1.shape[1]), int(w1.shape[0])
-    cfg = DraftConfig.from_gguf_kv(kv, vocab_size=vocab, markov_rank=rank, source=str(path),
-                                   target_hidden_size=int(fc.shape[1]) // n_taps,
-                                   confidence_with_markov=conf is None or conf.shape[-1] != hidden)
-    draft = DSparkDraft(cfg)
-    draft.load_gguf_tensors(tensors, str(path))
-    return draft
+    adapter = load_model(path)
+    try:
+        if not hasattr(adapter, "attach"):
+            raise ConvertError(f"{path}: architecture {adapter.source.arch!r} is not a dflash draft")
+        return adapter.draft
+    finally:
+        adapter.close()
