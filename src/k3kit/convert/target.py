@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -165,6 +165,23 @@ class _Planner:
 
         self.specs.append(TensorSpec(name, shape, qtype, nbytes, source))
 
+    def add_stacked(self, name: str, np_shape: tuple[int, ...], parts: list[Callable[[], np.ndarray]],
+                    qtype: T | None = None) -> None:
+        """A [E, rows, cols] tensor written one expert at a time: a K3 expert stack is gigabytes,
+        and every codec works along rows, so per-expert encodings concatenate to the whole's."""
+        qtype = qtype or _out_type(name, np_shape, self.trunk)
+        shape = tuple(reversed(np_shape))
+        nbytes = tensor_nbytes(shape, qtype)
+
+        def source() -> Iterator[np.ndarray]:
+            for make in parts:
+                x = make()
+                if x.shape != np_shape[1:]:   # a bug in the mapping, not user input
+                    raise AssertionError(f"{name}: built an expert of {x.shape}, planned {np_shape[1:]}")
+                yield _encode(x, qtype)
+
+        self.specs.append(TensorSpec(name, shape, qtype, nbytes, source))
+
     def plain(self, gguf_name: str, hf_name: str, np_shape: tuple[int, ...]) -> None:
         e = self.take(hf_name, np_shape)
         self.add(gguf_name, np_shape, lambda: self.ckpt.floats(e))
@@ -222,8 +239,8 @@ def _plan_layer(p: _Planner, il: int) -> None:
             _plan_mxfp4_experts(p, blk + base + ".weight", packed, scales, rows, cols)
         else:
             entries = [p.take(n + "weight", (rows, cols)) for n in names]
-            p.add(blk + base + ".weight", (E, rows, cols),
-                  lambda entries=entries: np.stack([ck.floats(e) for e in entries]))
+            p.add_stacked(blk + base + ".weight", (E, rows, cols),
+                          [lambda e=e: ck.floats(e) for e in entries])
 
 
 def _plan_mxfp4_experts(p: _Planner, name: str, packed: list[TensorEntry], scales: list[TensorEntry],
@@ -232,11 +249,9 @@ def _plan_mxfp4_experts(p: _Planner, name: str, packed: list[TensorEntry], scale
     shape = (cols, rows, E)
     nbytes = tensor_nbytes(shape, T.MXFP4)
 
-    def source() -> np.ndarray:
-        out = np.empty((E, rows, cols // 32 * 17), dtype=np.uint8)
-        for i, (pk, sc) in enumerate(zip(packed, scales, strict=True)):
-            out[i] = repack_mxfp4(p.ckpt.raw(pk).reshape(pk.shape), p.ckpt.raw(sc).reshape(sc.shape))
-        return out.reshape(-1)
+    def source() -> Iterator[np.ndarray]:     # one expert at a time: the stack may be gigabytes
+        for pk, sc in zip(packed, scales, strict=True):
+            yield repack_mxfp4(p.ckpt.raw(pk).reshape(pk.shape), p.ckpt.raw(sc).reshape(sc.shape)).reshape(-1)
 
     p.specs.append(TensorSpec(name, shape, T.MXFP4, nbytes, source))
 
