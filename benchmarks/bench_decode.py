@@ -1,14 +1,20 @@
 """Prefill and AR decode tok/s: k3kit's engine vs llama.cpp, same GGUF, same thread count.
 
     python benchmarks/bench_decode.py [--threads 1] [--prompt 64] [--tokens 32] [--dir /tmp]
-                                      [--slice-tokens 4] [--model PATH]
+                                      [--slice-prompts 4,64] [--slice-tokens 3] [--model PATH]
 
 Models: the shipped mini K3 if built (else a random tiny K3 converted with `k3kit convert
 target`, Q8_0 trunk, 16 MXFP4 experts), and a K3-geometry slice from `k3kit synth` (hidden
 7168, K3 expert and MLA dims, 8 heads, 2 layers, 16 experts, vocab 512; the same file as
 tests/runtime/test_engine_memory.py). Engine: f32 compute on the small model, bf16 on the
-slice, expert cache big enough for every expert (steady state) and, on the slice, 128 MiB.
+slice, expert cache big enough for every expert and, on the slice, 128 MiB.
 llama.cpp: llama-cpp-python, F32 KV cache, AMX repacking off (it crashes on this CPU).
+
+On the slice each prompt length is run as two requests on one loaded model, the same prompt
+twice, on both sides: "cold" is the first request after load (the engine reads and
+dequantizes every expert it routes to; llama.cpp faults its mapped weights in from the page
+cache), "warm" the second (a server's steady state: the engine's expert cache holds what the
+prompt routes to, llama.cpp's pages are mapped). Cold is compared with cold, warm with warm.
 Prints tok/s of both and the ratio engine / llama.cpp.
 """
 
@@ -28,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 
 
-def llama_speed(path: Path, prompt: list[int], n: int, threads: int) -> tuple[float, float]:
+def llama_speed(path: Path, prompt: list[int], n: int, threads: int, requests: int = 1
+                ) -> list[tuple[float, float]]:
+    """(prefill tok/s, decode tok/s) of `requests` greedy runs of `prompt` on one loaded model."""
     import llama_cpp
     original = llama_cpp.llama_cpp.llama_model_default_params
 
@@ -40,36 +48,52 @@ def llama_speed(path: Path, prompt: list[int], n: int, threads: int) -> tuple[fl
     llama_cpp.llama_cpp.llama_model_default_params = params
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    for _ in range(n):
-        llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t2 = time.perf_counter()
-    llm.close()
-    llama_cpp.llama_cpp.llama_model_default_params = original
-    return len(prompt) / (t1 - t0), n / (t2 - t1)
+    out = []
+    try:
+        for _ in range(requests):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            t1 = time.perf_counter()
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            for _ in range(n):
+                llm.eval([tok])
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            t2 = time.perf_counter()
+            out.append((len(prompt) / (t1 - t0), n / (t2 - t1)))
+    finally:
+        llm.close()
+        llama_cpp.llama_cpp.llama_model_default_params = original
+    return out
 
 
-def engine_speed(path: Path, prompt: list[int], n: int, dtype: torch.dtype, cache_mib: float
-                 ) -> tuple[float, float, dict]:
+def engine_speed(path: Path, prompt: list[int], n: int, dtype: torch.dtype, cache_mib: float,
+                 requests: int = 1) -> list[tuple[float, float, dict]]:
+    """(prefill tok/s, decode tok/s, stats) of `requests` greedy runs of `prompt` on one adapter:
+    the expert cache carries over from one request to the next, as in a server."""
     from k3kit.runtime.engine import generate
     from k3kit.runtime.loader import LoadOptions, load_model
     from k3kit.runtime.sampling import make_sampling
     a = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=cache_mib))
+    out = []
     try:
-        r = generate(a, prompt, max_tokens=n + 1, sampling=make_sampling(0.0, seed=0), prefill_chunk=512)
+        for _ in range(requests):
+            r = generate(a, prompt, max_tokens=n + 1, sampling=make_sampling(0.0, seed=0), prefill_chunk=512)
+            out.append((r.stats.prefill_tok_s, r.stats.decode_tok_s, r.stats.to_dict()))
     finally:
         a.close()
-    return r.stats.prefill_tok_s, r.stats.decode_tok_s, r.stats.to_dict()
+    return out
 
 
 def row(name: str, ours: tuple[float, float], peer: tuple[float, float]) -> None:
-    print(f"{name:38s} prefill {ours[0]:9.2f} vs {peer[0]:9.2f} tok/s (x{ours[0] / peer[0]:.3f})   "
-          f"decode {ours[1]:8.2f} vs {peer[1]:8.2f} tok/s (x{ours[1] / peer[1]:.3f})")
+    print(f"{name:44s} prefill {ours[0]:9.2f} vs {peer[0]:9.2f} tok/s (x{ours[0] / peer[0]:.3f})   "
+          f"decode {ours[1]:8.2f} vs {peer[1]:8.2f} tok/s (x{ours[1] / peer[1]:.3f})", flush=True)
+
+
+def detail(st: dict) -> None:
+    print(f"{'':44s} hit rate {st['expert_cache_hit_rate']:.2f}, misses {st['expert_misses']}, payload/token "
+          f"{st['payload_bytes_per_token'] / 2**20:.1f} MiB, bench process peak RSS so far "
+          f"{st['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
 
 
 def main() -> None:
@@ -77,7 +101,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--slice-prompt", type=int, default=4)
+    ap.add_argument("--slice-prompts", default="4,64", help="comma-separated slice prompt lengths")
     ap.add_argument("--slice-tokens", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--model", default=None, help="small model GGUF (default: shipped mini or a tiny one)")
@@ -99,23 +123,23 @@ def main() -> None:
             label = "tiny random K3 (Q8_0 trunk)"
         p = prompts(1, 400, seed=2, lo=args.prompt, hi=args.prompt)[0]
         print(f"threads {args.threads}; prompt {args.prompt} tokens, decode {args.tokens} tokens (greedy)")
-        peer = llama_speed(small, p, args.tokens, args.threads)
-        ours = engine_speed(small, p, args.tokens, torch.float32, 1024)
+        peer = llama_speed(small, p, args.tokens, args.threads)[0]
+        ours = engine_speed(small, p, args.tokens, torch.float32, 1024)[0]
         row(f"{label}, f32, all experts cached", ours[:2], peer)
         if args.no_slice:
             return
         r = synthesize(tmp / "slice", replace(K3, n_dense_lead=0, n_head=8), 2, 16, vocab=512, progress=False,
                        name="k3slice")
         sl = r.paths[0]
-        p = prompts(1, 400, seed=3, lo=args.slice_prompt, hi=args.slice_prompt)[0]
-        peer = llama_speed(sl, p, args.slice_tokens, args.threads)
-        for cache in (4096, 128):
-            ours = engine_speed(sl, p, args.slice_tokens, torch.bfloat16, cache)
-            st = ours[2]
-            row(f"K3 slice, bf16, cache {cache} MiB", ours[:2], peer)
-            print(f"{'':38s} hit rate {st['expert_cache_hit_rate']:.2f}, payload/token "
-                  f"{st['payload_bytes_per_token'] / 2**20:.1f} MiB, "
-                  f"peak RSS {st['peak_rss_bytes'] / 2**20:.0f} MiB")
+        print(f"K3 slice: decode {args.slice_tokens} tokens (greedy), two requests per prompt, one load")
+        for n_prompt in (int(x) for x in args.slice_prompts.split(",")):
+            p = prompts(1, 400, seed=3, lo=n_prompt, hi=n_prompt)[0]
+            peer = llama_speed(sl, p, args.slice_tokens, args.threads, requests=2)
+            for cache in (4096, 128):
+                ours = engine_speed(sl, p, args.slice_tokens, torch.bfloat16, cache, requests=2)
+                for i, when in enumerate(("cold", "warm")):
+                    row(f"K3 slice, prompt {n_prompt}, cache {cache} MiB, {when}", ours[i][:2], peer[i])
+                    detail(ours[i][2])
 
 
 if __name__ == "__main__":

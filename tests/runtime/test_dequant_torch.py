@@ -249,9 +249,9 @@ def test_chunked_equals_reference(monkeypatch, qtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("qtype", [T.MXFP4, T.Q8_0], ids=lambda t: t.name)
 def test_direct_narrow_output_is_one_rounding_of_float32(qtype, dtype):
-    """MXFP4 and Q8_0 write 2-byte outputs without the float32 scratch (MXFP4 from a table of
-    pre-rounded values): every bit must still equal float32 -> dtype, over all scale bytes
-    (MXFP4 e = 0..255, subnormal and overflowing ones included; Q8_0 raw f16 scales, NaN/inf)."""
+    """MXFP4 writes 2-byte outputs from a table of pre-rounded values, Q8_0 through the float32
+    scratch: every bit must equal float32 -> dtype, over all scale bytes (MXFP4 e = 0..255,
+    subnormal and overflowing ones included; Q8_0 raw f16 scales, NaN and inf included)."""
     rng = np.random.default_rng(11 + int(qtype))
     elems, bb = block_size(qtype)
     raw = rng.integers(0, 256, size=(512, bb), dtype=np.uint8)

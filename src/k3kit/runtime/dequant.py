@@ -5,7 +5,8 @@ operation for operation: the same products in the same order, each rounded to fl
 fused multiply-add. That makes the result bitwise equal to ggml's reference on a build
 without FP contraction (x86-64 baseline, where ggml-base is compiled without FMA), NaN
 payloads included (tests/interop/test_dequant_torch_ggml.py checks this against libggml).
-Other compute dtypes are produced by rounding the float32 result once at the end.
+Other compute dtypes are produced by rounding the float32 result once at the end (MXFP4
+looks values up in a table of float32 results already rounded once to the output dtype).
 
 Block layouts (ggml-common.h), bytes per block:
   Q8_0   34  = f16 d, int8 qs[32]
@@ -17,9 +18,7 @@ Block layouts (ggml-common.h), bytes per block:
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
+from functools import partial
 
 import numpy as np
 import torch
@@ -71,9 +70,7 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # One pass: int8 * float32 is computed in float32 (exact conversion, one rounded product)
-    # and rounded once more only if `out` is narrower.
-    torch.mul(blocks[:, 2:].view(torch.int8), _f16(blocks[:, 0:2]), out=out)
+    out.copy_(blocks[:, 2:].view(torch.int8)).mul_(_f16(blocks[:, 0:2]))
 
 
 def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
@@ -107,11 +104,20 @@ def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:
     return table
 
 
-def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """Any 2- or 4-byte float `out` (each value is ggml's float32 value rounded once)."""
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None = None,
+           pairs: torch.Tensor | None = None) -> None:
+    """Any 2- or 4-byte float `out` (each value is ggml's float32 value rounded once).
+
+    index (int32 [>= nb, 16]) and pairs (the table's dtype, >= nb * 16) are optional work
+    buffers that a caller reuses across chunks: a fresh 4 MiB buffer per chunk is above
+    glibc's mmap threshold and comes back page-faulted every time (float32 output measured
+    40 ms per 11M values with per-chunk buffers, 22 ms with reused ones).
+    """
     nb = blocks.shape[0]
-    index = blocks[:, 1:].to(torch.int32).add_(blocks[:, 0:1].to(torch.int32) << 8)  # e*256 + byte
-    pairs = _mxfp4_table(out.dtype).index_select(0, index.view(-1))
+    index = torch.empty(nb, 16, dtype=torch.int32) if index is None else index[:nb]
+    index.copy_(blocks[:, 1:]).add_(blocks[:, 0:1].to(torch.int32) << 8)  # e*256 + byte
+    table = _mxfp4_table(out.dtype)
+    pairs = torch.index_select(table, 0, index.view(-1), out=None if pairs is None else pairs[: nb * 16])
     # [nb, 16 bytes, (lo, hi)] -> [nb, (lo, hi), 16]: element j is byte j's low nibble, j+16 its
     # high one. numpy's strided copy is about twice as fast as torch's for this shape.
     narrow = _NARROW[out.dtype.itemsize]
@@ -139,7 +145,7 @@ def _scale_min(q: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None
     sc, m = _k_scales(blocks[:, 4:16])
     d1 = (_f16(blocks[:, 0:2]) * sc).unsqueeze(2)
     m1 = (_f16(blocks[:, 2:4]) * m).unsqueeze(2)
-    y = torch.mul(q, d1, out=out.view(-1, 8, 32))
+    y = out.view(-1, 8, 32).copy_(q).mul_(d1)
     nan_rows = torch.isnan(m1).flatten(1).any(1).nonzero().flatten()
     if nan_rows.numel() == 0:
         y.sub_(m1)
@@ -176,7 +182,7 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     high = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=2)
     q = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
     # ggml: d * sc[is] * q, evaluated left to right; scale index = 8*half + 2*g + l//16.
-    torch.mul(q.view(nb, 2, 4, 2, 16), d * sc, out=out.view(nb, 2, 4, 2, 16))
+    out.view(nb, 2, 4, 2, 16).copy_(q.view(nb, 2, 4, 2, 16)).mul_(d * sc)
 
 
 def _float(src: torch.dtype):
@@ -191,36 +197,13 @@ _KERNELS = {
     T.F32: _float(torch.float32), T.F16: _float(torch.float16), T.BF16: _float(torch.bfloat16),
 }
 # Kernels that write any 2- or 4-byte float dtype directly, each value one rounding of ggml's
-# float32 value; the others fill float32 and are rounded through a float32 scratch chunk.
-_ANY_DTYPE = frozenset({T.MXFP4, T.Q8_0})
-# Per kernel call: 4 MiB of float32 output. Scratch of this size is recycled by malloc (below
-# glibc's mmap threshold), and a chunk is large enough for torch's intra-op threads to pay off.
+# float32 value; the others fill float32 and are rounded through a float32 scratch chunk
+# (for Q8_0 and the K-quants a mixed-dtype torch.mul into a bf16 `out` measured slower than
+# the scratch: its casting loop is not vectorised).
+_ANY_DTYPE = frozenset({T.MXFP4})
+# Per kernel call: 4 MiB of float32 output, large enough for torch's intra-op threads to pay
+# off. Scratch and work buffers are allocated once per dequantize call and reused by its chunks.
 CHUNK_ELEMS = 1 << 20
-
-HUGE_PAGE = 1 << 21
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
-_madvise = None
-if sys.platform == "linux" and _MADV_HUGEPAGE is not None:
-    try:
-        _madvise = ctypes.CDLL(None, use_errno=True).madvise
-        _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    except (OSError, AttributeError):
-        _madvise = None
-
-
-def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty, asking for transparent huge pages on the untouched interior of a large buffer.
-
-    An expert matrix is written once into fresh memory. Faulted in 4 KiB at a time (THP is
-    usually `madvise`-only) that costs about as much as the dequant itself (measured here:
-    34 ms to first-write 58 MB, 16 ms with 2 MiB pages). Advice only: ignored where unsupported.
-    """
-    t = torch.empty(shape, dtype=dtype)
-    if _madvise is not None and t.nbytes >= 4 * HUGE_PAGE:
-        p = t.data_ptr()
-        lo, hi = -(-p // HUGE_PAGE) * HUGE_PAGE, (p + t.nbytes) // HUGE_PAGE * HUGE_PAGE
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)
-    return t
 
 
 def dequantize(
@@ -248,12 +231,16 @@ def dequantize(
     if data.storage_offset() % 4 or not data.is_contiguous():
         data = data.clone()  # float dtype views need an aligned start
     blocks = data.view(-1, bb)
-    out = empty_huge((blocks.shape[0], elems), dtype)
+    out = torch.empty(blocks.shape[0], elems, dtype=dtype)
     direct = dtype == torch.float32 or (
         qtype in _ANY_DTYPE and dtype.is_floating_point and dtype.itemsize in _WIDE)
     step = max(1, CHUNK_ELEMS // elems)
     scratch = None if direct else torch.empty(step, elems)
     kernel = _KERNELS[qtype]
+    if qtype == T.MXFP4:
+        wide = _WIDE[(dtype if direct else torch.float32).itemsize]
+        kernel = partial(_mxfp4, index=torch.empty(step, 16, dtype=torch.int32),
+                         pairs=torch.empty(step * 16, dtype=wide))
     for i in range(0, blocks.shape[0], step):
         chunk = blocks[i : i + step]
         if scratch is None:
