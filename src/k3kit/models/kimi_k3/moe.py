@@ -143,11 +143,19 @@ class LatentMoE(nn.Module):
             rows, cols = torch.nonzero(ids == e, as_tuple=True)
             ew = experts.get(self.layer, e)
             z = q8_0_round(xl[rows]) if self.ggml_q8_inputs else xl[rows]
-            h = situ(z @ ew.gate.t(), z @ ew.up.t(), cfg.situ_beta, cfg.situ_linear_beta)
+            h = situ(_matmul(z, ew.gate), _matmul(z, ew.up), cfg.situ_beta, cfg.situ_linear_beta)
             if self.ggml_q8_inputs:
                 h = q8_0_round(h)
-            slots = slots.index_put((rows, cols), (h @ ew.down.t()) * w[rows, cols, None])
+            slots = slots.index_put((rows, cols), _matmul(h, ew.down) * w[rows, cols, None])
         y = slots[:, 0]
         for j in range(1, k):     # ggml adds the k expert outputs one after another
             y = y + slots[:, j]
         return y
+
+
+def _matmul(x: Tensor, weight: Tensor) -> Tensor:
+    """x [n, in] @ weight[out, in].T. One row (decode: each expert sees one token) goes through
+    a matrix-vector product, ~30% faster than the 1-row matmul for K3-sized bf16 experts."""
+    if x.shape[0] == 1 and not torch.is_grad_enabled():
+        return torch.mv(weight, x[0]).unsqueeze(0)
+    return x @ weight.t()
