@@ -1,13 +1,18 @@
 import pytest
 
 from k3kit.errors import K3Error
+from k3kit.runtime.route_batch import expected_unique
 from k3kit.runtime.speculative.schedule import (
     DepthAcceptance,
+    ExpertLayer,
+    PassRates,
     ScheduleConfig,
     choose_width,
     expected_tokens,
+    hit_fraction,
     parse_budget,
     prefix_survival,
+    verify_seconds,
 )
 
 CONF = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
@@ -70,3 +75,68 @@ def test_depth_acceptance():
     for _ in range(20):
         d.record(1, 1)
     assert min(d.rates(7)) > 0.9
+
+
+# -- the verify-time estimate a target's cost(n) builds on --------------------------------------
+RATES = PassRates(layer_s=1e-3, row_layer_s=1e-4, flops=1e9, mem_bw=1e9, expert_s=1e-4,
+                  dequant_elems_s=1e6, read_bw=1e8, cold_read_bw=1e7, cold_read_s=1e-3)
+EXPERT = dict(n_experts=32, top_k=4, elements=1000, resident_bytes=4000, file_bytes=600)
+GEO = dict(layers=3, trunk_params=10_000, trunk_bytes=40_000, rates=RATES)
+
+
+def moe(cached: int, n_layers: int = 2) -> list[ExpertLayer]:
+    return [ExpertLayer(cached=cached, **EXPERT) for _ in range(n_layers)]
+
+
+def test_verify_seconds_by_hand():
+    everything = 1 << 30
+    for n in (1, 3, 8):
+        d = expected_unique(n, 4, 32)
+        trunk = 3 * (1e-3 + n * 1e-4) + 40_000 / 1e9 + 2 * 10_000 * n / 1e9
+        experts = 2 * (d * (1e-4 + 4000 / 1e9) + 2 * 1000 * 4 * n / 1e9)
+        miss = 1000 / 1e6 + 600 / 1e8                  # dequantize + read one expert
+        # all cached, cache big enough to keep them: no miss term
+        assert verify_seconds(n, moe=moe(32), cache_bytes=everything, **GEO) == pytest.approx(trunk + experts)
+        # nothing cached: every distinct expert is a miss
+        none = verify_seconds(n, moe=moe(0), cache_bytes=0, **GEO)
+        assert none == pytest.approx(trunk + experts + 2 * d * miss)
+        cold = verify_seconds(n, moe=moe(0), cache_bytes=0, cold=True, **GEO)
+        assert cold == pytest.approx(trunk + experts + 2 * d * (1000 / 1e6 + 600 / 1e7 + 1e-3))
+        assert verify_seconds(n, moe=moe(32), cache_bytes=everything, cold=True, **GEO) == \
+            pytest.approx(trunk + experts)             # nothing to read: cold costs nothing extra
+    with pytest.raises(ValueError):
+        verify_seconds(0, moe=moe(0), cache_bytes=0, **GEO)
+
+
+def test_hit_fraction_models_an_lru_cache():
+    layer = ExpertLayer(cached=32, **EXPERT)
+    # the cache keeps h = 40/20 = 2 earlier passes: used by one of them with 1 - (1 - 4/32)^2
+    assert hit_fraction(layer, 4.0, 20.0, 40.0) == pytest.approx(1 - (1 - 4 / 32) ** 2)
+    # a pass touching more experts than the cache holds evicts each layer's before reuse
+    assert hit_fraction(layer, 16.0, 80.0, 40.0) == 0.0
+    # never more than what the cache holds of this layer now (a cache still filling)
+    assert hit_fraction(ExpertLayer(cached=2, **EXPERT), 4.0, 20.0, 1000.0) == pytest.approx(2 / 32)
+    assert hit_fraction(ExpertLayer(cached=0, **EXPERT), 4.0, 20.0, 1000.0) == 0.0
+    # a cache far bigger than a pass: almost every routed expert hits
+    assert hit_fraction(layer, 4.0, 20.0, 1e4) == pytest.approx(1.0)
+
+
+def test_cache_size_changes_the_width_the_scheduler_picks():
+    """Resident experts: rows are cheap next to the fixed pass cost, so confident proposals are
+    all verified. A cache smaller than one pass's experts: each extra row drags in new misses,
+    and the same proposals get a narrower verify; near-certain ones are still worth it all."""
+    rates = PassRates()                                # the calibrated defaults
+    mini = [ExpertLayer(32, 4, 24576, 98304, 13056, cached=32) for _ in range(5)]
+    geo = dict(layers=6, trunk_params=4_235_816, trunk_bytes=16_943_264, rates=rates)
+    resident = lambda n: verify_seconds(n, moe=mini, cache_bytes=256 << 20, **geo)   # noqa: E731
+    streamed = [ExpertLayer(32, 4, 24576, 98304, 13056, cached=1) for _ in range(5)]
+    tiny = lambda n: verify_seconds(n, moe=streamed, cache_bytes=5 * 98304, **geo)   # noqa: E731
+    assert tiny(1) > resident(1) and tiny(8) - tiny(1) > 2 * (resident(8) - resident(1))
+    for c in (0.7, 0.8, 0.85):
+        assert 1 < choose_width([c] * 7, tiny, 8, ScheduleConfig()) < choose_width([c] * 7, resident, 8,
+                                                                                 ScheduleConfig())
+    assert choose_width([0.85] * 7, resident, 8, ScheduleConfig()) == 8
+    assert choose_width([0.95] * 7, tiny, 8, ScheduleConfig()) == 8
+    # paying for the draft step whatever the width favours wider verifies
+    narrow = choose_width([0.8] * 7, tiny, 8, ScheduleConfig())
+    assert choose_width([0.8] * 7, tiny, 8, ScheduleConfig(draft_cost=0.02)) > narrow

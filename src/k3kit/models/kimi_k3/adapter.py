@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 from k3kit.runtime.experts import ExpertStats, ExpertStore
-from k3kit.runtime.loader import GGUFSource, LoadOptions, layer_devices, release_pages
-from k3kit.runtime.route_batch import expected_unique
+from k3kit.runtime.loader import GGUFSource, LoadOptions, layer_devices
 from k3kit.runtime.speculative.interface import VerifyOutput
+from k3kit.runtime.speculative.schedule import ExpertLayer, verify_seconds
 
 from .config import K3ModelConfig
 from .gguf_load import build_trunk, config_from_source, expert_tensor_names, ggml_input_kinds
@@ -56,10 +56,7 @@ class StoreExperts:
         self.requests = 0
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
-        cached = self.store.is_cached(layer, expert)
-        gate, up, down = self.store.get(layer, [expert])[expert]
-        if not cached:
-            release_pages(self.store, layer, expert)
+        gate, up, down = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
         self.requests += 1
         dev = self.layer_dev[layer]
         if gate.device != dev:
@@ -98,6 +95,8 @@ class K3Adapter:
         self.replay_full_replays = 0
         self.replay_failed_fallbacks = 0
         self.history: list[int] = []          # committed token ids: the last-resort rebuild
+        self._cost_geometry: tuple | None = None   # cost(): per-layer expert geometry, once
+        self._cost_cached: tuple | None = None     # cost(): cached-expert counts per cache state
         self._pending: _Pending | None = None
         if len(set(self.layer_dev)) > 1:
             _install_layer_split(model, self.layer_dev)
@@ -216,17 +215,32 @@ class K3Adapter:
 
     # -- for the scheduler and the draft ---------------------------------------------------
     def cost(self, n_rows: int) -> float:
-        """Expected bytes one verify pass of n rows moves: routed expert bytes not in the cache
-        (uniform-routing estimate of distinct experts, scaled by the uncached fraction), the
-        trunk read once per pass, and per row the routed experts' bytes it computes with."""
+        """Estimated seconds of one verify pass of n rows (runtime.speculative.schedule's
+        `verify_seconds`): per-pass and per-row trunk work, per distinct routed expert, and
+        for the experts an LRU cache of this size would not hold, reading and dequantizing them
+        (cold reads slower). Distinct experts follow uniform top-k routing. The scheduler asks
+        for every width on every step, so the geometry is worked out once and the per-layer
+        cache counts only when the cache has changed."""
+        store = self.store
+        geometry = self._cost_geometry
+        if geometry is None:
+            elem = torch.empty(0, dtype=self.dtype).element_size()
+            geometry = (elem, [(il, store.n_experts(il), sum(int(torch.Size(t.shape).numel()) for t in ts),
+                                store.expert_nbytes(il)) for il, ts in store.layers.items()])
+            self._cost_geometry = geometry
+        elem, layers = geometry
+        s = store.stats()       # the cache's contents change only on a miss, an eviction or a pin
+        key = (s.misses, s.evictions, s.resident_experts, s.pinned_bytes, store.cache_bytes)
+        memo = self._cost_cached
+        if memo is None or memo[0] != key:
+            memo = (key, [store.cached_count(il) for il, *_ in layers])
+            self._cost_cached = memo
         k = self.cfg.num_experts_per_tok
-        total = float(self.trunk_file_bytes)
-        for il in self.store.layers:
-            n_exp = self.store.n_experts(il)
-            per = self.store.expert_nbytes(il)
-            uncached = 1.0 - self.store.cached_count(il) / n_exp
-            total += expected_unique(n_rows, k, n_exp) * uncached * per + n_rows * k * per * 0.05
-        return total
+        moe = [ExpertLayer(n_exp, k, n, n * elem, nbytes, cached)
+               for (_, n_exp, n, nbytes), cached in zip(layers, memo[1], strict=True)]
+        return verify_seconds(n_rows, layers=self.cfg.num_layers, trunk_params=self.trunk_bytes // elem,
+                              trunk_bytes=self.trunk_bytes, moe=moe, cache_bytes=store.cache_bytes,
+                              cold=bool(store.cold))
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.embed(ids.to(self.layer_dev[0]))

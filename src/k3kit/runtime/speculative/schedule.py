@@ -9,6 +9,14 @@ so the scheduler maximises E(n) / (cost(n) + draft_cost) rather than E(n).
 
 The c_k come from the draft's confidence head; without one, from the acceptance seen so far
 at each depth (Laplace-smoothed conditional rates).
+
+`verify_seconds` is a target-neutral estimate of a verify pass's wall time that a target's
+`cost(n)` can build on: a fixed cost per pass and per layer, compute per row, a cost per
+distinct routed expert, and, for the experts the cache does not hold, the time to read and
+dequantize them. `PassRates` holds the machine's rates; the defaults were measured on the
+project's 2-core VM with the torch runtime (benchmarks/bench_spec.py prints the calibration).
+Only ratios between widths matter, so a uniformly faster or slower machine picks the same
+widths; what changes the choice is the balance between per-pass and per-miss costs.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from k3kit.errors import K3Error
+from k3kit.runtime.route_batch import expected_unique
 
 
 def parse_budget(text: str) -> int | None:
@@ -102,3 +111,79 @@ def choose_width(conf: Sequence[float], cost: Callable[[int], float], max_rows: 
         if rate > best_rate * (1 + 1e-12):      # ties keep the narrower width
             best, best_rate = n, rate
     return best
+
+
+@dataclass(frozen=True)
+class PassRates:
+    """How fast the machine does each part of a verify pass (seconds, bytes, elements).
+
+    Defaults: measured with `benchmarks/bench_spec.py --calibrate` on the 2-core VM (torch,
+    1 thread, the shipped mini K3; median verify time inside real decoding): a resident 1-row
+    pass 9 ms, +1.6 ms per extra row (rows and the distinct experts they add), and about
+    0.75 ms per missed expert (24.6 k MXFP4 weights dequantized to f32, the file pages
+    released; reads that bypass the page cache add little for a 13 KB expert)."""
+
+    layer_s: float = 0.8e-3            # fixed per layer per pass: kernel launches, interpreter
+    row_layer_s: float = 0.045e-3      # per row per layer on top of the matmuls (recurrent steps)
+    flops: float = 2.0e10              # dense f32 matmul rate, FLOP/s
+    mem_bw: float = 1.0e10             # bytes/s reading resident weights (trunk once per pass)
+    expert_s: float = 60e-6            # per distinct expert per pass: gather + three small matmuls
+    dequant_elems_s: float = 3.3e7     # weights/s a missed expert is dequantized (and released) at
+    read_bw: float = 1.0e9             # file bytes/s for a missed expert, page cache warm
+    cold_read_bw: float = 3.0e8        # ... with reads that bypass the page cache
+    cold_read_s: float = 2.0e-5        # ... plus a fixed latency per missed expert
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One MoE layer as the cost model sees it (sizes per expert)."""
+
+    n_experts: int
+    top_k: int
+    elements: int                      # weights of one expert (all its tensors)
+    resident_bytes: int                # its dequantized size, what the cache charges
+    file_bytes: int                    # its size in the model file, what a miss reads
+    cached: int = 0                    # experts of this layer in the cache now
+
+
+def hit_fraction(layer: ExpertLayer, distinct: float, pass_distinct: float, cache_experts: float) -> float:
+    """Chance that an expert a pass routes to in `layer` is already cached.
+
+    An LRU cache of `cache_experts` experts, with every pass touching `pass_distinct` over all
+    layers, still holds the experts of about h = cache_experts / pass_distinct earlier passes;
+    with uniform routing an expert was used by one of them with chance 1 - (1 - d/E)^h. If a
+    single pass touches more experts than the cache holds, each layer's experts are evicted by
+    the other layers' before they come round again, and nothing hits (LRU thrashing). The
+    estimate never exceeds what the cache holds of the layer right now (a cache still filling)."""
+    if layer.n_experts <= 0 or cache_experts < pass_distinct or pass_distinct <= 0:
+        return 0.0
+    h = cache_experts / pass_distinct
+    steady = 1.0 - (1.0 - min(1.0, distinct / layer.n_experts)) ** h
+    return min(steady, layer.cached / layer.n_experts)
+
+
+def verify_seconds(n_rows: int, *, layers: int, trunk_params: int, trunk_bytes: int,
+                   moe: Sequence[ExpertLayer], cache_bytes: int, cold: bool = False,
+                   rates: PassRates = PassRates()) -> float:
+    """Estimated wall time of one verify pass of `n_rows` rows (see PassRates).
+
+    Distinct experts per layer follow uniform top-k routing (`expected_unique`), which
+    overestimates them for wide passes (real routers favour some experts, and neighbouring
+    tokens share them: the mini K3 touches 82 where this says 107 at 8 rows), so the estimate
+    leans towards narrower verifies when misses are expensive."""
+    if n_rows < 1:
+        raise ValueError(f"n_rows must be >= 1, got {n_rows}")
+    t = layers * (rates.layer_s + n_rows * rates.row_layer_s)
+    t += trunk_bytes / rates.mem_bw + 2.0 * trunk_params * n_rows / rates.flops
+    distinct = [expected_unique(n_rows, m.top_k, m.n_experts) for m in moe]
+    pass_distinct = sum(distinct)
+    resident = sum(m.resident_bytes for m in moe) / max(1, len(moe))
+    cache_experts = cache_bytes / resident if resident > 0 else 0.0
+    read_bw = rates.cold_read_bw if cold else rates.read_bw
+    for m, d in zip(moe, distinct, strict=True):
+        misses = d * (1.0 - hit_fraction(m, d, pass_distinct, cache_experts))
+        t += d * (rates.expert_s + m.resident_bytes / rates.mem_bw)
+        t += 2.0 * m.elements * m.top_k * n_rows / rates.flops
+        t += misses * (m.elements / rates.dequant_elems_s + m.file_bytes / read_bw
+                       + (rates.cold_read_s if cold else 0.0))
+    return t
