@@ -95,10 +95,11 @@ def dequantized_expert_mib(target) -> tuple[float, int, int]:
 
 
 def spec_step(draft, budget: int | None):
-    """DSpark steps as `k3kit generate --draft` builds them (auto: ScheduleConfig defaults)."""
+    """DSpark steps as `k3kit generate --draft` builds them (auto: cost-aware, the draft step's
+    measured time included)."""
     def build(model, sampler):
         return SpeculativeDecoder(model, draft, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(budget=budget))
+                                  schedule=ScheduleConfig(budget=budget, draft_cost=None))
     return build
 
 

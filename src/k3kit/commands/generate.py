@@ -136,7 +136,9 @@ def decode_step(args: argparse.Namespace, draft, stop_ids):
         return None
     from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder, parse_budget
 
-    schedule = ScheduleConfig(budget=parse_budget(args.verify_budget), threshold=args.confidence_threshold)
+    # draft_cost None: the decoder adds the draft step's measured seconds (the target's cost() is seconds)
+    schedule = ScheduleConfig(budget=parse_budget(args.verify_budget), threshold=args.confidence_threshold,
+                              draft_cost=None)
 
     def build(model, sampler):
         return SpeculativeDecoder(model, draft, sampler.sampling, sampler.generator, schedule=schedule,

@@ -39,6 +39,7 @@ class KDARows:
     v: Tensor         # [B, T, H, d] after conv and SiLU
     g: Tensor         # [B, T, H, d] log-decay
     beta: Tensor      # [B, T, H]
+    final: Tensor | None = None   # [B, H, d, d] the state after all T rows (what verify computed)
 
     @property
     def n_rows(self) -> int:
@@ -193,7 +194,8 @@ class KDA(nn.Module):
             state.S = S.detach()
             state.conv = torch.stack(windows, dim=1).detach()
         elif keep:
-            rows = KDARows(conv_in.detach(), k.detach(), v.detach(), g.detach(), beta.detach())
+            final = S.detach() if recur is delta_rule else None     # the replay's exact steps only
+            rows = KDARows(conv_in.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), final)
 
         gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, D)
         o = rms_norm(o, self.o_norm, cfg.rms_norm_eps) * gate
@@ -206,9 +208,12 @@ def commit_rows(state: KDAState, rows: KDARows, n: int) -> None:
         raise ValueError(f"cannot commit {n} of {rows.n_rows} captured rows")
     if n == 0:
         return
-    S = state.S
-    for t in range(n):
-        S = delta_step(S, rows.k[:, t], rows.v[:, t], rows.g[:, t], rows.beta[:, t])
+    if n == rows.n_rows and rows.final is not None:
+        S = rows.final          # every row accepted: verify already ran exactly these steps
+    else:
+        S = state.S
+        for t in range(n):
+            S = delta_step(S, rows.k[:, t], rows.v[:, t], rows.g[:, t], rows.beta[:, t])
     K1 = state.conv.shape[2]
     xx = torch.cat((state.conv, rows.conv_in[:, :n].transpose(1, 2)), dim=2)   # [B, 3, K-1+n, C]
     state.S = S

@@ -139,14 +139,21 @@ class LatentMoE(nn.Module):
         cfg = self.cfg
         N, k = ids.shape
         slots = xl.new_zeros(N, k, xl.shape[-1])
-        for e in torch.unique(ids).tolist():
-            rows, cols = torch.nonzero(ids == e, as_tuple=True)
+        # group the (row, slot) pairs by expert with one stable sort: each expert's pairs come
+        # out in row-major order, as nonzero(ids == e) would give them
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        uniq, counts = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
+        all_rows, all_cols = order // k, order % k
+        start = 0
+        for e, c in zip(uniq.tolist(), counts.tolist(), strict=True):
+            rows, cols = all_rows[start:start + c], all_cols[start:start + c]
+            start += c
             ew = experts.get(self.layer, e)
             z = q8_0_round(xl[rows]) if self.ggml_q8_inputs else xl[rows]
             h = situ(_matmul(z, ew.gate), _matmul(z, ew.up), cfg.situ_beta, cfg.situ_linear_beta)
             if self.ggml_q8_inputs:
                 h = q8_0_round(h)
-            slots = slots.index_put((rows, cols), _matmul(h, ew.down) * w[rows, cols, None])
+            slots.index_put_((rows, cols), _matmul(h, ew.down) * w[rows, cols, None])
         y = slots[:, 0]
         for j in range(1, k):     # ggml adds the k expert outputs one after another
             y = y + slots[:, j]

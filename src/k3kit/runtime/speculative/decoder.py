@@ -13,8 +13,9 @@ position == target.position. One call = one draft step + one target verify of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -92,6 +93,7 @@ class SpeculativeDecoder:
         self.stop = set(stop_ids)
         self.stats = DecodeStats(acceptance_histogram=[0] * (draft.n_proposals + 1))
         self.depth = DepthAcceptance()
+        self.draft_seconds: float | None = None    # running mean of a draft step's wall time
         if ring is None:
             ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
         if ring.length != target.position:
@@ -112,12 +114,18 @@ class SpeculativeDecoder:
         if self.schedule.budget == 1 or remaining <= 1:      # nothing to propose: skip the draft
             props, width = None, 1
         else:
+            t0 = time.perf_counter()
             draft.sync(self.ring)
             props = propose(draft, anchor, target.position, self.sampling, self.gen)
+            dt = time.perf_counter() - t0
+            self.draft_seconds = dt if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * dt
             st.draft_steps += 1
             conf = (props.confidence.tolist() if props.confidence is not None
                     else self.depth.rates(len(props.tokens)))
-            width = choose_width(conf, target.cost, min(len(props.tokens) + 1, remaining), self.schedule)
+            sched = self.schedule
+            if sched.draft_cost is None:      # the draft's own measured time, when cost() is seconds
+                sched = replace(sched, draft_cost=self.draft_seconds)
+            width = choose_width(conf, target.cost, min(len(props.tokens) + 1, remaining), sched)
         cand = props.tokens[: width - 1] if props else []
         v = target.verify([anchor, *cand], capture=True)
         if self.sampling.greedy:

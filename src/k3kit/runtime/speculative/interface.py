@@ -11,7 +11,9 @@ Target (the big model) — rows are token ids fed after the committed state:
     the rest. A recurrent target replays only those n rows from what verify captured.
   * `rollback()` drops the pending rows without committing anything (same as commit(0)).
   * `cost(n)` is the expected cost of verifying n rows, in any unit, only compared with itself:
-    e.g. expert bytes that are not cached plus compute. The scheduler divides by it.
+    e.g. expert bytes that are not cached plus compute. The scheduler divides by it. A target
+    whose cost is in seconds (the K3 adapter's is) lets the decoder add the draft step's
+    measured time: ScheduleConfig(draft_cost=None).
   * `embed(ids)` / `head(hidden)` are the token embedding and LM head a draft borrows.
   * optional `counters() -> dict[str, int]` (e.g. replay_fast_commits) merged into the stats.
 

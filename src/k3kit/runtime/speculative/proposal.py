@@ -32,16 +32,14 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
     """Run one draft forward at `position` (the anchor's position) and chain its rows."""
     block = draft.draft_block(anchor, position)
     n = block.logits.shape[0]
-    rows, qs, confs, tokens = [], [], [], []
+    rows, qs, w1s, tokens = [], [], [], []
     prev = anchor
     for k in range(n):
         logits_k = block.logits[k]
-        w1 = None
         if draft.has_markov:
             w1 = draft.markov_embed(torch.tensor([prev]))
+            w1s.append(w1)
             logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
-        if draft.has_confidence:
-            confs.append(draft.confidence(block.hidden[k:k + 1], w1)[0])
         if sampling.greedy:
             tok = int(torch.argmax(logits_k).item())
         else:
@@ -51,9 +49,13 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
         rows.append(logits_k)
         tokens.append(tok)
         prev = tok
+    confidence = None
+    if draft.has_confidence and n:      # all rows at once: c_k depends on the chain only via W1[x_{k-1}]
+        w1_all = torch.cat(w1s) if w1s else None
+        confidence = draft.confidence(block.hidden, w1_all).detach().to(torch.float64)
     return Proposal(
         tokens=tokens,
         logits=torch.stack(rows) if rows else block.logits,
         q=torch.stack(qs) if qs else None,
-        confidence=torch.stack(confs).detach().to(torch.float64) if confs else None,
+        confidence=confidence,
     )

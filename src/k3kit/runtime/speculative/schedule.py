@@ -45,7 +45,8 @@ def parse_budget(text: str) -> int | None:
 class ScheduleConfig:
     budget: int | None = None       # fixed verify rows (capped by the block); None: cost-aware
     threshold: float = 0.0          # drop proposals from the first one with confidence < threshold
-    draft_cost: float = 0.0         # cost of one draft step, same unit as target.cost
+    draft_cost: float | None = 0.0  # cost of one draft step, same unit as target.cost; None:
+                                    # measured (seconds; for a target whose cost() is seconds)
 
 
 @dataclass
@@ -104,7 +105,7 @@ def choose_width(conf: Sequence[float], cost: Callable[[int], float], max_rows: 
     surv = prefix_survival(conf)
     best, best_rate = 1, -1.0
     for n in range(1, limit + 1):
-        c = cost(n) + cfg.draft_cost
+        c = cost(n) + (cfg.draft_cost or 0.0)
         if not c > 0:
             raise ValueError(f"verify cost must be positive, got {c} for {n} rows")
         rate = expected_tokens(surv, n) / c
