@@ -26,6 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from engine_models import SHIPPED, prompts, tiny_gguf  # noqa: E402
+from llama_run import llama_greedy  # noqa: E402
 
 from k3kit.convert.target import convert_target  # noqa: E402
 from k3kit.runtime.engine import generate  # noqa: E402
@@ -40,16 +41,6 @@ N_PROMPTS, N_TOKENS = 10, 64
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here runs torch on one thread (tests/conftest.py)."""
-
-
-def llama_greedy(llm, prompt: list[int], n: int) -> list[int]:
-    llm.reset()
-    llm.eval(prompt)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return out
 
 
 def _llama(path: Path):

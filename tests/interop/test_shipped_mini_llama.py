@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from llama_run import llama_greedy
 
 from k3kit.mini.corpus import build_corpus
 from k3kit.mini.paths import shipped_gguf
@@ -62,13 +63,7 @@ def llama_runs():
     prompts = prompts[:N_PROMPTS]
     tokens, logits = [], []
     for p in prompts:
-        llm.reset()
-        llm.eval(p)
-        out = []
-        for _ in range(N_TOKENS):
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            llm.eval([out[-1]])
-        tokens.append(out)
+        tokens.append(llama_greedy(llm, p, N_TOKENS))
         logits.append(np.array(llm.scores[:llm.n_tokens - 1], dtype=np.float32))  # rows predicting out
     llm.close()
     return path, prompts, tokens, logits

@@ -18,6 +18,7 @@ The store knows nothing about architectures: it is given, per layer, a tuple of
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -161,10 +162,8 @@ def _drop_mapped(mm: mmap.mmap, start: int, n: int) -> None:
     """
     lo = start // PAGE_TABLE_SPAN * PAGE_TABLE_SPAN
     hi = min(len(mm), -(-(start + n) // PAGE_TABLE_SPAN) * PAGE_TABLE_SPAN)
-    try:
+    with contextlib.suppress(OSError, ValueError):     # best effort: the kernel may refuse
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-    except (OSError, ValueError):
-        pass
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
