@@ -2,17 +2,19 @@
 
     python benchmarks/bench_decode.py [--threads 1] [--prompt 64] [--tokens 32] [--dir /tmp]
                                       [--slice-prompts 4,64] [--slice-tokens 3] [--model PATH]
+                                      [--expert-kernels auto,native,torch]
 
 Models: the shipped mini K3 if built (else a random tiny K3 converted with `k3kit convert
 target`, Q8_0 trunk, 16 MXFP4 experts), and a K3-geometry slice from `k3kit synth` (hidden
 7168, K3 expert and MLA dims, 8 heads, 2 layers, 16 experts, vocab 512; the same file as
 tests/runtime/test_engine_memory.py). Engine: f32 compute on the small model, bf16 on the
-slice, expert cache big enough for every expert and, on the slice, 128 MiB.
+slice, expert cache big enough for every expert and, on the slice, 128 MiB; each expert kernel
+asked for (native: quantized cache, MXFP4 blocks multiplied directly; torch: dequantized cache).
 llama.cpp: llama-cpp-python, F32 KV cache, AMX repacking off (it crashes on this CPU).
 
 On the slice each prompt length is run as two requests on one loaded model, the same prompt
-twice, on both sides: "cold" is the first request after load (the engine reads and
-dequantizes every expert it routes to; llama.cpp faults its mapped weights in from the page
+twice, on both sides: "cold" is the first request after load (the engine reads every
+expert it routes to; llama.cpp faults its mapped weights in from the page
 cache), "warm" the second (a server's steady state: the engine's expert cache holds what the
 prompt routes to, llama.cpp's pages are mapped). Cold is compared with cold, warm with warm.
 Prints tok/s of both and the ratio engine / llama.cpp.
@@ -68,13 +70,13 @@ def llama_speed(path: Path, prompt: list[int], n: int, threads: int, requests: i
 
 
 def engine_speed(path: Path, prompt: list[int], n: int, dtype: torch.dtype, cache_mib: float,
-                 requests: int = 1) -> list[tuple[float, float, dict]]:
+                 requests: int = 1, kernel: str = "auto") -> list[tuple[float, float, dict]]:
     """(prefill tok/s, decode tok/s, stats) of `requests` greedy runs of `prompt` on one adapter:
     the expert cache carries over from one request to the next, as in a server."""
     from k3kit.runtime.engine import generate
     from k3kit.runtime.loader import LoadOptions, load_model
     from k3kit.runtime.sampling import make_sampling
-    a = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=cache_mib))
+    a = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=cache_mib, expert_kernel=kernel))
     out = []
     try:
         for _ in range(requests):
@@ -106,8 +108,11 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--model", default=None, help="small model GGUF (default: shipped mini or a tiny one)")
     ap.add_argument("--no-slice", action="store_true")
+    ap.add_argument("--expert-kernels", default="auto",
+                    help="comma list of engine expert kernels to run (auto, native, torch)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    kernels = args.expert_kernels.split(",")
     from engine_models import SHIPPED, prompts, tiny_gguf
 
     from k3kit.gguf.synth import K3, synthesize
@@ -124,8 +129,9 @@ def main() -> None:
         p = prompts(1, 400, seed=2, lo=args.prompt, hi=args.prompt)[0]
         print(f"threads {args.threads}; prompt {args.prompt} tokens, decode {args.tokens} tokens (greedy)")
         peer = llama_speed(small, p, args.tokens, args.threads)[0]
-        ours = engine_speed(small, p, args.tokens, torch.float32, 1024)[0]
-        row(f"{label}, f32, all experts cached", ours[:2], peer)
+        for k in kernels:
+            ours = engine_speed(small, p, args.tokens, torch.float32, 1024, kernel=k)[0]
+            row(f"{label}, f32, all cached, {k}", ours[:2], peer)
         if args.no_slice:
             return
         r = synthesize(tmp / "slice", replace(K3, n_dense_lead=0, n_head=8), 2, 16, vocab=512, progress=False,
@@ -135,11 +141,12 @@ def main() -> None:
         for n_prompt in (int(x) for x in args.slice_prompts.split(",")):
             p = prompts(1, 400, seed=3, lo=n_prompt, hi=n_prompt)[0]
             peer = llama_speed(sl, p, args.slice_tokens, args.threads, requests=2)
-            for cache in (4096, 128):
-                ours = engine_speed(sl, p, args.slice_tokens, torch.bfloat16, cache, requests=2)
-                for i, when in enumerate(("cold", "warm")):
-                    row(f"K3 slice, prompt {n_prompt}, cache {cache} MiB, {when}", ours[i][:2], peer[i])
-                    detail(ours[i][2])
+            for k in kernels:
+                for cache in (4096, 128):
+                    ours = engine_speed(sl, p, args.slice_tokens, torch.bfloat16, cache, requests=2, kernel=k)
+                    for i, when in enumerate(("cold", "warm")):
+                        row(f"slice, p{n_prompt}, {cache} MiB, {k}, {when}", ours[i][:2], peer[i])
+                        detail(ours[i][2])
 
 
 if __name__ == "__main__":

@@ -82,12 +82,11 @@ def load_pair(cache_mib: float, cold: bool = False):
     return target, draft, TextCodec(target.source.raw_kv, str(path))
 
 
-def dequantized_expert_mib(target) -> tuple[float, int, int]:
-    """(MiB of one dequantized expert, experts in all layers, MoE layers). The cache charges an
-    expert its float tensors (what `ExpertStore` keeps), not its bytes in the file."""
+def cached_expert_mib(target) -> tuple[float, int, int]:
+    """(MiB of one cached expert, experts in all layers, MoE layers). The cache charges an
+    expert what it holds: quantized bytes with the native kernel, float tensors otherwise."""
     store = target.store
-    elem = torch.empty(0, dtype=target.dtype).element_size()
-    per = {il: sum(int(torch.Size(t.shape).numel()) for t in ts) * elem for il, ts in store.layers.items()}
+    per = {il: store.cached_expert_nbytes(il) for il in store.layers}
     if len(set(per.values())) != 1:
         raise SystemExit(f"experts differ in size across layers: {per}")
     total = sum(store.n_experts(il) for il in store.layers)
@@ -282,7 +281,7 @@ def main() -> int:
 
     target, draft, codec = load_pair(256.0)
     prompts = stdlib_prompts(codec, args.prompts - args.prompts // 2) + he_prompts(codec, args.prompts // 2)
-    one_mib, n_all, n_layers = dequantized_expert_mib(target)
+    one_mib, n_all, n_layers = cached_expert_mib(target)
     caches = {"resident": 256.0, "quarter": one_mib * (n_all // 4), "one": one_mib * n_layers}
     draft_cost = measure_draft_seconds(target, draft, prompts[0])
     print(f"mini K3: {n_layers} MoE layers, {n_all} experts, "

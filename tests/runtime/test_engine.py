@@ -14,6 +14,7 @@ from engine_models import prompts, reference_greedy, tiny_gguf
 
 from k3kit.runtime.engine import generate
 from k3kit.runtime.loader import LoadOptions, load_model
+from k3kit.runtime.qmatmul import native_available
 from k3kit.runtime.sampling import Sampler, make_sampling
 from k3kit.runtime.speculative.loop import ar_generate
 
@@ -33,21 +34,26 @@ def tiny(tmp_path_factory):
 
 
 def _expert_mib(adapter) -> tuple[float, float]:
-    """(all experts, one expert) in MiB of dequantized tensors, as the store's budget counts them."""
+    """(all experts, one expert) in MiB as the store's budget counts them (quantized or not)."""
     st = adapter.store
-    one = sum(4 * t.shape[0] * t.shape[1] for t in st.layers[next(iter(st.layers))])
+    one = st.cached_expert_nbytes(next(iter(st.layers)))
     return one * sum(st.n_experts(il) for il in st.layers) / 2**20, one / 2**20
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("cache", ["all", "quarter", "one_per_layer"])
-def test_greedy_equals_torch_reference(tiny, cache):
+def test_greedy_equals_torch_reference(tiny, cache, kernel):
+    """Both expert kernels: quantized bytes multiplied natively, and dequantized tensors."""
+    if kernel == "native" and not native_available():
+        pytest.skip("native kernel not built")
     path, model, refs = tiny
-    probe = load_model(path, LoadOptions(expert_cache_mib=0))
+    probe = load_model(path, LoadOptions(expert_cache_mib=0, expert_kernel=kernel))
     all_mib, one_mib = _expert_mib(probe)
     n_moe = len(probe.store.layers)
     probe.close()
     mib = {"all": all_mib, "quarter": all_mib / 4, "one_per_layer": one_mib * n_moe}[cache]
-    adapter = load_model(path, LoadOptions(expert_cache_mib=mib))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, expert_kernel=kernel))
+    assert adapter.store.keep == ("quantized" if kernel == "native" else "dequantized")
     greedy = make_sampling(0.0, seed=0)
     misses = hits = 0
     try:

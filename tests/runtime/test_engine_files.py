@@ -13,6 +13,7 @@ from engine_models import prompts, reference_greedy, tiny_gguf
 from k3kit.errors import FormatError, K3Error
 from k3kit.runtime.engine import generate
 from k3kit.runtime.loader import LoadOptions, load_model
+from k3kit.runtime.qmatmul import native_available, native_simd
 from k3kit.runtime.sampling import make_sampling
 from k3kit.runtime.text import TextCodec
 
@@ -123,12 +124,19 @@ def test_cli_json_and_streaming(tiny):
         assert key in s
     assert len(out["token_ids"]) == s["generated_tokens"] and 1 <= s["generated_tokens"] <= 12
     assert s["payload_bytes"] > 0 and 0 <= s["expert_cache_hit_rate"] < 1 and s["peak_rss_bytes"] > 0
+    assert s["expert_kernel"] == (f"native-{native_simd()}" if native_available() else "torch")
     # the same run streamed: text printed is the JSON text (plus a newline), stats on stderr
     r2 = _cli("generate", str(path), "--prompt", "def f(x):", "--max-tokens", "12", "--stats",
               "--expert-cache-mib", "0.05")
     assert r2.returncode == 0, r2.stderr
     assert r2.stdout == out["text"] + "\n"
     assert "decode" in r2.stderr and "hit rate" in r2.stderr and "peak RSS" in r2.stderr
+    # the dequantizing kernel gives the same greedy tokens through the CLI
+    r3 = _cli("generate", str(path), "--prompt", "def f(x):", "--max-tokens", "12", "--json",
+              "--expert-cache-mib", "0.05", "--expert-kernel", "torch")
+    assert r3.returncode == 0, r3.stderr
+    torch_out = json.loads(r3.stdout)
+    assert torch_out["stats"]["expert_kernel"] == "torch" and torch_out["token_ids"] == out["token_ids"]
     # greedy through the CLI equals greedy through the API on the same prompt
     adapter = load_model(path, LoadOptions(expert_cache_mib=1))
     try:
@@ -144,7 +152,8 @@ def test_cli_json_and_streaming(tiny):
 def test_cli_bad_arguments(tiny, tmp_path):
     _, path, _ = tiny
     for args, msg in ((["--temperature", "-1"], "--temperature"), (["--top-p", "0"], "--top-p"),
-                      (["--max-tokens", "-3"], "--max-tokens")):
+                      (["--max-tokens", "-3"], "--max-tokens"),
+                      (["--expert-kernel", "fast"], "--expert-kernel")):
         r = _cli("generate", str(path), "--prompt", "x", *args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", str(tmp_path / "nope.gguf"), "--prompt", "x")

@@ -8,9 +8,10 @@ expert is exactly K3's: 17.6 MB of MXFP4, 66 MiB dequantized to bf16; 32 of them
 dequantized against a 128 MiB cache.
 
 Bound: peak RSS <= (RSS of the same interpreter after importing the engine) + trunk bytes +
-cache budget + MARGIN, with MARGIN = two dequantized experts (the one being read while the
-previous one is still referenced) + 192 MiB (dequantization scratch, the raw copy of the
-largest trunk tensor at load, torch's per-op buffers).
+cache budget + MARGIN, with MARGIN = two experts as the cache holds them (the one being read
+while the previous one is still referenced) + 192 MiB (dequantization scratch, the raw copy of
+the largest trunk tensor at load, torch's per-op buffers). With the native kernel the cache
+holds quantized experts, and keeps up to MAX_SPARE evicted buffers for reuse: those count too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import pytest
 
 from k3kit.gguf.reader import GGUFFile
 from k3kit.gguf.synth import K3, synthesize
+from k3kit.runtime.experts import MAX_SPARE
+from k3kit.runtime.qmatmul import native_available
 
 MIB = 1 << 20
 CACHE_MIB = 128
@@ -44,15 +47,23 @@ def _run(code: str | None, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_peak_rss_stays_within_trunk_cache_and_margin(k3_slice):
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_peak_rss_stays_within_trunk_cache_and_margin(k3_slice, kernel):
+    if kernel == "native" and not native_available():
+        pytest.skip("native kernel not built")
     f = GGUFFile.open(k3_slice)
     experts = [t for t in f.tensors if "_exps." in t.name]
     trunk_elems = sum(t.n_elements for t in f.tensors if "_exps." not in t.name)
     trunk_bytes = 2 * trunk_elems                                   # bf16
-    one_expert = 2 * sum(t.n_elements for t in experts[:3]) // experts[0].shape[2]
+    one_expert = 2 * sum(t.n_elements for t in experts[:3]) // experts[0].shape[2]   # bf16
     all_experts = 2 * sum(t.n_elements for t in experts)
     assert all_experts >= 8 * CACHE_MIB * MIB                       # experts are many times the cache
-    margin = 2 * one_expert + 192 * MIB
+    if kernel == "native":
+        one_quantized = sum(t.nbytes for t in experts[:3]) // experts[0].shape[2]
+        assert sum(t.nbytes for t in experts) >= 4 * CACHE_MIB * MIB   # ... as quantized bytes too
+        margin = 2 * one_quantized + MAX_SPARE * one_quantized // 3 + 192 * MIB
+    else:
+        margin = 2 * one_expert + 192 * MIB
 
     base = _run("import resource, torch, k3kit.runtime.engine, k3kit.runtime.text, "
                 "k3kit.models.kimi_k3.adapter, k3kit.commands.generate; "
@@ -61,7 +72,7 @@ def test_peak_rss_stays_within_trunk_cache_and_margin(k3_slice):
     base_rss = int(base.stdout)
 
     r = _run(None, "generate", str(k3_slice), "--prompt", "ab", "--max-tokens", "2", "--dtype", "bf16",
-             "--expert-cache-mib", str(CACHE_MIB), "--threads", "1", "--json")
+             "--expert-cache-mib", str(CACHE_MIB), "--expert-kernel", kernel, "--threads", "1", "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["stats"]
     assert s["generated_tokens"] >= 1

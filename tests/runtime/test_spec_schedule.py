@@ -140,3 +140,19 @@ def test_cache_size_changes_the_width_the_scheduler_picks():
     # paying for the draft step whatever the width favours wider verifies
     narrow = choose_width([0.8] * 7, tiny, 8, ScheduleConfig())
     assert choose_width([0.8] * 7, tiny, 8, ScheduleConfig(draft_cost=0.02)) > narrow
+
+
+def test_quantized_cache_misses_cost_only_the_read():
+    """A cache of quantized bytes pays no dequantization on a miss, so streamed verify rows get
+    cheaper; with every expert resident the flag changes nothing."""
+    geo = dict(layers=6, trunk_params=4_235_816, trunk_bytes=16_943_264, rates=PassRates())
+    deq = [ExpertLayer(32, 4, 24576, 98304, 13056, cached=1) for _ in range(5)]
+    quant = [ExpertLayer(32, 4, 24576, 13056, 13056, cached=1, dequant_on_miss=False) for _ in range(5)]
+    budget = 5 * 13056
+    t_deq = verify_seconds(4, moe=deq, cache_bytes=budget, **geo)
+    t_quant = verify_seconds(4, moe=quant, cache_bytes=budget, **geo)
+    misses = 5 * expected_unique(4, 4, 32)        # a 5-expert cache keeps nothing a pass reuses
+    assert t_deq - t_quant > 0.9 * misses * 24576 / PassRates().dequant_elems_s
+    full = [ExpertLayer(32, 4, 24576, 13056, 13056, cached=32, dequant_on_miss=f) for f in (True, False)]
+    assert verify_seconds(4, moe=[full[0]] * 5, cache_bytes=1 << 30, **geo) == \
+        verify_seconds(4, moe=[full[1]] * 5, cache_bytes=1 << 30, **geo)

@@ -27,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K best tokens (0 = off)")
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible)")
     parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
-                        help="LRU budget for dequantized routed experts, MiB (256)")
+                        help="LRU budget for routed experts, MiB of what is cached (256)")
+    parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
+                        help="native: cache experts as MXFP4 bytes and multiply them directly (CPU); "
+                        "torch: dequantize each miss to the compute dtype; auto: native when built (auto)")
     parser.add_argument("--device", default="cpu", metavar="D",
                         help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
     parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
@@ -146,6 +149,12 @@ def decode_step(args: argparse.Namespace, draft, stop_ids):
     return build
 
 
+def expert_kernel_name(keep: str) -> str:
+    """'native-avx512' (quantized cache, native kernel and its vector path) or 'torch'."""
+    from k3kit.runtime.qmatmul import native_simd
+    return f"native-{native_simd()}" if keep == "quantized" else "torch"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -160,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     text = read_prompt(args)
     path = Path(args.model) if args.model else default_model()
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
-                          expert_cache_mib=args.expert_cache_mib, cold=bool(args.cold))
+                          expert_cache_mib=args.expert_cache_mib, cold=bool(args.cold),
+                          expert_kernel=args.expert_kernel)
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter = load_model(path, options)
@@ -189,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
                           detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
         adapter.source.check()
         trunk_bytes, cache_bytes = adapter.trunk_bytes, adapter.expert_stats().resident_bytes
+        kernel = expert_kernel_name(adapter.store.keep)
     finally:
         if draft is not None:
             draft.close()
@@ -199,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         keep = ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "expert_cache_hit_rate",
                 "payload_bytes", "payload_bytes_per_token", "peak_rss_bytes")
         d["stats"] = {k: d["stats"][k] for k in keep} | {
-            k: v for k, v in d["stats"].items() if k not in keep}
+            k: v for k, v in d["stats"].items() if k not in keep} | {"expert_kernel": kernel}
         print(json.dumps(d))
         return 0
     sys.stdout.write(stream.flush() + "\n")
@@ -209,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"prompt {s.prompt_tokens} tokens, prefill {s.prefill_tok_s:.2f} tok/s; "
               f"generated {s.generated_tokens} tokens, decode {s.decode_tok_s:.2f} tok/s ({s.stop_reason})",
               file=sys.stderr)
-        print(f"experts: cache hit rate {100 * s.expert_cache_hit_rate:.1f}% ({s.expert_hits} hits, "
-              f"{s.expert_misses} misses); payload {s.payload_bytes / mib:.2f} MiB total, "
+        print(f"experts ({kernel}): cache hit rate {100 * s.expert_cache_hit_rate:.1f}% "
+              f"({s.expert_hits} hits, {s.expert_misses} misses); "
+              f"payload {s.payload_bytes / mib:.2f} MiB total, "
               f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
         print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {trunk_bytes / mib:.1f} MiB, "
               f"expert cache {cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)", file=sys.stderr)

@@ -3,8 +3,9 @@
 Routed experts are most of a giant MoE's bytes, so they are never loaded up front. A layer's
 experts for one projection are `n_experts` equal matrices stored back to back (a ggml
 [n_in, n_out, n_expert] tensor), so expert e is one contiguous byte slice. The store reads
-that slice only when a batch routes to e, dequantizes it, and keeps it in a bounded LRU
-cache measured in MiB of dequantized tensors.
+that slice only when a batch routes to e and keeps it in a bounded LRU cache measured in
+MiB of what it holds: dequantized tensors, or (keep="quantized") the quantized bytes
+themselves as `QuantizedMatrix` objects that multiply without being dequantized whole.
 
 Every byte read goes through a ledger (`stats()`), so "payload per token" is a measurement:
 `bytes_read` is the exact sum of the quantized slices fetched on cache misses. Whether a
@@ -36,6 +37,7 @@ from gguf import GGMLQuantizationType
 
 from k3kit.errors import FormatError
 from k3kit.runtime.dequant import SUPPORTED, block_size, dequantize, nbytes_for
+from k3kit.runtime.qmatmul import NATIVE_TYPES, QuantizedMatrix
 
 if TYPE_CHECKING:
     from k3kit.gguf.shards import Model
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
 PAGE_TABLE_SPAN = max(PAGE, 1 << 21)  # bytes one x86-64/arm64 (4 KiB page) page table maps
+MAX_SPARE = 4   # evicted quantized buffers kept per size for reuse (one expert's projections)
 DIRECT_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every common block device accepts
 # Linux 5.14+: fault a range in with one call instead of one fault per page (not in Python 3.11's mmap).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
@@ -98,15 +101,18 @@ class ExpertStats:
     evicted_bytes: int = 0
     read_seconds: float = 0.0
     dequant_seconds: float = 0.0
-    resident_bytes: int = 0  # dequantized bytes held by the cache (pinned included)
+    resident_bytes: int = 0  # bytes held by the cache, as held (pinned included)
     resident_experts: int = 0
     pinned_bytes: int = 0
     per_layer: dict[int, LayerStats] = field(default_factory=dict)
 
 
+Weight = torch.Tensor | QuantizedMatrix
+
+
 @dataclass
 class _Entry:
-    tensors: tuple[torch.Tensor, ...]
+    tensors: tuple[Weight, ...]
     nbytes: int
     pinned: bool = False
 
@@ -182,8 +188,11 @@ class ExpertStore:
 
     layers: {layer index: (ExpertTensor, ...)} in the order `get` returns tensors
             (e.g. gate, up, down); all projections of a layer share n_experts.
-    cache_mib: LRU budget in MiB of dequantized tensors; 0 keeps nothing beyond the
+    cache_mib: LRU budget in MiB of what the cache holds; 0 keeps nothing beyond the
             batch being returned. Pinned experts are never evicted (and still count).
+    keep: "dequantized" (torch tensors in `dtype`) or "quantized": projections of a type
+            with a native kernel (MXFP4) stay as their bytes, copied out of the file into a
+            `QuantizedMatrix` (CPU only); other types are still dequantized.
     cold: False (mmap, page cache does what it does), "fadvise" (pread, then
             POSIX_FADV_DONTNEED before and after each read), or "direct" (O_DIRECT
             with aligned buffers; falls back to "fadvise" where the filesystem refuses).
@@ -206,6 +215,7 @@ class ExpertStore:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         cold: bool | str = False,
+        keep: str = "dequantized",
         madvise_random: bool = True,
         slice_readahead: bool = True,
         release_pages: bool = True,
@@ -216,6 +226,11 @@ class ExpertStore:
             raise ValueError(f"cold must be False, 'fadvise' or 'direct', not {cold!r}")
         if cache_mib < 0:
             raise ValueError("cache_mib must be >= 0")
+        if keep not in ("dequantized", "quantized"):
+            raise ValueError(f"keep must be 'dequantized' or 'quantized', not {keep!r}")
+        if keep == "quantized" and torch.device(device).type != "cpu":
+            raise ValueError("keep='quantized' runs on the CPU only")
+        self.keep = keep
         self.layers: dict[int, tuple[ExpertTensor, ...]] = {int(k): tuple(v) for k, v in layers.items()}
         self.cache_bytes = int(cache_mib * MIB)
         self.dtype, self.device = dtype, torch.device(device)
@@ -228,6 +243,7 @@ class ExpertStore:
         self._pinned = 0
         self._direct_buf: mmap.mmap | None = None
         self._raw: np.ndarray | None = None
+        self._spare: dict[int, list[torch.Tensor]] = {}   # byte buffers of evicted quantized experts
         self._stats = ExpertStats()
         try:
             self._validate_and_open(madvise_random)
@@ -300,6 +316,13 @@ class ExpertStore:
         """Quantized storage bytes of one expert of `layer`, all projections."""
         return sum(t.expert_nbytes for t in self.layers[layer])
 
+    def cached_expert_nbytes(self, layer: int) -> int:
+        """Bytes one expert of `layer` occupies in the cache (what `cache_mib` budgets): its
+        quantized bytes for projections kept quantized, dequantized tensors for the rest."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(t.expert_nbytes if self.keep == "quantized" and t.ggml_type in NATIVE_TYPES
+                   else int(np.prod(t.shape)) * item for t in self.layers[layer])
+
     def is_cached(self, layer: int, expert: int) -> bool:
         return (layer, int(expert)) in self._cache
 
@@ -329,11 +352,12 @@ class ExpertStore:
 
     # -- loading ----------------------------------------------------------------------------
 
-    def get(self, layer: int, expert_ids: Iterable[int]) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Tensors of each unique expert in `expert_ids`, in ascending id order.
+    def get(self, layer: int, expert_ids: Iterable[int]) -> dict[int, tuple[Weight, ...]]:
+        """Weights of each unique expert in `expert_ids`, in ascending id order.
 
         Each projection comes back in row-major order: a ggml [n_in, n_out] matrix as an
-        [n_out, n_in] tensor (the weight of `x @ w.T`). The whole batch is returned even if
+        [n_out, n_in] tensor (the weight of `x @ w.T`), or as a `QuantizedMatrix` of the same
+        meaning when the store keeps quantized bytes. The whole batch is returned even if
         it is larger than the cache; the budget bounds only what is kept afterwards.
         """
         ids = sorted({int(e) for e in expert_ids})
@@ -375,7 +399,7 @@ class ExpertStore:
                 self._pinned -= entry.nbytes
         self._evict()
 
-    def _fetch(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+    def _fetch(self, layer: int, e: int) -> tuple[Weight, ...]:
         ls = self._stats.per_layer.setdefault(layer, LayerStats())
         entry = self._cache.get((layer, e))
         if entry is not None:
@@ -388,10 +412,19 @@ class ExpertStore:
         tensors = []
         for t in self.layers[layer]:
             t0 = time.perf_counter()
-            raw = self._read(t, t.offset + e * t.expert_nbytes, t.expert_nbytes)
+            if self.keep == "quantized" and t.ggml_type in NATIVE_TYPES:   # read straight into its own buffer
+                raw = self._buffer(t.expert_nbytes)
+                self._read(t, t.offset + e * t.expert_nbytes, t.expert_nbytes, raw.numpy())
+            else:
+                raw = self._read(t, t.offset + e * t.expert_nbytes, t.expert_nbytes)
             t1 = time.perf_counter()
-            w = dequantize(raw, t.ggml_type, t.shape, self.dtype)
-            tensors.append(w if self.device.type == "cpu" else w.to(self.device))
+            if self.keep == "quantized" and t.ggml_type in NATIVE_TYPES:
+                w = QuantizedMatrix(raw, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]),
+                                    self.dtype)
+            else:
+                w = dequantize(raw, t.ggml_type, t.shape, self.dtype)
+                w = w if self.device.type == "cpu" else w.to(self.device)
+            tensors.append(w)
             self._stats.read_seconds += t1 - t0
             self._stats.dequant_seconds += time.perf_counter() - t1
             self._stats.bytes_read += t.expert_nbytes
@@ -414,9 +447,26 @@ class ExpertStore:
             if entry.pinned:
                 continue
             del self._cache[key]
+            for w in entry.tensors:
+                if isinstance(w, QuantizedMatrix):
+                    spare = self._spare.setdefault(w.nbytes, [])
+                    if len(spare) < MAX_SPARE:
+                        spare.append(w.raw)
             self._resident -= entry.nbytes
             self._stats.evictions += 1
             self._stats.evicted_bytes += entry.nbytes
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        """An n-byte tensor for a quantized miss: the bytes of an evicted expert nobody holds any
+        more, else a fresh one. At steady state every miss evicts an expert of the same size, so
+        misses stop paying the page faults of a fresh multi-MB allocation (measured here: the
+        fault-in of a fresh 5.8 MB buffer cost more than copying the slice into it)."""
+        spare = self._spare.get(n)
+        while spare:
+            buf = spare.pop()
+            if sys.getrefcount(buf) <= 2:   # this name and the call's argument: no one else holds it
+                return buf
+        return torch.from_numpy(np.empty(n, dtype=np.uint8))   # faults in faster than torch.empty here
 
     def _scratch(self, n: int) -> np.ndarray:
         """A private, writable n-byte buffer, reused by every miss: the raw slice lives only
@@ -426,10 +476,10 @@ class ExpertStore:
             self._raw = np.empty(n, dtype=np.uint8)
         return self._raw[:n]
 
-    def _read(self, t: ExpertTensor, start: int, n: int) -> np.ndarray:
-        """The n bytes at `start` of t's source, in the store's scratch buffer (valid until the
-        next read)."""
-        out = self._scratch(n)
+    def _read(self, t: ExpertTensor, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The n bytes at `start` of t's source, in `out` or else the store's scratch buffer
+        (valid until the next read)."""
+        out = self._scratch(n) if out is None else out
         if not t.is_file:
             buf = t.source if isinstance(t.source, np.ndarray) else np.frombuffer(t.source, np.uint8)
             self._stats.io_bytes += n
@@ -517,6 +567,7 @@ class ExpertStore:
     def clear(self) -> None:
         """Drop every cached expert, pinned ones included."""
         self._cache.clear()
+        self._spare.clear()
         self._resident = self._pinned = 0
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from k3kit.gguf.reader import KV, TensorInfo
 from k3kit.gguf.shards import Model
 from k3kit.runtime.dequant import SUPPORTED, dequantize
 from k3kit.runtime.experts import ExpertStore
+from k3kit.runtime.qmatmul import native_available
 
 PAGE = mmap.PAGESIZE
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -51,6 +52,7 @@ class LoadOptions:
     expert_cache_mib: float = 256.0
     cold: bool | str = False             # ExpertStore cold mode (storage reads measured honestly)
     ggml_parity: bool = False            # emulate ggml-cpu's Q8_0 rounding of expert inputs
+    expert_kernel: str = "auto"          # "native", "torch" or "auto": see expert_keep()
 
     @property
     def devices(self) -> list[torch.device]:
@@ -71,6 +73,32 @@ def parse_device(spec: str) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise K3Error(f"--device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+EXPERT_KERNELS = ("auto", "native", "torch")
+
+
+def expert_keep(kernel: str, devices: Sequence[torch.device]) -> str:
+    """`--expert-kernel` -> the ExpertStore's keep mode.
+
+    native: experts stay quantized in the cache and multiply through the native kernel
+            (k3kit.runtime.qmatmul); CPU only, needs the extension built at install.
+    torch:  experts are dequantized to the compute dtype on a miss and cached that way.
+    auto:   native when it is built and every device is the CPU, else torch.
+    """
+    if kernel not in EXPERT_KERNELS:
+        raise K3Error(f"--expert-kernel {kernel!r}: expected one of {', '.join(EXPERT_KERNELS)}")
+    on_cpu = all(d.type == "cpu" for d in devices)
+    if kernel == "native":
+        if not native_available():
+            raise K3Error("--expert-kernel native: the native MXFP4 kernel was not built at install "
+                          "(no C compiler?); use --expert-kernel torch")
+        if not on_cpu:
+            raise K3Error("--expert-kernel native runs on the CPU only; use --expert-kernel torch with CUDA")
+        return "quantized"
+    if kernel == "auto" and native_available() and on_cpu:
+        return "quantized"
+    return "dequantized"
 
 
 def layer_devices(n_layers: int, devices: Sequence[torch.device]) -> list[torch.device]:
@@ -171,11 +199,12 @@ class GGUFSource:
         return t if dev.type == "cpu" else t.to(dev)
 
     def expert_store(self, layers: Mapping[int, Sequence[str]], *, cache_mib: float,
-                     dtype: torch.dtype, device: torch.device | str, cold: bool | str) -> ExpertStore:
+                     dtype: torch.dtype, device: torch.device | str, cold: bool | str,
+                     keep: str = "dequantized") -> ExpertStore:
         """ExpertStore over 3-D expert tensors, named per layer in the order `get` returns them."""
         try:
             return ExpertStore.from_gguf(self.model, layers, cache_mib=cache_mib, dtype=dtype,
-                                         device=device, cold=cold)
+                                         device=device, cold=cold, keep=keep)
         except ValueError as e:
             raise FormatError(f"{self.where}: {e}") from None
 

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from k3kit.runtime.experts import ExpertStats, ExpertStore
-from k3kit.runtime.loader import GGUFSource, LoadOptions, layer_devices
+from k3kit.runtime.loader import GGUFSource, LoadOptions, expert_keep, layer_devices
+from k3kit.runtime.row_linear import use_row_linear
 from k3kit.runtime.speculative.interface import VerifyOutput
 from k3kit.runtime.speculative.schedule import ExpertLayer, verify_seconds
 
@@ -59,7 +60,7 @@ class StoreExperts:
         gate, up, down = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
         self.requests += 1
         dev = self.layer_dev[layer]
-        if gate.device != dev:
+        if isinstance(gate, Tensor) and gate.device != dev:   # quantized weights are CPU-only
             gate, up, down = gate.to(dev), up.to(dev), down.to(dev)
         return ExpertWeights(gate, up, down)
 
@@ -226,7 +227,8 @@ class K3Adapter:
         if geometry is None:
             elem = torch.empty(0, dtype=self.dtype).element_size()
             geometry = (elem, [(il, store.n_experts(il), sum(int(torch.Size(t.shape).numel()) for t in ts),
-                                store.expert_nbytes(il)) for il, ts in store.layers.items()])
+                                store.expert_nbytes(il), store.cached_expert_nbytes(il))
+                               for il, ts in store.layers.items()])
             self._cost_geometry = geometry
         elem, layers = geometry
         s = store.stats()       # the cache's contents change only on a miss, an eviction or a pin
@@ -236,8 +238,8 @@ class K3Adapter:
             memo = (key, [store.cached_count(il) for il, *_ in layers])
             self._cost_cached = memo
         k = self.cfg.num_experts_per_tok
-        moe = [ExpertLayer(n_exp, k, n, n * elem, nbytes, cached)
-               for (_, n_exp, n, nbytes), cached in zip(layers, memo[1], strict=True)]
+        moe = [ExpertLayer(n_exp, k, n, held, nbytes, cached, dequant_on_miss=held != nbytes)
+               for (_, n_exp, n, nbytes, held), cached in zip(layers, memo[1], strict=True)]
         return verify_seconds(n_rows, layers=self.cfg.num_layers, trunk_params=self.trunk_bytes // elem,
                               trunk_bytes=self.trunk_bytes, moe=moe, cache_bytes=store.cache_bytes,
                               cold=bool(store.cold))
@@ -312,6 +314,8 @@ def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
         model.lm_head.to(layer_dev[-1])
     if options.ggml_parity:
         model.set_ggml_q8_inputs(True, ggml_input_kinds(source, model))
+    use_row_linear(model)     # decode rows as matrix-vector products (bf16/f16 only)
     store = source.expert_store(expert_tensor_names(cfg), cache_mib=options.expert_cache_mib,
-                                dtype=options.dtype, device=devices[0], cold=options.cold)
+                                dtype=options.dtype, device=devices[0], cold=options.cold,
+                                keep=expert_keep(options.expert_kernel, devices))
     return K3Adapter(source, cfg, model, store, options, layer_dev)

@@ -142,9 +142,10 @@ class ExpertLayer:
     n_experts: int
     top_k: int
     elements: int                      # weights of one expert (all its tensors)
-    resident_bytes: int                # its dequantized size, what the cache charges
+    resident_bytes: int                # its size in the cache, what the cache charges
     file_bytes: int                    # its size in the model file, what a miss reads
     cached: int = 0                    # experts of this layer in the cache now
+    dequant_on_miss: bool = True       # False when the cache keeps the quantized bytes
 
 
 def hit_fraction(layer: ExpertLayer, distinct: float, pass_distinct: float, cache_experts: float) -> float:
@@ -185,6 +186,6 @@ def verify_seconds(n_rows: int, *, layers: int, trunk_params: int, trunk_bytes: 
         misses = d * (1.0 - hit_fraction(m, d, pass_distinct, cache_experts))
         t += d * (rates.expert_s + m.resident_bytes / rates.mem_bw)
         t += 2.0 * m.elements * m.top_k * n_rows / rates.flops
-        t += misses * (m.elements / rates.dequant_elems_s + m.file_bytes / read_bw
-                       + (rates.cold_read_s if cold else 0.0))
+        dequant = m.elements / rates.dequant_elems_s if m.dequant_on_miss else 0.0
+        t += misses * (dequant + m.file_bytes / read_bw + (rates.cold_read_s if cold else 0.0))
     return t
