@@ -11,8 +11,9 @@ setup(
         Extension(
             "k3kit.runtime._mxfp4",
             sources=["src/k3kit/runtime/_mxfp4.c"],
-            extra_compile_args=["-O3", "-std=c11", "-pthread"],
-            extra_link_args=["-pthread"],
+            # OpenMP: the kernel's threads come from the libgomp torch has loaded (see _mxfp4.c)
+            extra_compile_args=["-O3", "-std=c11", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
             optional=True,
         )
     ]

@@ -357,3 +357,48 @@ def test_from_gguf_model(tmp_path):
                 assert all(torch.equal(w, x) for w, x in zip(got[e], _expected(datas, layer, e), strict=True))
         with pytest.raises(FormatError, match="no tensor 'blk.5.ffn_up_exps.weight'"):
             ExpertStore.from_gguf(model, {5: ["blk.5.ffn_up_exps.weight"]})
+
+
+def test_planned_fetches_read_ahead_with_the_same_bytes_and_ledger(tmp_path):
+    """plan() on a quantized store: each fetch starts the next planned miss in the background.
+    Same weights and the same ledger as fetching without a plan; one read in flight at most;
+    nothing stays mapped in this process (the background read is a pread)."""
+    path, spec = _big_expert_file(tmp_path, n_experts=5)
+    order = [4, 0, 2, 3]
+    with ExpertStore(spec, cache_mib=3, keep="quantized", read_ahead=False) as plain:
+        want = [bytes(plain.get(0, [e])[e][0].raw.numpy()) for e in order]
+        want_stats = plain.stats()
+    with ExpertStore(spec, cache_mib=3, keep="quantized") as store:   # holds one 2.1 MiB expert
+        store.plan(0, order)
+        assert len(store._pending) == 1 and (0, 4) in store._pending
+        for e, w in zip(order, want, strict=True):
+            got = store.get(0, [e])[e][0]
+            assert bytes(got.raw.numpy()) == w
+            assert len(store._pending) <= 1
+        assert not store._pending and store._plan is None
+        s = store.stats()
+        assert (s.misses, s.hits, s.bytes_read, s.io_bytes) == \
+            (want_stats.misses, want_stats.hits, want_stats.bytes_read, want_stats.io_bytes)
+        if Path("/proc/self/smaps").exists():
+            assert sum(v[3] for v in _vmas(path)) == 0
+
+
+def test_read_ahead_of_a_changed_file_raises_on_fetch(tmp_path):
+    """A file that changes under a background read is reported by the fetch that wanted it."""
+    path, spec = _big_expert_file(tmp_path, n_experts=3)
+    with ExpertStore(spec, cache_mib=16, keep="quantized") as store:
+        store.get(0, [0])
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+        store.plan(0, [1, 2])
+        with pytest.raises(FormatError, match=re.escape(str(path)) + ".*changed"):
+            store.get(0, [1])
+
+
+def test_plan_is_ignored_where_read_ahead_does_not_apply(model_file):
+    """Dequantizing stores and cold reads fetch on the caller's thread only."""
+    _, spec, _ = model_file
+    for kwargs in ({}, {"keep": "quantized", "cold": "fadvise"}):
+        with ExpertStore(spec, cache_mib=1, **kwargs) as store:
+            store.plan(3, [0, 1])
+            assert not store._pending

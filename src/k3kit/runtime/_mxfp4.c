@@ -16,12 +16,11 @@
  * the expert cache hold quantized bytes (4x the experts per MiB of bf16).
  *
  * AVX-512 and AVX2+FMA paths are chosen at run time by what the CPU has; the scalar path is
- * the reference and the fallback. A call may split its output columns over a few pthreads
+ * the reference and the fallback. A call may split its output columns over OpenMP threads
  * (the caller passes torch's thread count); each column's sum is the same either way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -197,35 +196,31 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
-#define MAX_THREADS 64
+#define MAX_THREADS 256
 /* Below this many weights a call is over before threads would have started. */
 #define MIN_WEIGHTS_PER_THREAD (1 << 19)
 
-/* Split the output columns over `threads` (the caller's thread included); if a thread cannot
- * be started its share runs on the caller. */
+/* Split the output columns over `threads` OpenMP threads. Built against libgomp, this resolves
+ * to the libgomp torch has already loaded (same soname), so the split runs on torch's own
+ * worker threads: no second pool competing for the cores with torch's spinning one. */
 static void run_split(job_t base, int threads) {
     const int64_t work = base.n_out * base.k;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > 1 && work / threads < MIN_WEIGHTS_PER_THREAD) threads = (int)(work / MIN_WEIGHTS_PER_THREAD);
     if (threads > base.n_out) threads = (int)base.n_out;
-    if (threads <= 1) {
-        run_job(&base);
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int t = 0; t < threads; t++) {
+            job_t j = base;
+            j.n0 = base.n_out * t / threads;
+            j.n1 = base.n_out * (t + 1) / threads;
+            run_job(&j);
+        }
         return;
     }
-    job_t jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = base;
-        jobs[t].n0 = base.n_out * t / threads;
-        jobs[t].n1 = base.n_out * (t + 1) / threads;
-    }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else run_job(&jobs[t]);
-    }
+#endif
+    run_job(&base);
 }
 
 /* matmul(w, x, y, n_out, k, m, simd=-1, threads=1): y[m, n_out] = x[m, k] @ W.T for MXFP4

@@ -26,6 +26,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -172,15 +173,19 @@ def _drop_mapped(mm: mmap.mmap, start: int, n: int) -> None:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
-def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
-        if not chunk:
-            raise FormatError(f"{path}: unexpected end of file at byte {offset + got}")
-        parts.append(chunk)
-        got += len(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+def _pread_into(fd: int, out: np.ndarray, offset: int, path: Path) -> None:
+    """Fill `out` with the bytes at `offset`: the kernel copies straight from the page cache,
+    with the GIL released for each call, and nothing gets mapped into this process."""
+    view = memoryview(out).cast("B")
+    got, n = 0, view.nbytes
+    try:
+        while got < n:
+            k = os.preadv(fd, [view[got:]], offset + got)
+            if k <= 0:
+                raise FormatError(f"{path}: unexpected end of file at byte {offset + got}")
+            got += k
+    finally:
+        view.release()
 
 
 class ExpertStore:
@@ -205,6 +210,9 @@ class ExpertStore:
             the slice in large requests without reading a byte outside it.
     release_pages: after a miss copied a slice out of a mapping, unmap its pages from this
             process (MADV_DONTNEED; see `release`). Only mmap mode maps anything.
+    read_ahead: with keep="quantized" in mmap mode, after `plan(layer, ids)` each fetch starts
+            copying the next planned miss in a background thread, so the copy overlaps the
+            caller's use of the current expert. One expert in flight at a time.
     """
 
     def __init__(
@@ -219,6 +227,7 @@ class ExpertStore:
         madvise_random: bool = True,
         slice_readahead: bool = True,
         release_pages: bool = True,
+        read_ahead: bool = True,
     ) -> None:
         if cold is True:
             cold = "fadvise"
@@ -244,6 +253,10 @@ class ExpertStore:
         self._direct_buf: mmap.mmap | None = None
         self._raw: np.ndarray | None = None
         self._spare: dict[int, list[torch.Tensor]] = {}   # byte buffers of evicted quantized experts
+        self.read_ahead = read_ahead
+        self._plan: tuple[int, list[int]] | None = None    # (layer, experts in the order of fetching)
+        self._pending: dict[tuple[int, int], Future] = {}  # at most one background read
+        self._executor: ThreadPoolExecutor | None = None
         self._stats = ExpertStats()
         try:
             self._validate_and_open(madvise_random)
@@ -399,6 +412,71 @@ class ExpertStore:
                 self._pinned -= entry.nbytes
         self._evict()
 
+    def plan(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """The experts of `layer` about to be fetched one by one, in this order.
+
+        A hint: each fetch then starts reading the next planned miss in the background (one
+        expert ahead), so a miss's copy overlaps the use of the expert before it. Only stores
+        that keep quantized bytes of a mapped file read ahead: the read is then a plain copy,
+        and nothing but the copy leaves the caller's thread. Costs one expert of memory.
+        """
+        if not (self.read_ahead and self.keep == "quantized" and not self.cold
+                and all(t.ggml_type in NATIVE_TYPES and t.is_file for t in self.layers[layer])):
+            return
+        self._plan = (layer, [int(e) for e in expert_ids])
+        self._start_read_ahead(layer, None)
+
+    def _start_read_ahead(self, layer: int, after: int | None) -> None:
+        """Submit the first planned expert after `after` that is neither cached nor being read."""
+        if self._plan is None or self._plan[0] != layer or self._pending:
+            return
+        ids = self._plan[1]
+        start = 0 if after is None or after not in ids else ids.index(after) + 1
+        for e in ids[start:]:
+            if (layer, e) in self._cache:
+                continue
+            buffers = [self._buffer(t.expert_nbytes) for t in self.layers[layer]]
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3kit-experts")
+            self._pending[(layer, e)] = self._executor.submit(self._read_expert, layer, e, buffers)
+            return
+        self._plan = None
+
+    def _read_expert(self, layer: int, e: int,
+                     buffers: list[torch.Tensor]) -> tuple[tuple[Weight, ...], float]:
+        """Background thread: read one expert's slices into `buffers` through the file
+        descriptors. Touches no shared state (the ledger is updated by whoever collects it)."""
+        t0 = time.perf_counter()
+        out = []
+        for t, buf in zip(self.layers[layer], buffers, strict=True):
+            start = t.offset + e * t.expert_nbytes
+            f = self._files[Path(t.source)]
+            f.check()
+            # pread, not a copy out of the mapping: nothing is mapped that would have to be
+            # dropped again (madvise holds the GIL, which the caller's thread is waiting for)
+            _pread_into(f.fd, buf.numpy(), start, f.path)
+            out.append(QuantizedMatrix(buf, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]),
+                                       self.dtype))
+        return tuple(out), time.perf_counter() - t0
+
+    def _collect(self, layer: int, fut: Future) -> tuple[Weight, ...]:
+        """Wait for a background read and put it in the ledger as a miss."""
+        out, seconds = fut.result()     # a changed or truncated file raises here, on the caller's thread
+        n = self.expert_nbytes(layer)
+        self._stats.io_bytes += n
+        self._stats.bytes_read += n
+        self._stats.per_layer.setdefault(layer, LayerStats()).bytes_read += n
+        self._stats.read_seconds += seconds
+        return out
+
+    def _drain(self) -> None:
+        """Finish and drop background reads nobody collected (their bytes were still read)."""
+        for (layer, _), fut in self._pending.items():
+            with contextlib.suppress(Exception):
+                self._collect(layer, fut)
+        self._pending.clear()
+        self._plan = None
+
     def _fetch(self, layer: int, e: int) -> tuple[Weight, ...]:
         ls = self._stats.per_layer.setdefault(layer, LayerStats())
         entry = self._cache.get((layer, e))
@@ -406,9 +484,22 @@ class ExpertStore:
             self._cache.move_to_end((layer, e))
             self._stats.hits += 1
             ls.hits += 1
+            self._start_read_ahead(layer, e)
             return entry.tensors
         self._stats.misses += 1
         ls.misses += 1
+        fut = self._pending.pop((layer, e), None)
+        out = self._collect(layer, fut) if fut is not None else self._load(layer, e, ls)
+        nbytes = sum(w.nbytes for w in out)
+        if 0 < nbytes <= self.cache_bytes:
+            self._cache[(layer, e)] = _Entry(out, nbytes)
+            self._resident += nbytes
+            self._evict()
+        self._start_read_ahead(layer, e)     # after eviction: its buffers can take the next read
+        return out
+
+    def _load(self, layer: int, e: int, ls: LayerStats) -> tuple[Weight, ...]:
+        """Read (and dequantize, unless kept quantized) one expert on this thread."""
         tensors = []
         for t in self.layers[layer]:
             t0 = time.perf_counter()
@@ -429,13 +520,7 @@ class ExpertStore:
             self._stats.dequant_seconds += time.perf_counter() - t1
             self._stats.bytes_read += t.expert_nbytes
             ls.bytes_read += t.expert_nbytes
-        out = tuple(tensors)
-        nbytes = sum(w.nbytes for w in out)
-        if 0 < nbytes <= self.cache_bytes:
-            self._cache[(layer, e)] = _Entry(out, nbytes)
-            self._resident += nbytes
-            self._evict()
-        return out
+        return tuple(tensors)
 
     def _evict(self) -> None:
         if self._resident <= self.cache_bytes:
@@ -498,10 +583,9 @@ class ExpertStore:
         if f.direct_fd is not None:
             return self._read_direct(f, start, n, out)
         os.posix_fadvise(f.fd, start, n, os.POSIX_FADV_DONTNEED)  # make sure the read goes to storage
-        data = _pread_exact(f.fd, n, start, f.path)
+        _pread_into(f.fd, out, start, f.path)
         os.posix_fadvise(f.fd, start, n, os.POSIX_FADV_DONTNEED)  # and leave nothing behind
         self._stats.io_bytes += n
-        out[:] = np.frombuffer(data, np.uint8)
         return out
 
     def release(self, layer: int, expert: int) -> None:
@@ -566,12 +650,16 @@ class ExpertStore:
 
     def clear(self) -> None:
         """Drop every cached expert, pinned ones included."""
+        self._drain()
         self._cache.clear()
         self._spare.clear()
         self._resident = self._pinned = 0
 
     def close(self) -> None:
         self.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         for f in self._files.values():
             f.close()
         self._files.clear()

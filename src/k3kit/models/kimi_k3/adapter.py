@@ -22,7 +22,8 @@ operation only fast commits happen.
 Routed experts: the MoE asks the provider once per distinct expert per forward and runs all
 of that expert's rows together (route batching); the provider serves it from the store,
 which reads the expert's bytes from the file only on a cache miss, and one expert at a time,
-so a batch never holds more than one uncached expert's dequantized weights.
+so a batch never holds more than one uncached expert's weights, plus (quantized cache) the
+next planned miss being read in the background.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class StoreExperts:
         self.store = store
         self.layer_dev = list(layer_dev)
         self.requests = 0
+
+    def plan(self, layer: int, experts: list[int]) -> None:
+        self.store.plan(layer, experts)      # the store reads each planned miss one expert ahead
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         gate, up, down = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
@@ -238,6 +242,7 @@ class K3Adapter:
             memo = (key, [store.cached_count(il) for il, *_ in layers])
             self._cost_cached = memo
         k = self.cfg.num_experts_per_tok
+        # an expert held at its file size is kept quantized: a miss is a copy, no dequantization
         moe = [ExpertLayer(n_exp, k, n, held, nbytes, cached, dequant_on_miss=held != nbytes)
                for (_, n_exp, n, nbytes, held), cached in zip(layers, memo[1], strict=True)]
         return verify_seconds(n_rows, layers=self.cfg.num_layers, trunk_params=self.trunk_bytes // elem,

@@ -44,7 +44,11 @@ class ExpertWeights:
 
 
 class ExpertProvider(Protocol):
-    """Source of routed-expert weights. The MoE asks once per distinct expert per forward."""
+    """Source of routed-expert weights. The MoE asks once per distinct expert per forward.
+
+    A provider may also have `plan(layer, experts)`: the MoE then says, before the first
+    `get` of a layer, which experts it will ask for and in what order (a store can read the
+    next one while the current one computes)."""
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
@@ -153,7 +157,11 @@ class LatentMoE(nn.Module):
         uniq, counts = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
         all_rows, all_cols = order // k, order % k
         start = 0
-        for e, c in zip(uniq.tolist(), counts.tolist(), strict=True):
+        experts_in_order = uniq.tolist()
+        plan = getattr(experts, "plan", None)
+        if plan is not None:
+            plan(self.layer, experts_in_order)
+        for e, c in zip(experts_in_order, counts.tolist(), strict=True):
             rows, cols = all_rows[start:start + c], all_cols[start:start + c]
             start += c
             ew = experts.get(self.layer, e)
