@@ -106,24 +106,6 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2(
     for (int t = 0; t < RT; t++) out[t * ldo] = hsum256(acc[t]);
 }
 
-__attribute__((target("avx2,fma"))) static void matmul_avx2(const uint8_t *w, int64_t n0, int64_t n1,
-                                                           int64_t n_out, int64_t k, const float *x,
-                                                           int64_t m, float *y) {
-    const int64_t nb = k / QK;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * nb * BLOCK_BYTES;
-        int64_t r = 0;
-        for (; r + ROW_TILE <= m; r += ROW_TILE)
-            tile_avx2(row, nb, x + r * k, k, ROW_TILE, y + r * n_out + n, n_out);
-        switch (m - r) {
-        case 3: tile_avx2(row, nb, x + r * k, k, 3, y + r * n_out + n, n_out); break;
-        case 2: tile_avx2(row, nb, x + r * k, k, 2, y + r * n_out + n, n_out); break;
-        case 1: tile_avx2(row, nb, x + r * k, k, 1, y + r * n_out + n, n_out); break;
-        default: break;
-        }
-    }
-}
-
 /* The same with 16-lane vectors: a block's 32 values are two vectors, so decoding costs half
  * the instructions of the AVX2 path. */
 __attribute__((target("avx512f"), always_inline)) static inline void tile_avx512(
@@ -150,23 +132,30 @@ __attribute__((target("avx512f"), always_inline)) static inline void tile_avx512
     for (int t = 0; t < RT; t++) out[t * ldo] = _mm512_reduce_add_ps(acc[t]);
 }
 
-__attribute__((target("avx512f"))) static void matmul_avx512(const uint8_t *w, int64_t n0, int64_t n1,
-                                                            int64_t n_out, int64_t k, const float *x,
-                                                            int64_t m, float *y) {
-    const int64_t nb = k / QK;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * nb * BLOCK_BYTES;
-        int64_t r = 0;
-        for (; r + ROW_TILE <= m; r += ROW_TILE)
-            tile_avx512(row, nb, x + r * k, k, ROW_TILE, y + r * n_out + n, n_out);
-        switch (m - r) {
-        case 3: tile_avx512(row, nb, x + r * k, k, 3, y + r * n_out + n, n_out); break;
-        case 2: tile_avx512(row, nb, x + r * k, k, 2, y + r * n_out + n, n_out); break;
-        case 1: tile_avx512(row, nb, x + r * k, k, 1, y + r * n_out + n, n_out); break;
-        default: break;
-        }
+/* The driver over output columns [n0, n1) for one vector path: full row tiles, then the rest
+ * with a constant tile height so each call inlines into its own register allocation. One
+ * definition for both paths; the target attribute must match the tile function's. */
+#define DEFINE_MATMUL(NAME, TARGET, TILE)                                                           \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n0, int64_t n1,    \
+                                                     int64_t n_out, int64_t k, const float *x,   \
+                                                     int64_t m, float *y) {                      \
+        const int64_t nb = k / QK;                                                                 \
+        for (int64_t n = n0; n < n1; n++) {                                                        \
+            const uint8_t *row = w + n * nb * BLOCK_BYTES;                                         \
+            int64_t r = 0;                                                                         \
+            for (; r + ROW_TILE <= m; r += ROW_TILE)                                               \
+                TILE(row, nb, x + r * k, k, ROW_TILE, y + r * n_out + n, n_out);                   \
+            switch (m - r) {                                                                       \
+            case 3: TILE(row, nb, x + r * k, k, 3, y + r * n_out + n, n_out); break;               \
+            case 2: TILE(row, nb, x + r * k, k, 2, y + r * n_out + n, n_out); break;               \
+            case 1: TILE(row, nb, x + r * k, k, 1, y + r * n_out + n, n_out); break;               \
+            default: break;                                                                        \
+            }                                                                                      \
+        }                                                                                          \
     }
-}
+
+DEFINE_MATMUL(matmul_avx2, "avx2,fma", tile_avx2)
+DEFINE_MATMUL(matmul_avx512, "avx512f", tile_avx512)
 #endif
 
 /* 0 scalar, 1 AVX2+FMA, 2 AVX-512F: the best this CPU runs, set at import. */
