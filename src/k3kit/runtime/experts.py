@@ -211,8 +211,8 @@ class ExpertStore:
     release_pages: after a miss copied a slice out of a mapping, unmap its pages from this
             process (MADV_DONTNEED; see `release`). Only mmap mode maps anything.
     read_ahead: with keep="quantized" in mmap mode, after `plan(layer, ids)` each fetch starts
-            copying the next planned miss in a background thread, so the copy overlaps the
-            caller's use of the current expert. One expert in flight at a time.
+            reading (pread) the next planned miss in a background thread, so the read overlaps
+            the caller's use of the current expert. One expert in flight at a time.
     """
 
     def __init__(
