@@ -333,7 +333,7 @@ class ExpertStore:
         """Bytes one expert of `layer` occupies in the cache (what `cache_mib` budgets): its
         quantized bytes for projections kept quantized, dequantized tensors for the rest."""
         item = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(t.expert_nbytes if self.keep == "quantized" and t.ggml_type in NATIVE_TYPES
+        return sum(t.expert_nbytes if self._kept_quantized(t)
                    else int(np.prod(t.shape)) * item for t in self.layers[layer])
 
     def is_cached(self, layer: int, expert: int) -> bool:
@@ -420,8 +420,8 @@ class ExpertStore:
         that keep quantized bytes of a mapped file read ahead: the read is then a plain copy,
         and nothing but the copy leaves the caller's thread. Costs one expert of memory.
         """
-        if not (self.read_ahead and self.keep == "quantized" and not self.cold
-                and all(t.ggml_type in NATIVE_TYPES and t.is_file for t in self.layers[layer])):
+        if not (self.read_ahead and not self.cold
+                and all(self._kept_quantized(t) and t.is_file for t in self.layers[layer])):
             return
         self._plan = (layer, [int(e) for e in expert_ids])
         self._start_read_ahead(layer, None)
@@ -455,8 +455,7 @@ class ExpertStore:
             # pread, not a copy out of the mapping: nothing is mapped that would have to be
             # dropped again (madvise holds the GIL, which the caller's thread is waiting for)
             _pread_into(f.fd, buf.numpy(), start, f.path)
-            out.append(QuantizedMatrix(buf, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]),
-                                       self.dtype))
+            out.append(self._quantized(t, buf))
         return tuple(out), time.perf_counter() - t0
 
     def _collect(self, layer: int, fut: Future) -> tuple[Weight, ...]:
@@ -502,25 +501,30 @@ class ExpertStore:
         """Read (and dequantize, unless kept quantized) one expert on this thread."""
         tensors = []
         for t in self.layers[layer]:
+            start, n = t.offset + e * t.expert_nbytes, t.expert_nbytes
             t0 = time.perf_counter()
-            if self.keep == "quantized" and t.ggml_type in NATIVE_TYPES:   # read straight into its own buffer
-                raw = self._buffer(t.expert_nbytes)
-                self._read(t, t.offset + e * t.expert_nbytes, t.expert_nbytes, raw.numpy())
+            if self._kept_quantized(t):     # read straight into the buffer the cache will hold
+                w = self._quantized(t, self._buffer(n))
+                self._read(t, start, n, w.raw.numpy())
+                t1 = time.perf_counter()
             else:
-                raw = self._read(t, t.offset + e * t.expert_nbytes, t.expert_nbytes)
-            t1 = time.perf_counter()
-            if self.keep == "quantized" and t.ggml_type in NATIVE_TYPES:
-                w = QuantizedMatrix(raw, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]),
-                                    self.dtype)
-            else:
+                raw = self._read(t, start, n)
+                t1 = time.perf_counter()
                 w = dequantize(raw, t.ggml_type, t.shape, self.dtype)
                 w = w if self.device.type == "cpu" else w.to(self.device)
             tensors.append(w)
             self._stats.read_seconds += t1 - t0
             self._stats.dequant_seconds += time.perf_counter() - t1
-            self._stats.bytes_read += t.expert_nbytes
-            ls.bytes_read += t.expert_nbytes
+            self._stats.bytes_read += n
+            ls.bytes_read += n
         return tuple(tensors)
+
+    def _kept_quantized(self, t: ExpertTensor) -> bool:
+        """Whether the cache holds this projection as its bytes (keep="quantized", native type)."""
+        return self.keep == "quantized" and t.ggml_type in NATIVE_TYPES
+
+    def _quantized(self, t: ExpertTensor, buf: torch.Tensor) -> QuantizedMatrix:
+        return QuantizedMatrix(buf, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]), self.dtype)
 
     def _evict(self) -> None:
         if self._resident <= self.cache_bytes:
