@@ -75,8 +75,9 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target, draft, codec = load_pair(256.0)
-    max_pos = target.cfg.max_position_embeddings
+    session = load_pair(256.0)
+    target, draft, codec = session.model, session.draft_model, session.codec
+    max_pos = target.context_length
     workloads = {"HumanEval": he_prompts(codec, args.humaneval),
                  "held-out stdlib": stdlib_prompts(codec, args.stdlib)}
     print(f"greedy, block {BLOCK}, verify width {BLOCK + 1}, {args.tokens} tokens per prompt, "

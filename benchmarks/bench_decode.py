@@ -73,17 +73,17 @@ def engine_speed(path: Path, prompt: list[int], n: int, dtype: torch.dtype, cach
                  requests: int = 1, kernel: str = "auto") -> list[tuple[float, float, dict]]:
     """(prefill tok/s, decode tok/s, stats) of `requests` greedy runs of `prompt` on one adapter:
     the expert cache carries over from one request to the next, as in a server."""
+    from k3kit.adapters import load_model
     from k3kit.runtime.engine import generate
-    from k3kit.runtime.loader import LoadOptions, load_model
+    from k3kit.runtime.loader import LoadOptions
     from k3kit.runtime.sampling import make_sampling
-    a = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=cache_mib, expert_kernel=kernel))
     out = []
-    try:
+    options = LoadOptions(dtype=dtype, expert_cache_mib=cache_mib, expert_kernel=kernel)
+    with load_model(path, options) as loaded:
         for _ in range(requests):
-            r = generate(a, prompt, max_tokens=n + 1, sampling=make_sampling(0.0, seed=0), prefill_chunk=512)
+            r = generate(loaded.model, prompt, max_tokens=n + 1, sampling=make_sampling(0.0, seed=0),
+                         prefill_chunk=512)
             out.append((r.stats.prefill_tok_s, r.stats.decode_tok_s, r.stats.to_dict()))
-    finally:
-        a.close()
     return out
 
 

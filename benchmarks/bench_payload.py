@@ -44,9 +44,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from engine_models import prompts
 
+    from k3kit.adapters import load_model
     from k3kit.gguf.synth import K3, synthesize
     from k3kit.runtime.engine import generate
-    from k3kit.runtime.loader import LoadOptions, load_model
+    from k3kit.runtime.loader import LoadOptions
     from k3kit.runtime.sampling import make_sampling
 
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -60,20 +61,22 @@ def main() -> None:
                                                    expert_kernel=kernel))
             rows = curves.setdefault(kernel, [])
             try:
-                layers = list(a.store.layers)
-                per_expert = a.store.expert_nbytes(layers[0])
-                held = a.store.cached_expert_nbytes(layers[0]) / 2**20
-                k = a.cfg.num_experts_per_tok
+                m = a.memory()
+                layers = m.experts
+                per_expert = layers[0].file_bytes
+                held = layers[0].cached_bytes / 2**20
+                k = m.experts_per_token
                 p = prompts(1, 400, seed=4, lo=args.prompt, hi=args.prompt)[0]
                 print(f"[{kernel}] {args.experts} experts/layer x {len(layers)} MoE layers, top-{k}; one "
                       f"expert {per_expert / 1e6:.1f} MB in the file, {held:.1f} MiB in the cache "
-                      f"({a.store.keep}); all experts {len(layers) * args.experts * held:.0f} MiB cached")
+                      f"({a.expert_kernel}); all experts {len(layers) * args.experts * held:.0f} MiB cached")
                 print(f"{'cache MiB':>10s} {'experts':>8s} {'hit rate':>9s} {'MiB/token':>10s} "
                       f"{'peer MiB/token':>15s}")
                 peer = len(layers) * k * per_expert / 2**20
                 for b in budgets:
                     a.reset_expert_cache(b)
-                    res = generate(a, p, max_tokens=args.tokens + 1, sampling=make_sampling(0.0, seed=0))
+                    res = generate(a.model, p, max_tokens=args.tokens + 1,
+                                   sampling=make_sampling(0.0, seed=0))
                     ref = ref or res.token_ids
                     assert res.token_ids == ref, "the cache or the kernel changed the output"
                     s = res.stats

@@ -1,87 +1,149 @@
-"""One K3 expert matrix times m rows: the native MXFP4 kernel against dequantize-then-matmul.
+"""K3 matrices times m rows, per quantized type: the native kernels against dequantize + GEMM.
 
-    python benchmarks/bench_qmatmul.py [--threads 1] [--rows 1,2,4,8,16,32,64] [--reps 5]
+    python benchmarks/bench_qmatmul.py [--types Q8_0,Q4_K,...] [--shapes 7168x2048,7168x16384]
+                                       [--rows 1,8,32,64,128] [--threads 1] [--reps 3] [--clock wall|cpu]
+                                       [--levels avx512,avx2,scalar] [--paths] [--no-torch]
 
-The matrix is K3's expert shape (7168 x 2048, MXFP4, random blocks with realistic scales).
-Per row count it times, in one run:
-  native   QuantizedMatrix's kernel on the bytes (each vector path the CPU has, and scalar
-           for m <= 4), what a quantized expert cache runs for a hit or a miss;
-  miss     dequantize to bf16, then torch's matmul: what a dequantizing cache pays on a miss;
-  hit      torch's matmul on an already dequantized bf16 matrix: a dequantizing cache's hit.
-and prints the ratios native / miss and native / hit (above 1 = native is faster). Also
-checks the products agree (max error relative to the largest output).
+Shapes are ggml order, n_in x n_out (7168 x 2048: a K3 expert; 7168 x 16384: a trunk-sized
+matrix); random valid blocks with realistic scales. Per type, shape and row count, in one run:
+  native    the kernel on the bytes at each SIMD level asked for (scalar only up to 4 rows):
+            what a quantized trunk or expert cache runs; GF = GFLOP/s (2 m n_in n_out / time);
+  tiles / panels (--paths)  the native kernel forced onto its per-row tiles or its panels (the
+            many-row driver that decodes each block once); the automatic choice is `native`;
+  deq+bf16  QuantizedMatrix with a bf16 compute dtype beyond NATIVE_MAX_ROWS: W dequantized in
+            GEMM_CHUNK_BYTES chunks (natively), each multiplied by torch's bf16 GEMM;
+  deq+f32   the same in float32 (which QuantizedMatrix never picks: see NATIVE_MAX_ROWS);
+  bf16      torch's GEMM on an already dequantized bf16 matrix (a bf16 trunk's cost);
+and checks the native product against the float64 product of the dequantized matrix (max error
+relative to the largest output). --clock cpu times the calling thread's CPU time (only with
+--threads 1): steadier than wall time on a machine shared with other work.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from k3kit.runtime import qmatmul
-from k3kit.runtime.dequant import dequantize
+from k3kit.kernels import qmatmul
+from k3kit.kernels.dequant import dequantize
+from k3kit.kernels.qmatmul import QuantizedMatrix
 
-N_OUT, K = 2048, 7168
+LEVELS = {"avx512": 2, "avx2": 1, "scalar": 0}
+# Byte offsets of each type's f16 scales (IQ1_M spreads its d over the top nibbles of 4 words).
+F16_AT = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,),
+          T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ3_XXS: (0,), T.IQ1_S: (0,)}
 
 
-def best(f, reps: int) -> float:
+def random_blocks(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes with finite scales (f16 ~ 1e-3, e8m0 near 2^-6): valid blocks of `qtype`."""
+    qk, nbytes = GGML_QUANT_SIZES[qtype]
+    n = n_out * k // qk
+    b = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+    d = (np.abs(rng.standard_normal(n)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint16)
+    if qtype == T.MXFP4:
+        b[:, 0] = rng.integers(118, 130, size=n)
+    elif qtype == T.IQ1_M:
+        sc = b[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        for i in range(4):
+            sc[:, i] |= ((d >> (4 * i)) & 0xF) << 12
+        b[:, 48:56] = sc.view(np.uint8)
+    else:
+        for off in F16_AT[qtype]:
+            b[:, off:off + 2] = d.view(np.uint8).reshape(n, 2)
+    return b.reshape(-1)
+
+
+def best(f: Callable[[], object], reps: int, clock: Callable[[], float]) -> float:
     f()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         f()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times)
 
 
-def time_rows(kernel, raw: np.ndarray, w_bf16: torch.Tensor, m: int, have: list[str],
-              levels: dict[str, int], reps: int) -> tuple[dict[str, float], float, float, tuple]:
-    """Best times of each native path, of a miss (dequant + matmul) and of a hit, for m rows."""
-    x = torch.randn(m, K)
-    y = torch.empty(m, N_OUT)
-    xb = x.bfloat16()
-    res = {}
-    for name in have:
-        if name == "scalar" and m > 4:
-            continue
-        lvl = levels[name]
-        res[name] = best(lambda: kernel.matmul(raw, x.numpy(), y.numpy(), N_OUT, K, m, lvl), reps)  # noqa: B023
-    miss = best(lambda: xb @ dequantize(raw, T.MXFP4, (K, N_OUT), torch.bfloat16).t(), max(2, reps // 2))
-    hit = best(lambda: torch.mv(w_bf16, xb[0]) if m == 1 else xb @ w_bf16.t(), reps)
-    return res, miss, hit, (x, y)
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=",".join(t.name for t in (
+        T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS, T.IQ1_S, T.IQ1_M,
+        T.MXFP4)))
+    ap.add_argument("--shapes", default="7168x2048", help="n_in x n_out, comma-separated")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--levels", default="avx512", help="SIMD levels to time (capped at what the CPU has)")
+    ap.add_argument("--paths", action="store_true", help="also time the per-row tiles and the panels forced")
+    ap.add_argument("--no-torch", action="store_true", help="skip the dequantize + GEMM and bf16 columns")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not qmatmul.native_available():
-        raise SystemExit("the native kernel is not built (pip install -e . with a C compiler)")
-    kernel = qmatmul._mxfp4
+        raise SystemExit("the native kernels are not built (pip install -e . with a C compiler)")
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu times one thread: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    kernel = qmatmul._qmatmul
+    levels = [lv for lv in args.levels.split(",") if LEVELS[lv] <= LEVELS[kernel.simd()]]
+    print(f"{cpu_model()}; threads {args.threads}; best of {args.reps} ({args.clock} clock); "
+          f"CPU paths: {kernel.simd()} and below")
     rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, size=(N_OUT, K // 32, 17), dtype=np.uint8)
-    blocks[:, :, 0] = rng.integers(118, 130, size=(N_OUT, K // 32))
-    raw = blocks.reshape(-1)
-    w_bf16 = dequantize(raw, T.MXFP4, (K, N_OUT), torch.bfloat16)
-    levels = {"avx512": 2, "avx2": 1, "scalar": 0}
-    have = [name for name, lvl in levels.items() if lvl <= levels[kernel.simd()]]
-    print(f"threads {args.threads}; matrix {N_OUT} x {K} MXFP4 ({raw.nbytes / 2**20:.1f} MiB); "
-          f"best of {args.reps}; CPU paths: {', '.join(have)}")
-    for m in (int(r) for r in args.rows.split(",")):
-        res, miss, hit, (x, y) = time_rows(kernel, raw, w_bf16, m, have, levels, args.reps)
-        kernel.matmul(raw, x.numpy(), y.numpy(), N_OUT, K, m)
-        ref = (x.double() @ w_bf16.double().t())
-        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-        nat = res[have[0]]
-        paths = "  ".join(f"{k} {v * 1e3:7.2f} ms" for k, v in res.items())
-        print(f"m={m:3d}  {paths}  | miss {miss * 1e3:6.2f} ms  hit {hit * 1e3:6.2f} ms  | "
-              f"native/miss x{miss / nat:5.2f}  native/hit x{hit / nat:5.2f}  err {err:.1e}", flush=True)
+    for shape in args.shapes.split(","):
+        k, n_out = (int(v) for v in shape.split("x"))
+        print(f"\n{k} x {n_out} (n_in x n_out)\n| type | rows | " + " | ".join(
+            [f"native {lv}" for lv in levels] + (["tiles", "panels"] if args.paths else [])
+            + ([] if args.no_torch else ["deq+bf16 GEMM", "deq+f32 GEMM", "bf16 GEMM (pre-dequantized)"])
+            + ["err"]) + " |")
+        for name in args.types.split(","):
+            qtype = T[name]
+            raw = random_blocks(qtype, n_out, k, rng)
+            w = dequantize(raw, qtype, (k, n_out), torch.float32)
+            w_bf16 = w.bfloat16()
+            q_bf16 = QuantizedMatrix(torch.from_numpy(raw), qtype, (k, n_out), torch.bfloat16)
+            q_f32 = QuantizedMatrix(torch.from_numpy(raw), qtype, (k, n_out), torch.float32)
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                y = torch.empty(m, n_out)
+                flops = 2.0 * m * k * n_out
+
+                def cell(t: float, flops: float = flops) -> str:
+                    return f"{t * 1e3:.1f} ms ({flops / t / 1e9:.0f} GF)"
+
+                def native(lvl: int, path: int = -1) -> float:
+                    return best(lambda: kernel.matmul(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, lvl,  # noqa: B023
+                                                      args.threads, path), args.reps, clock)
+
+                cells = [cell(native(LEVELS[lv])) if lv != "scalar" or m <= 4 else "" for lv in levels]
+                if args.paths:
+                    cells += [cell(native(-1, 0)), cell(native(-1, 1))]
+                kernel.matmul(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, -1, args.threads)
+                ref = x.double() @ w.double().t()
+                err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                if not args.no_torch:
+                    xb = x.bfloat16()
+                    cells += [cell(best(lambda: q_bf16._gemm(xb), args.reps, clock)),  # noqa: B023
+                              cell(best(lambda: q_f32._gemm(x), args.reps, clock)),  # noqa: B023
+                              cell(best(lambda: torch.mv(w_bf16, xb[0]) if m == 1 else xb @ w_bf16.t(),  # noqa: B023
+                                        args.reps, clock))]
+                print(f"| {name} | {m} | " + " | ".join(cells) + f" | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

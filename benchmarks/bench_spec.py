@@ -39,14 +39,15 @@ from pathlib import Path
 
 import torch
 
+from k3kit.adapters.session import Session, open_session
 from k3kit.mini.corpus import build_corpus
+from k3kit.mini.draft.train import humaneval_prompts
 from k3kit.mini.paths import shipped_draft, shipped_gguf
-from k3kit.mini.train_draft import humaneval_prompts
 from k3kit.runtime.engine import generate
-from k3kit.runtime.loader import LoadOptions, load_model
+from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.sampling import make_sampling
 from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
-from k3kit.runtime.text import TextCodec
+from k3kit.tokenizer.codec import TextCodec
 
 MIB = 1 << 20
 PROMPT_LEN = 32
@@ -72,25 +73,22 @@ def he_prompts(codec: TextCodec, n: int) -> list[list[int]]:
     return [codec.encode(t, add_bos=True) for t in texts]
 
 
-def load_pair(cache_mib: float, cold: bool = False):
-    """(target, draft, codec): the shipped mini K3 and its drafter attached to it."""
-    path = shipped_gguf()
-    target = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=cold))
-    draft = load_model(shipped_draft())
-    draft.attach(target)
-    draft.set_block_size(None)
-    return target, draft, TextCodec(target.source.raw_kv, str(path))
+def load_pair(cache_mib: float, cold: bool = False) -> Session:
+    """The shipped mini K3 and its drafter attached to it (as trained: block 7), with its codec,
+    opened the way `k3kit generate --draft default` opens them."""
+    options = LoadOptions(expert_cache_mib=cache_mib, cold=cold)
+    return open_session(shipped_gguf(), options, draft=shipped_draft())
 
 
-def cached_expert_mib(target) -> tuple[float, int, int]:
+def cached_expert_mib(session: Session) -> tuple[float, int, int]:
     """(MiB of one cached expert, experts in all layers, MoE layers). The cache charges an
     expert what it holds: quantized bytes with the native kernel, float tensors otherwise."""
-    store = target.store
-    per = {il: store.cached_expert_nbytes(il) for il in store.layers}
+    experts = session.target.memory().experts
+    per = {e.layer: e.cached_bytes for e in experts}
     if len(set(per.values())) != 1:
         raise SystemExit(f"experts differ in size across layers: {per}")
-    total = sum(store.n_experts(il) for il in store.layers)
-    return next(iter(per.values())) / MIB, total, len(store.layers)
+    total = sum(e.n_experts for e in experts)
+    return next(iter(per.values())) / MIB, total, len(experts)
 
 
 def spec_step(draft, budget: int | None):
@@ -223,11 +221,11 @@ def calibrate(name: str, target, draft, prompts, tokens: int, cache_mib: float) 
 
     def timed(ids, capture=True, all_logits=True):
         predicted = target.cost(len(ids)) if len(ids) <= 8 else 0.0
-        m0 = target.store.stats().misses
+        m0 = target.expert_stats().misses
         t = time.perf_counter()
         out = plain(ids, capture, all_logits)
         if len(ids) <= 8 and all_logits:         # prefill chunks ask for the last row only
-            seen.append((len(ids), time.perf_counter() - t, predicted, target.store.stats().misses - m0))
+            seen.append((len(ids), time.perf_counter() - t, predicted, target.expert_stats().misses - m0))
         return out
 
     target.verify = timed
@@ -279,9 +277,10 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target, draft, codec = load_pair(256.0)
+    session = load_pair(256.0)
+    target, draft, codec = session.model, session.draft_model, session.codec
     prompts = stdlib_prompts(codec, args.prompts - args.prompts // 2) + he_prompts(codec, args.prompts // 2)
-    one_mib, n_all, n_layers = cached_expert_mib(target)
+    one_mib, n_all, n_layers = cached_expert_mib(session)
     caches = {"resident": 256.0, "quarter": one_mib * (n_all // 4), "one": one_mib * n_layers}
     draft_cost = measure_draft_seconds(target, draft, prompts[0])
     print(f"mini K3: {n_layers} MoE layers, {n_all} experts, "
@@ -296,9 +295,9 @@ def main() -> int:
         cal = []
         for s in settings:
             if s == "cold":
-                cold_target, cold_draft, _ = load_pair(caches["one"], cold=True)
-                cal += calibrate("cold (one)", cold_target, cold_draft, prompts[:4], 48, caches["one"])
-                cold_target.close()
+                with load_pair(caches["one"], cold=True) as cold:
+                    cal += calibrate("cold (one)", cold.model, cold.draft_model, prompts[:4], 48,
+                                     caches["one"])
             else:
                 cal += calibrate(s, target, draft, prompts[:4], 48, caches[s])
         if args.json:
@@ -309,10 +308,9 @@ def main() -> int:
     for s in settings:
         t0 = time.perf_counter()
         if s == "cold":
-            cold_target, cold_draft, _ = load_pair(caches["one"], cold=True)
-            r, good = run_setting("cold (one)", cold_target, cold_draft, prompts, args.tokens, caches["one"],
-                                  args.reps)
-            cold_target.close()
+            with load_pair(caches["one"], cold=True) as cold:
+                r, good = run_setting("cold (one)", cold.model, cold.draft_model, prompts, args.tokens,
+                                      caches["one"], args.reps)
         elif s in caches:
             r, good = run_setting(s, target, draft, prompts, args.tokens, caches[s], args.reps)
         else:

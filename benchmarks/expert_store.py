@@ -7,7 +7,7 @@ expert space (gate/up 3584x3072, down 3072x3584: 17.5 MB per expert) to a temp f
   1. torch dequant of one 3584x3072 matrix per type vs gguf-py's numpy dequant and, when
      llama-cpp-python is installed, libggml's own C dequantize_row_* (same bytes, same run);
   2. misses through the store in mmap (warm page cache), cold fadvise and cold O_DIRECT mode;
-  3. bytes read for one batch of routed tokens: route_batch vs a per-token loop (ledger).
+  3. bytes read for one batch of routed tokens: RoutedMoE vs a per-token loop (ledger).
 Every figure is printed with its peer and the ratio; absolute times depend on the machine.
 """
 
@@ -26,9 +26,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from k3kit.runtime.dequant import dequantize, nbytes_for
+from k3kit.kernels.dequant import dequantize, nbytes_for
+from k3kit.layers.moe import ExpertWeights, RoutedMoE
 from k3kit.runtime.experts import ExpertStore, ExpertTensor
-from k3kit.runtime.route_batch import route_batch
 
 LATENT, FF = 3584, 3072
 
@@ -172,8 +172,16 @@ def main() -> None:
             gate, up, down = ws
             return (torch.nn.functional.silu(xs @ gate.T) * (xs @ up.T)) @ down.T
 
+        class Provider:   # RoutedMoE's default expert is the same SwiGLU as mlp()
+            def __init__(self, store):
+                self.store = store
+
+            def get(self, layer, e):
+                return ExpertWeights(*self.store.get(layer, [e])[e])
+
+        moe = RoutedMoE(args.experts, LATENT, FF, 0, with_experts=False)
         with ExpertStore({0: specs}) as store:
-            route_batch(x, top, w, store, 0, mlp)
+            moe.run_experts(x, top, w, Provider(store))
             batched = store.stats().bytes_read
             store.reset_stats()
             for t in range(n_tok):
@@ -181,7 +189,7 @@ def main() -> None:
                     e = int(top[t, j])
                     mlp(x[t : t + 1], store.get(0, [e])[e])
             per_token = store.stats().bytes_read
-        print(f"route_batch {n_tok} tok top-{k} of {args.experts}: {batched / 1e6:.1f} MB vs per-token loop "
+        print(f"RoutedMoE {n_tok} tok top-{k} of {args.experts}: {batched / 1e6:.1f} MB vs per-token loop "
               f"{per_token / 1e6:.1f} MB ({per_token / batched:.2f}x fewer bytes)")
 
 

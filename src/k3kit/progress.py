@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     TaskID,
     TextColumn,
@@ -46,6 +47,25 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
         BarColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+        yield ByteProgress(progress, task)
+
+
+@contextmanager
+def count_progress(description: str, total: int, unit: str, enabled: bool = True) -> Iterator[ByteProgress]:
+    """The same bar counting items (tokens, rows) instead of bytes: `advance(n)` adds n `unit`s."""
+    if not enabled or not sys.stderr.isatty():
+        yield ByteProgress(None, None)
+        return
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
         TimeRemainingColumn(),
         transient=True,
     )

@@ -27,7 +27,8 @@ from k3kit.gguf.reader import GGUFFile
 from k3kit.gguf.rewrite import Rules, rewrite
 from k3kit.gguf.synth import synthesize
 from k3kit.gguf.writer import kv
-from k3kit.models.dspark import DraftConfig, DSparkDraft
+from k3kit.models.dflash.config import DraftConfig
+from k3kit.models.dflash.network import DSparkDraft
 
 TARGET_LAYERS = 4
 VOCAB = 1024

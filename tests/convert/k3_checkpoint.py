@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from k3kit.adapters.kimi_k3_hf import save_hf
 from k3kit.mini.corpus import build_corpus
 from k3kit.mini.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, train_tokenizer
 from k3kit.models.kimi_k3 import K3Model, init_random
 from k3kit.models.kimi_k3.config import KDA, MLA, K3ModelConfig, tiny_config
-from k3kit.models.kimi_k3.hf import save_hf
 
 VOCAB = 512
 GEOMETRY = dict(

@@ -25,7 +25,8 @@ from k3kit.convert.draft_mapping import detect_family, load_mapping
 from k3kit.errors import ConvertError
 from k3kit.gguf.format import check_kv_types, dflash_expected_tensors
 from k3kit.gguf.reader import GGUFFile
-from k3kit.models.dspark import DraftConfig, gguf_tensor_name
+from k3kit.models.dflash.config import DraftConfig
+from k3kit.models.dflash.names import gguf_tensor_name
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ from requant_helpers import copy_source, make_source, run_cli, sha
 
 from k3kit.errors import K3Error
 from k3kit.gguf import format as fmt
-from k3kit.gguf import quants, requant
+from k3kit.gguf import quants
 from k3kit.gguf.reader import GGUFFile
 from k3kit.gguf.requant import Options, preflight, requantize, verify_model
+from k3kit.gguf.requant import plan as requant
+from k3kit.gguf.requant.verify import ERROR_BOUNDS, verify_shard
 from k3kit.gguf.shards import Model
-from k3kit.gguf.verify import ERROR_BOUNDS, verify_shard
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +392,7 @@ def test_single_file_model(tmp_path):
 
 def test_small_chunks_give_the_same_bytes(source, reference, tmp_path, monkeypatch):
     """Mini tensors fit one chunk; with tiny chunks the streaming paths (requant and verify) are exercised."""
-    from k3kit.gguf import verify
+    from k3kit.gguf.requant import verify
     monkeypatch.setattr(requant, "CHUNK_ELEMS", 1000)  # < one 256 x 8 row group: one row per chunk
     monkeypatch.setattr(verify, "CHUNK_ELEMS", 3000)
     monkeypatch.setattr(verify, "HASH_CHUNK", 4096)

@@ -44,7 +44,7 @@ def find_libggml_base() -> Path | None:
 
 
 class Ggml:
-    """The two entry points the codec tests need, typed."""
+    """The entry points the codec tests need, typed."""
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
@@ -59,23 +59,39 @@ class Ggml:
             ctypes.c_int64,
             ctypes.c_void_p,
         ]
+        r = self.lib.ggml_quantize_requires_imatrix
+        r.restype = ctypes.c_bool
+        r.argtypes = [ctypes.c_int]
         g = self.lib.ggml_get_type_traits
         g.restype = ctypes.POINTER(_TypeTraits)
         g.argtypes = [ctypes.c_int]
         self._to_float: dict[int, object] = {}
 
+    def requires_imatrix(self, qtype: int) -> bool:
+        return bool(self.lib.ggml_quantize_requires_imatrix(int(qtype)))
+
     def traits(self, qtype: int) -> _TypeTraits:
         return self.lib.ggml_get_type_traits(int(qtype)).contents
 
-    def quantize(self, x: np.ndarray, qtype: int) -> np.ndarray:
-        """float32 (rows, n) -> uint8 (rows, row_bytes), one ggml_quantize_chunk call."""
+    def quantize(self, x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """float32 (rows, n) -> uint8 (rows, row_bytes), one ggml_quantize_chunk call.
+
+        `imatrix` (float32 [n], per-column importance) is required by IQ2_XXS, IQ2_XS and IQ1_S
+        (ggml_quantize_requires_imatrix); without one those types abort inside ggml.
+        """
         x = np.ascontiguousarray(x, dtype=np.float32)
         x2 = x.reshape(-1, x.shape[-1])
         t = self.traits(qtype)
         row = x2.shape[1] // t.blck_size * t.type_size
         out = np.empty((x2.shape[0], row), dtype=np.uint8)
+        if imatrix is None and self.requires_imatrix(qtype):
+            raise ValueError(f"ggml type {qtype} needs an importance matrix to quantize")
+        w = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
+        if w is not None and w.shape != (x2.shape[1],):
+            raise ValueError(f"imatrix of shape {w.shape} for rows of {x2.shape[1]}")
         n = self.lib.ggml_quantize_chunk(
-            int(qtype), x2.ctypes.data, out.ctypes.data, 0, x2.shape[0], x2.shape[1], None
+            int(qtype), x2.ctypes.data, out.ctypes.data, 0, x2.shape[0], x2.shape[1],
+            None if w is None else w.ctypes.data,
         )
         assert n == out.nbytes, (n, out.nbytes)
         return out.reshape(*x.shape[:-1], row)

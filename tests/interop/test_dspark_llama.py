@@ -17,7 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from k3kit.models.dspark import DraftConfig, DSparkDraft, DSparkDrafter, YarnScaling, gguf_tensor_name
+from k3kit.adapters.dflash import DSparkDrafter
+from k3kit.convert.draft_config import YarnScaling
+from k3kit.models.dflash.config import DraftConfig
+from k3kit.models.dflash.names import gguf_tensor_name
+from k3kit.models.dflash.network import DSparkDraft
 from k3kit.runtime.speculative import FeatureRing, Sampling, propose
 
 llama_cpp = pytest.importorskip("llama_cpp")

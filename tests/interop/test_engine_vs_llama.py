@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from engine_models import SHIPPED, prompts, tiny_gguf  # noqa: E402
 from llama_run import llama_greedy  # noqa: E402
 
+from k3kit.adapters import load_model  # noqa: E402
 from k3kit.convert.target import convert_target  # noqa: E402
 from k3kit.runtime.engine import generate  # noqa: E402
-from k3kit.runtime.loader import LoadOptions, load_model  # noqa: E402
+from k3kit.runtime.loader import LoadOptions  # noqa: E402
 from k3kit.runtime.sampling import make_sampling  # noqa: E402
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -68,14 +69,14 @@ def model_and_llama(tmp_path_factory):
 @pytest.mark.parametrize("cache", ["all", "quarter", "one_per_layer"])
 def test_engine_greedy_equals_llama_cpp(model_and_llama, cache):
     path, ps, want = model_and_llama
-    probe = load_model(path, LoadOptions(expert_cache_mib=0))
+    probe = load_model(path, LoadOptions(expert_cache_mib=0)).model
     st = probe.store
     one = st.cached_expert_nbytes(next(iter(st.layers))) / 2**20   # as the cache holds it
     total = one * sum(st.n_experts(il) for il in st.layers)
     n_moe = len(st.layers)
     probe.close()
     mib = {"all": total, "quarter": total / 4, "one_per_layer": one * n_moe}[cache]
-    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, ggml_parity=True))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, ggml_parity=True)).model
     try:
         for i, p in enumerate(ps):
             got = generate(adapter, p, max_tokens=N_TOKENS, sampling=make_sampling(0.0, seed=0),
@@ -91,7 +92,7 @@ def test_shipped_q8_gguf_agrees_except_at_near_ties():
     if not SHIPPED.exists():
         pytest.skip(f"{SHIPPED} not built")
     llm = _llama(SHIPPED)
-    adapter = load_model(SHIPPED, LoadOptions(expert_cache_mib=1, ggml_parity=True))
+    adapter = load_model(SHIPPED, LoadOptions(expert_cache_mib=1, ggml_parity=True)).model
     try:
         checked = 0
         for p in prompts(N_PROMPTS, llm.n_vocab() - 16):

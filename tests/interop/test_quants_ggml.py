@@ -17,15 +17,27 @@ inf/NaN elements):
 plus F16 and BF16 on 2^24 float32 patterns (every sign/exponent/top-15-mantissa-bit combination
 with a random low byte) and the dequantizers of F16/BF16 on all 65536 patterns and of
 Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 on random bytes.
+
+Every other quantized type gguf 0.19 lists (issue 12: Q4_0 ... Q1_0) is dequantized from ~1 M
+values of random *valid* blocks (finite scales; `quants.random_blocks`) and compared bit for
+bit; the test first asserts that those blocks hold every grid index, sign pattern / sign
+index, sub-scale and delta value of the type, every fp16 scale exponent with both signs (every
+MXFP4 exponent that cannot overflow, every NVFP4 scale code). Random bytes, NaN/inf scales
+included, must match too, except the sign bit of NaNs from IQ2_*/IQ3_* blocks whose scale is
+NaN: ggml's compiled loop applies the grid sign by flipping the sign bit, gguf-py multiplies by
+-1 (which leaves a NaN's sign alone). Such blocks are corrupt and `quants.check_finite`
+rejects them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from k3kit.gguf import quants
+from k3kit.gguf.quants import q4_k, scales
 
 pytest.importorskip("llama_cpp")
 import ggml_oracle  # noqa: E402
@@ -167,4 +179,155 @@ def test_dequantize_random_bytes_bit_exact(ggml, qtype):
     ours = quants.dequantize(raw, qtype, n * blk).view(np.uint32)
     theirs = ggml.dequantize(raw, qtype, n * blk).view(np.uint32)
     i = _first_bad(ours.reshape(n, blk), theirs.reshape(n, blk))
+    assert i is None, f"{qtype.name}: block {i} differs: {raw[i].tolist()}"
+
+
+# ---- every type gguf 0.19 lists -----------------------------------------------------------
+
+ISSUE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+               T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS,
+               T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4, T.Q1_0]
+NAN_SIGN_FREE = frozenset({T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S})
+VALUES = 1 << 20  # per type
+
+
+def test_every_gguf_type_with_a_ggml_dequantizer_is_covered(ggml):
+    for t in T:
+        tr = ggml.traits(t)
+        if tr.to_float:  # (gguf-py's Q8_1 size is stale, 40 vs ggml's 36; ggml cannot decode it)
+            assert (tr.blck_size, tr.type_size) == GGML_QUANT_SIZES[t], t.name
+            assert t in quants.DEQUANTIZE_TYPES, t.name
+    assert set(ISSUE_TYPES) <= quants.DEQUANTIZE_TYPES
+
+
+def _u16(raw: np.ndarray, off: int, n: int) -> np.ndarray:
+    return raw[:, off : off + 2 * n].copy().view("<u2").astype(np.int64)
+
+
+def _nib(b: np.ndarray) -> np.ndarray:
+    return np.concatenate([b & 0xF, b >> 4], axis=1)
+
+
+def _sign7(a: np.ndarray) -> np.ndarray:
+    """[n, k, 4] bytes of uint32s -> their four 7-bit sign indices."""
+    u = a.astype(np.int64)
+    w = u[..., 0] | (u[..., 1] << 8) | (u[..., 2] << 16) | (u[..., 3] << 24)
+    return np.stack([(w >> s) & 127 for s in (0, 7, 14, 21)], axis=-1)
+
+
+def _fields(qtype: T, raw: np.ndarray) -> dict[str, tuple[np.ndarray, int]]:
+    """Each coded field of the blocks with the number of values it can take."""
+    n = raw.shape[0]
+    f: dict[str, tuple[np.ndarray, int]] = {}
+    if qtype in scales.F16_SCALES or qtype == T.IQ1_M:
+        if qtype == T.IQ1_M:
+            words = [scales.iq1_m_scale_bits(raw).astype(np.int64)]
+        else:
+            words = [_u16(raw, off, 1)[:, 0] for off in scales.F16_SCALES[qtype]]
+        for k, w in enumerate(words):
+            f[f"scale{k} sign+exponent"] = (w >> 10, 62)  # 31 finite exponents x 2 signs
+    if qtype in (T.Q4_0, T.Q4_1, T.IQ4_NL):
+        f["nibble"] = (_nib(raw[:, -16:]), 16)
+    if qtype in (T.Q5_0, T.Q5_1):
+        qh = np.unpackbits(raw[:, -20:-16], axis=1, bitorder="little")
+        f["q5"] = (_nib(raw[:, -16:]) | (qh << 4), 32)
+    if qtype == T.Q8_0:
+        f["q8"] = (raw[:, 2:], 256)
+    if qtype == T.Q1_0:
+        f["bits"] = (np.unpackbits(raw[:, 2:], axis=1), 2)
+    if qtype == T.Q2_K:
+        f["scale"], f["min"] = (raw[:, 0:16] & 0xF, 16), (raw[:, 0:16] >> 4, 16)
+        f["q2"] = (np.stack([(raw[:, 16:80] >> s) & 3 for s in (0, 2, 4, 6)]), 4)
+    if qtype == T.Q3_K:
+        s = raw[:, 96:108].astype(np.int64)
+        hi = np.concatenate([(s[:, 8:12] >> (2 * k)) & 3 for k in range(4)], axis=1)
+        f["scale"] = (_nib(s[:, 0:8]) | (hi << 4), 64)
+        f["q2"] = (np.stack([(raw[:, 32:96] >> s) & 3 for s in (0, 2, 4, 6)]), 4)
+        f["hmask"] = (np.unpackbits(raw[:, 0:32]), 2)
+    if qtype in (T.Q4_K, T.Q5_K):
+        sc, mn = q4_k.scales_mins(raw[:, 4:16])
+        f["scale"], f["min"] = (sc, 64), (mn, 64)
+    if qtype == T.Q6_K:
+        f["scale"] = (raw[:, 192:208], 256)
+        f["ql"], f["qh"] = (raw[:, 0:128], 256), (raw[:, 128:192], 256)
+    if qtype == T.TQ1_0:
+        f["trit byte"] = (raw[:, 0:52], 256)
+    if qtype == T.TQ2_0:
+        f["crumb"] = (np.stack([(raw[:, 0:64] >> s) & 3 for s in (0, 2, 4, 6)]), 4)
+    if qtype == T.IQ2_XXS:
+        q = raw[:, 2:66].reshape(n, 8, 8)
+        f["grid"], f["signs"] = (q[:, :, 0:4], 256), (_sign7(q[:, :, 4:8]), 128)
+        f["scale"] = (q[:, :, 7] >> 4, 16)
+    if qtype == T.IQ2_XS:
+        w = _u16(raw, 2, 32)
+        f["grid"], f["signs"], f["scale"] = (w & 511, 512), (w >> 9, 128), (_nib(raw[:, 66:74]), 16)
+    if qtype == T.IQ2_S:
+        qh = raw[:, 66:74].astype(np.int64)
+        hi = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=2)
+        f["grid"] = (raw[:, 2:34].reshape(n, 8, 4) | (hi << 8), 1024)
+        f["signs"], f["scale"] = (raw[:, 34:66], 256), (_nib(raw[:, 74:82]), 16)
+    if qtype == T.IQ3_XXS:
+        a = raw[:, 66:98].reshape(n, 8, 4)
+        f["grid"], f["signs"], f["scale"] = (raw[:, 2:66], 256), (_sign7(a), 128), (a[:, :, 3] >> 4, 16)
+    if qtype == T.IQ3_S:
+        hi = np.unpackbits(raw[:, 66:74], axis=1, bitorder="little").astype(np.int64).reshape(n, 8, 8)
+        f["grid"] = (raw[:, 2:66].reshape(n, 8, 8) | (hi << 8), 512)
+        f["signs"], f["scale"] = (raw[:, 74:106], 256), (_nib(raw[:, 106:110]), 16)
+    if qtype == T.IQ1_S:
+        qh = _u16(raw, 34, 8)
+        hi = np.stack([(qh >> (3 * k)) & 7 for k in range(4)], axis=2)
+        f["grid"] = (raw[:, 2:34].reshape(n, 8, 4) | (hi << 8), 2048)
+        f["scale"], f["delta"] = ((qh >> 12) & 7, 8), (qh >> 15, 2)
+    if qtype == T.IQ1_M:
+        nib = np.stack([raw[:, 32:48] & 0xF, raw[:, 32:48] >> 4], axis=2).reshape(n, 32).astype(np.int64)
+        f["grid"] = (raw[:, 0:32] | ((nib & 7) << 8), 2048)
+        f["delta"] = (nib >> 3, 2)
+        sc = _u16(raw, 48, 4)
+        f["scale"] = (np.stack([(sc >> (3 * k)) & 7 for k in range(4)]), 8)
+    if qtype == T.IQ4_XS:
+        sh = _u16(raw, 2, 1)
+        hi = np.concatenate([(sh >> (2 * i)) & 3 for i in range(8)], axis=1)
+        lo = np.stack([raw[:, 4:8] & 0xF, raw[:, 4:8] >> 4], axis=2).reshape(n, 8)
+        f["scale"], f["nibble"] = (lo | (hi << 4), 64), (_nib(raw[:, 8:136]), 16)
+    if qtype == T.MXFP4:
+        f["exponent"], f["nibble"] = (raw[:, 0], 253), (_nib(raw[:, 1:]), 16)
+    if qtype == T.NVFP4:
+        f["scale code"], f["nibble"] = (raw[:, 0:4], 128), (_nib(raw[:, 4:]), 16)
+    return f
+
+
+@pytest.mark.parametrize("qtype", ISSUE_TYPES, ids=lambda t: t.name)
+def test_valid_blocks_cover_every_field_and_are_bit_exact(ggml, qtype):
+    elems, _ = quants.type_size(qtype)
+    n = VALUES // elems
+    raw = quants.random_blocks(qtype, n, np.random.default_rng(700 + int(qtype)))
+    fields = _fields(qtype, raw)
+    assert len(fields) >= 2, f"{qtype.name}: no coverage fields"
+    for name, (values, size) in fields.items():
+        seen = np.unique(values).size
+        assert seen == size, f"{qtype.name} {name}: {seen} of {size} values present"
+    ours = quants.dequantize(raw, qtype, n * elems)
+    theirs = ggml.dequantize(raw, qtype, n * elems)
+    assert np.isfinite(theirs).all()
+    i = _first_bad(ours.reshape(n, elems).view(np.uint32), theirs.reshape(n, elems).view(np.uint32))
+    assert i is None, f"{qtype.name}: block {i} differs: {raw[i].tolist()}"
+
+
+def _nan_sign_cleared(y: np.ndarray) -> np.ndarray:
+    bits = y.view(np.uint32)
+    return np.where(np.isnan(y), bits & 0x7FFFFFFF, bits)
+
+
+@pytest.mark.parametrize("qtype", ISSUE_TYPES, ids=lambda t: t.name)
+def test_random_bytes_match_ggml(ggml, qtype):
+    """Raw bytes, NaN/inf scales and all: bit-exact, NaN payloads included (see the module
+    docstring for the NaN sign of IQ2/IQ3 blocks)."""
+    elems, nbytes = quants.type_size(qtype)
+    n = (VALUES // 4) // elems
+    raw = np.random.default_rng(800 + int(qtype)).integers(0, 256, (n, nbytes), dtype=np.uint8)
+    ours = quants.dequantize(raw, qtype, n * elems)
+    theirs = ggml.dequantize(raw, qtype, n * elems)
+    if qtype in NAN_SIGN_FREE:
+        ours, theirs = _nan_sign_cleared(ours), _nan_sign_cleared(theirs)
+    i = _first_bad(ours.reshape(n, elems).view(np.uint32), theirs.reshape(n, elems).view(np.uint32))
     assert i is None, f"{qtype.name}: block {i} differs: {raw[i].tolist()}"

@@ -28,10 +28,11 @@ import pytest
 import torch
 from llama_run import llama_greedy
 
+from k3kit.adapters import load_model
 from k3kit.mini.corpus import build_corpus
 from k3kit.mini.paths import shipped_gguf
 from k3kit.runtime.engine import generate
-from k3kit.runtime.loader import LoadOptions, load_model
+from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.sampling import make_sampling
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -80,9 +81,9 @@ def test_torch_reference_matches_llama_cpp(llama_runs):
     its argmax equals llama.cpp's greedy token at every generated position (so its own greedy
     continuation is the same, token by token), and its logits are close."""
     path, prompts, tokens, logits = llama_runs
-    adapter = load_model(path, LoadOptions(expert_cache_mib=64, ggml_parity=True))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=64, ggml_parity=True)).model
     hooked = len(adapter.model._ggml_hooks)
-    plain = load_model(path, LoadOptions(expert_cache_mib=64))
+    plain = load_model(path, LoadOptions(expert_cache_mib=64)).model
     try:
         assert hooked > 0 and not plain.model._ggml_hooks
         row_max, row_max_plain, n_ties, exact = [], [], 0, 0
@@ -113,14 +114,14 @@ def test_torch_reference_matches_llama_cpp(llama_runs):
 def test_engine_greedy_matches_llama_cpp(llama_runs, cache):
     """The engine's own decode loop (chunked prefill, lazy experts) on the shipped GGUF."""
     path, prompts, tokens, logits = llama_runs
-    probe = load_model(path, LoadOptions(expert_cache_mib=0))
+    probe = load_model(path, LoadOptions(expert_cache_mib=0)).model
     st = probe.store
     one = st.cached_expert_nbytes(next(iter(st.layers))) / 2**20   # as the cache holds it
     total = one * sum(st.n_experts(il) for il in st.layers)
     n_moe = len(st.layers)
     probe.close()
     mib = {"all": total, "quarter": total / 4, "one_per_layer": one * n_moe}[cache]
-    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, ggml_parity=True))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, ggml_parity=True)).model
     try:
         agreed, parted, exact = 0, 0, 0
         for i, (p, toks, want) in enumerate(zip(prompts, tokens, logits, strict=True)):

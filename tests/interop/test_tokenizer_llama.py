@@ -14,18 +14,18 @@ import pytest
 from gguf import GGUFValueType as T
 
 from k3kit.gguf.reader import KV, GGUFFile
-from k3kit.gguf.tokenizer_kv import tokenizer_from_kv
 from k3kit.gguf.writer import write_gguf
 from k3kit.mini.corpus import build_corpus
 from k3kit.mini.tokenizer import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
-    apply_chat_template,
-    encode,
     gguf_tokenizer_kv,
     special_token_ids,
     train_tokenizer,
 )
+from k3kit.tokenizer.chat import render_kimi
+from k3kit.tokenizer.codec import TextCodec, encode
+from k3kit.tokenizer.gguf_kv import tokenizer_from_kv
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -216,10 +216,22 @@ def test_chat_template_matches_llama_builtin(pair, add_generation_prompt):
     stored = llama_cpp.llama_model_chat_template(llm.model, None)
     assert stored == CHAT_TEMPLATE.encode()
     for messages in CONVERSATIONS:
-        ours = apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        ours = render_kimi(messages, add_generation_prompt=add_generation_prompt)
         # llama.cpp recognises the template as its built-in kimi-k2 format and renders it natively.
         assert llama_chat(stored, messages, add_generation_prompt) == ours
         assert llama_tokenize(llm, ours) == encode(tok, ours)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gguf_template_rendered_by_k3kit_matches_llama(pair, add_generation_prompt):
+    """k3kit renders the file's own template (sandboxed Jinja) as llama.cpp renders it."""
+    _, path, _ = pair
+    codec = TextCodec(GGUFFile.open(path).kv, str(path))
+    assert codec.has_chat_template
+    stored = CHAT_TEMPLATE.encode()
+    for messages in CONVERSATIONS:
+        assert codec.chat.render(messages, add_generation_prompt) == \
+            llama_chat(stored, messages, add_generation_prompt)
 
 
 def test_tokenizer_rebuilt_from_gguf_matches_llama(pair, heldout_lines):
@@ -243,7 +255,7 @@ def test_split_probe(tmp_path):
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from k3kit.gguf.tokenizer_kv import build_bpe_tokenizer, tokenizer_kv
+    from k3kit.tokenizer.gguf_kv import build_bpe_tokenizer, tokenizer_kv
 
     texts = random_texts(400, seed=99) + MIXED
     raw = Tokenizer(models.BPE())

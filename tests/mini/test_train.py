@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
+from k3kit.adapters.kimi_k3_hf import load_hf
 from k3kit.cli import main
 from k3kit.errors import K3Error
-from k3kit.mini.fast_kda import use_fast_kda
-from k3kit.mini.fast_moe import mxfp4_round, use_fast_moe
 from k3kit.mini.train import TrainSettings, build_model, evaluate, mini_config, train
-from k3kit.models.kimi_k3.hf import load_hf
+from k3kit.models.kimi_k3.kda import use_fast_kda
+from k3kit.models.kimi_k3.moe import use_fast_moe
+from k3kit.models.kimi_k3.mxfp4 import mxfp4_round
 
 VOCAB = 384
 

@@ -23,10 +23,10 @@ from k3kit.errors import K3Error  # noqa: E402
 from k3kit.gguf import quants  # noqa: E402
 from k3kit.gguf.reader import GGUFFile  # noqa: E402
 from k3kit.mini import paths, tokenizer  # noqa: E402
-from k3kit.mini.draft_batch import block_hidden, context_kv  # noqa: E402
-from k3kit.mini.draft_io import load_draft, load_gguf_draft, save_draft  # noqa: E402
-from k3kit.mini.draft_ship import ship  # noqa: E402
-from k3kit.mini.train_draft import (  # noqa: E402
+from k3kit.mini.draft.batch import block_hidden, context_kv  # noqa: E402
+from k3kit.mini.draft.io import load_draft, load_gguf_draft, save_draft  # noqa: E402
+from k3kit.mini.draft.ship import ship  # noqa: E402
+from k3kit.mini.draft.train import (  # noqa: E402
     DraftTrainSettings,
     default_taps,
     load_target,
@@ -35,7 +35,9 @@ from k3kit.mini.train_draft import (  # noqa: E402
     sample_blocks,
     train_draft_model,
 )
-from k3kit.models.dspark import DraftConfig, DSparkDraft, gguf_tensor_name  # noqa: E402
+from k3kit.models.dflash.config import DraftConfig  # noqa: E402
+from k3kit.models.dflash.names import gguf_tensor_name  # noqa: E402
+from k3kit.models.dflash.network import DSparkDraft  # noqa: E402
 
 
 def _settings(**kw) -> DraftTrainSettings:

@@ -1,8 +1,9 @@
 """The training-speed paths compute what the reference model computes.
 
-fast_kda (chunkwise delta rule) and fast_moe (one-shot MXFP4 rounding, batched experts) are
-only allowed to change the order of float operations: in float64 the whole model agrees with
-the reference to ~1e-12, and the MXFP4 rounding is bit-identical, ties included.
+The chunked KDA (`KDA.chunked`: the chunkwise WY delta rule) and the batched MoE
+(`RoutedMoE.batched`: one-shot MXFP4 rounding, all experts in three bmm) are only allowed to
+change the order of float operations: in float64 the whole model agrees with the reference to
+~1e-12, and the MXFP4 rounding is bit-identical, ties included.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import math
 import pytest
 import torch
 
-from k3kit.mini.fast_kda import chunk_delta_rule, chunk_size, kda_forward, unit_lower_inverse, use_fast_kda
-from k3kit.mini.fast_moe import mxfp4_fake_quant_fast, mxfp4_round, use_fast_moe
 from k3kit.models.kimi_k3 import K3Model, init_random, tiny_config
-from k3kit.models.kimi_k3.kda import KDA, delta_rule
-from k3kit.models.kimi_k3.moe import LatentMoE
-from k3kit.models.kimi_k3.mxfp4 import mxfp4_fake_quant, mxfp4_quantize
+from k3kit.models.kimi_k3.kda import KDA, chunk_size, delta_rule, unit_lower_inverse, use_fast_kda
+from k3kit.models.kimi_k3.kda import delta_rule_wy as chunk_delta_rule
+from k3kit.models.kimi_k3.kda import forward_wy as kda_forward
+from k3kit.models.kimi_k3.moe import LatentMoE, use_fast_moe
+from k3kit.models.kimi_k3.mxfp4 import mxfp4_fake_quant, mxfp4_fake_quant_fast, mxfp4_quantize, mxfp4_round
 
 
 def _delta_inputs(B=2, T=45, H=3, D=16, seed=0, lb=-5.0, dtype=torch.float64):

@@ -13,9 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from engine_models import prompts, tiny_gguf  # noqa: E402
 from target_contract import check_target_contract  # noqa: E402
 
-from k3kit.models.kimi_k3.adapter import K3Adapter, _install_layer_split  # noqa: E402
-from k3kit.runtime.loader import LoadOptions, adapter_for, load_model  # noqa: E402
-from k3kit.runtime.speculative.interface import Target  # noqa: E402
+from k3kit.adapters import ADAPTERS, adapter_for, load_model  # noqa: E402
+from k3kit.adapters.kimi_k3 import K3Adapter, _install_layer_split  # noqa: E402
+from k3kit.adapters.session import open_session  # noqa: E402
+from k3kit.errors import K3Error  # noqa: E402
+from k3kit.mini.paths import shipped_draft, shipped_gguf  # noqa: E402
+from k3kit.runtime.loader import LoadOptions  # noqa: E402
+from k3kit.runtime.protocols import AttachableDraft, CausalModel, ExpertBacked, MemoryFigures, Target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +34,7 @@ def tiny(tmp_path_factory):
 
 def test_registry_finds_the_k3_adapter_and_rejects_others(tiny):
     path, model = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=0))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=0)).model
     try:
         assert isinstance(adapter, K3Adapter) and isinstance(adapter, Target)
         got, want = adapter.cfg.to_dict(), model.cfg.to_dict()
@@ -53,7 +57,7 @@ def test_target_contract(tiny):
     made = []
 
     def make():
-        a = load_model(path, LoadOptions(expert_cache_mib=2))
+        a = load_model(path, LoadOptions(expert_cache_mib=2)).model
         a.set_taps([0, 2, 4])
         made.append(a)
         return a
@@ -68,7 +72,7 @@ def test_target_contract(tiny):
 
 def test_verify_leaves_state_and_commit_replays(tiny):
     path, model = tiny
-    a = load_model(path, LoadOptions(expert_cache_mib=2))
+    a = load_model(path, LoadOptions(expert_cache_mib=2)).model
     a.set_taps([1, 4])
     try:
         p = prompts(1, 500, seed=6, lo=7, hi=7)[0]
@@ -84,7 +88,7 @@ def test_verify_leaves_state_and_commit_replays(tiny):
         a.commit(2)
         assert a.position == len(p) + 2
         # committed state == having run the 2 rows for real
-        b = load_model(path, LoadOptions(expert_cache_mib=2))
+        b = load_model(path, LoadOptions(expert_cache_mib=2)).model
         try:
             b.forward(p + rows[:2])
             nxt_a, nxt_b = a.forward([rows[2]]), b.forward([rows[2]])
@@ -99,7 +103,7 @@ def test_verify_leaves_state_and_commit_replays(tiny):
 
 def test_cost_follows_cache_contents(tiny):
     path, _ = tiny
-    a = load_model(path, LoadOptions(expert_cache_mib=64))
+    a = load_model(path, LoadOptions(expert_cache_mib=64)).model
     try:
         cold1, cold8 = a.cost(1), a.cost(8)
         assert cold8 > cold1 > 0
@@ -114,7 +118,7 @@ def test_layer_split_hooks_leave_results_unchanged(tiny):
     """The multi-device split (hooks moving activations to each layer's device and back) on a
     CPU-only machine: every "device" is the CPU, so only the plumbing is exercised, not CUDA."""
     path, _ = tiny
-    a = load_model(path, LoadOptions(expert_cache_mib=2))
+    a = load_model(path, LoadOptions(expert_cache_mib=2)).model
     try:
         p = prompts(1, 500, seed=8, lo=12, hi=12)[0]
         want = a.forward(p, all_logits=True)
@@ -124,3 +128,54 @@ def test_layer_split_hooks_leave_results_unchanged(tiny):
         assert all(len(layer.attn._forward_pre_hooks) == 1 for layer in a.model.layers)
     finally:
         a.close()
+
+
+def test_registry_is_an_explicit_table_imported_lazily():
+    assert ADAPTERS == {"kimi-k3": "k3kit.adapters.kimi_k3", "dflash": "k3kit.adapters.dflash"}
+    for arch in ADAPTERS:
+        assert callable(adapter_for(arch))
+
+
+def test_loaded_model_carries_codec_ledger_and_memory(tiny):
+    """What the CLI reads from a LoadedModel, against the store and the trunk it describes."""
+    path, _ = tiny
+    with load_model(path, LoadOptions(expert_cache_mib=2, expert_kernel="torch")) as loaded:
+        a = loaded.model
+        assert loaded.architecture == "kimi-k3" and loaded.path == path
+        assert isinstance(a, CausalModel) and isinstance(a, Target) and isinstance(a, ExpertBacked)
+        assert loaded.expert_kernel == "torch"
+        m = loaded.memory()
+        assert m.trunk_bytes == sum(p.numel() * p.element_size() for p in a.model.parameters())
+        assert m.trunk_file_bytes == m.trunk_bytes > 0             # an F32 trunk is held as stored
+        assert (m.expert_cache_bytes, m.expert_cache_budget) == (0, 2 << 20)
+        assert m.experts_per_token == a.cfg.num_experts_per_tok
+        assert [e.layer for e in m.experts] == sorted(a.store.layers)
+        assert all(e.n_experts == 16 and 0 < e.file_bytes < e.cached_bytes for e in m.experts)  # f32 > MXFP4
+        assert loaded.codec.n_vocab <= a.vocab_size
+        ids = loaded.codec.encode("def f(x):")
+        a.forward(ids)
+        s = loaded.stats()
+        assert s.misses > 0 and s.bytes_read == sum(ls.misses * a.store.expert_nbytes(il)
+                                                    for il, ls in s.per_layer.items())
+        assert loaded.memory().expert_cache_bytes == s.resident_bytes > 0
+        loaded.check()
+        loaded.reset_expert_cache(0)
+        assert loaded.stats().misses == 0 and loaded.memory().expert_cache_bytes == 0
+        assert loaded.memory().expert_cache_budget == 0
+
+
+def test_session_attaches_the_draft_and_refuses_swapped_roles():
+    """open_session: target + draft (block set, attached: the target captures the draft's taps)
+    + codec; a draft given as the model or a model given as the draft is a one-line K3Error."""
+    with open_session(shipped_gguf(), LoadOptions(expert_cache_mib=16), draft=shipped_draft(),
+                      block_size=3) as session:
+        draft, target = session.draft_model, session.model
+        assert isinstance(draft, AttachableDraft) and draft.block_size == 3
+        assert isinstance(target, Target) and target.tap_layers == draft.tap_inputs
+        assert session.draft is not None and session.draft.architecture == "dflash"
+        assert session.draft.expert_kernel == "none" and session.draft.memory() == MemoryFigures()
+        assert session.codec is session.target.codec and session.codec.encode("import os")
+    with pytest.raises(K3Error, match="cannot generate on its own"):
+        open_session(shipped_draft())
+    with pytest.raises(K3Error, match=r"mini-k3\.gguf: architecture 'kimi-k3' is not a draft"):
+        open_session(shipped_gguf(), LoadOptions(expert_cache_mib=0), draft=shipped_gguf())

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from k3kit.models.kimi_k3.activations import l2_norm, rms_norm, situ
+from k3kit.layers.norm import rms_norm
+from k3kit.models.kimi_k3.activations import l2_norm, situ
 from k3kit.models.kimi_k3.attn_res import res_mix
 
 

@@ -13,10 +13,10 @@ import torch
 from k3_model_helpers import tiny_model, tokens
 
 from k3kit.errors import ConvertError
+from k3kit.layers.moe import ModuleExperts
 from k3kit.models.kimi_k3 import K3Model
 from k3kit.models.kimi_k3.gguf_map import config_from_gguf_kv, infer_optional_parts, load_gguf_tensors
 from k3kit.models.kimi_k3.hf import PREFIX, hf_tensors
-from k3kit.models.kimi_k3.moe import ModuleExperts
 from k3kit.models.kimi_k3.mxfp4 import mxfp4_dequantize, unpack_codes
 
 _SIMPLE = {

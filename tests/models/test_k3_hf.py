@@ -11,9 +11,10 @@ from k3_model_helpers import tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k3kit.adapters.kimi_k3_hf import load_hf, save_hf
 from k3kit.errors import ConvertError, FormatError, K3Error
 from k3kit.models.kimi_k3.config import K3ModelConfig, tiny_config
-from k3kit.models.kimi_k3.hf import PREFIX, hf_tensors, load_hf, save_hf
+from k3kit.models.kimi_k3.hf import PREFIX, hf_tensors
 from k3kit.models.kimi_k3.moe import LatentMoE
 from k3kit.models.kimi_k3.mxfp4 import mxfp4_fake_quant
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from k3_model_helpers import tiny_model
 
-from k3kit.models.kimi_k3.activations import rms_norm
+from k3kit.layers.norm import rms_norm
 from k3kit.models.kimi_k3.kda import KDA
 from k3kit.models.kimi_k3.mla import MLA
 

@@ -7,9 +7,11 @@ import math
 import torch
 from k3_model_helpers import tiny_model
 
-from k3kit.models.kimi_k3.activations import rms_norm, situ
+from k3kit.layers.moe import ExpertWeights, ModuleExperts
+from k3kit.layers.norm import rms_norm
+from k3kit.models.kimi_k3.activations import situ
 from k3kit.models.kimi_k3.config import tiny_config
-from k3kit.models.kimi_k3.moe import ExpertWeights, LatentMoE, ModuleExperts, Router
+from k3kit.models.kimi_k3.moe import LatentMoE, Router
 from k3kit.models.kimi_k3.mxfp4 import mxfp4_fake_quant
 
 

@@ -29,12 +29,13 @@ from chi2 import chi2, chi2_critical  # noqa: E402
 from engine_models import tiny_gguf  # noqa: E402
 
 import k3kit.runtime.speculative.decoder as decoder_mod  # noqa: E402
+from k3kit.adapters import load_model  # noqa: E402
 from k3kit.errors import K3Error  # noqa: E402
 from k3kit.mini.corpus import build_corpus  # noqa: E402
 from k3kit.mini.paths import shipped_draft, shipped_gguf  # noqa: E402
 from k3kit.models.kimi_k3.state import KDAState  # noqa: E402
 from k3kit.runtime.engine import generate  # noqa: E402
-from k3kit.runtime.loader import LoadOptions, load_model  # noqa: E402
+from k3kit.runtime.loader import LoadOptions  # noqa: E402
 from k3kit.runtime.sampling import make_sampling  # noqa: E402
 from k3kit.runtime.speculative import (  # noqa: E402
     Sampling,
@@ -44,7 +45,7 @@ from k3kit.runtime.speculative import (  # noqa: E402
     speculative_generate,
 )
 from k3kit.runtime.speculative.sampling import sample  # noqa: E402
-from k3kit.runtime.text import TextCodec  # noqa: E402
+from k3kit.tokenizer.codec import TextCodec  # noqa: E402
 
 N_PROMPTS, PROMPT_LEN, N_TOKENS = 30, 40, 96
 STATE_ATOL = 1e-5        # relative; measured worst 4.5e-7 (a verify batch vs single rows: summation order)
@@ -58,8 +59,8 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def mini():
     """(target adapter, draft adapter attached to it, prompts as token ids)."""
-    target = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256))
-    draft = load_model(shipped_draft())
+    target = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256)).model
+    draft = load_model(shipped_draft()).model
     draft.attach(target)
     codec = TextCodec(target.source.raw_kv, str(shipped_gguf()))
     prompts: list[list[int]] = []
@@ -154,7 +155,7 @@ def _assert_same_state(a, b, where: str) -> None:
 
 def test_replay_ssm_commits_what_ar_would_have(mini):
     target, draft, prompts = mini
-    ar = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256))
+    ar = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256)).model
     target.reset_expert_cache(256)
     try:
         for p in prompts[:3]:
@@ -185,7 +186,7 @@ def test_replay_ssm_commits_what_ar_would_have(mini):
 
 def test_replay_fallbacks_reach_the_same_state(mini, monkeypatch):
     target, _, prompts = mini
-    ar = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256))
+    ar = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256)).model
     try:
         p, rows = prompts[0][:20], prompts[1][:6]
         ar.forward(p + rows[:4])
@@ -327,8 +328,8 @@ def test_cli_draft_errors_are_one_line(tmp_path, capsys):
 def test_draft_that_does_not_fit_the_target_is_refused(tmp_path):
     """A draft made for another target (other depth or width) is refused, naming the draft file."""
     path, _ = tiny_gguf(tmp_path)
-    target = load_model(path, LoadOptions(expert_cache_mib=0))
-    draft = load_model(shipped_draft())
+    target = load_model(path, LoadOptions(expert_cache_mib=0)).model
+    draft = load_model(shipped_draft()).model
     try:
         want = r"mini-k3-draft\.gguf: draft (taps target layers|reads target features)"
         with pytest.raises(K3Error, match=want):

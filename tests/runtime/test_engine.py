@@ -12,9 +12,10 @@ import pytest
 import torch
 from engine_models import prompts, reference_greedy, tiny_gguf
 
+from k3kit.adapters import load_model
+from k3kit.kernels.qmatmul import native_available
 from k3kit.runtime.engine import generate
-from k3kit.runtime.loader import LoadOptions, load_model
-from k3kit.runtime.qmatmul import native_available
+from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.sampling import Sampler, make_sampling
 from k3kit.runtime.speculative.loop import ar_generate
 
@@ -47,12 +48,12 @@ def test_greedy_equals_torch_reference(tiny, cache, kernel):
     if kernel == "native" and not native_available():
         pytest.skip("native kernel not built")
     path, model, refs = tiny
-    probe = load_model(path, LoadOptions(expert_cache_mib=0, expert_kernel=kernel))
+    probe = load_model(path, LoadOptions(expert_cache_mib=0, expert_kernel=kernel)).model
     all_mib, one_mib = _expert_mib(probe)
     n_moe = len(probe.store.layers)
     probe.close()
     mib = {"all": all_mib, "quarter": all_mib / 4, "one_per_layer": one_mib * n_moe}[cache]
-    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, expert_kernel=kernel))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, expert_kernel=kernel)).model
     assert adapter.store.keep == ("quantized" if kernel == "native" else "dequantized")
     greedy = make_sampling(0.0, seed=0)
     misses = hits = 0
@@ -80,7 +81,7 @@ def test_greedy_equals_torch_reference(tiny, cache, kernel):
 def test_prefill_chunking_and_decode_agree_with_one_pass(tiny):
     """Logits of the last prompt row do not depend on the chunk size (state carried correctly)."""
     path, model, _ = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=1))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=1)).model
     p = prompts(1, 500, seed=5, lo=30, hi=30)[0]
     try:
         with torch.no_grad():
@@ -99,7 +100,7 @@ def test_prefill_chunking_and_decode_agree_with_one_pass(tiny):
 
 def test_sampling_reproducible_and_temperature_zero_is_greedy(tiny):
     path, _, refs = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=4))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=4)).model
     p = prompts(N_PROMPTS, 500)[0]
     try:
         runs = {}
@@ -137,7 +138,7 @@ def test_sampler_filters():
 
 def test_stop_tokens_end_generation(tiny):
     path, _, refs = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=4))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=4)).model
     p = prompts(N_PROMPTS, 500)[0]
     try:
         stop = refs[0][5]

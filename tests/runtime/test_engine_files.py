@@ -10,12 +10,13 @@ import sys
 import pytest
 from engine_models import prompts, reference_greedy, tiny_gguf
 
+from k3kit.adapters import load_model
 from k3kit.errors import FormatError, K3Error
+from k3kit.kernels.qmatmul import native_available, native_simd
 from k3kit.runtime.engine import generate
-from k3kit.runtime.loader import LoadOptions, load_model
-from k3kit.runtime.qmatmul import native_available, native_simd
+from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.sampling import make_sampling
-from k3kit.runtime.text import TextCodec
+from k3kit.tokenizer.codec import TextCodec
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +45,8 @@ def test_sharded_model_generates_like_the_single_file(tiny, tmp_path):
     assert len(shards) >= 3
     p = prompts(1, 500, seed=3)[0]
     greedy = make_sampling(0.0, seed=0)
-    one = load_model(path, LoadOptions(expert_cache_mib=0))
-    many = load_model(shards[1], LoadOptions(expert_cache_mib=0))     # opened from a middle shard
+    one = load_model(path, LoadOptions(expert_cache_mib=0)).model
+    many = load_model(shards[1], LoadOptions(expert_cache_mib=0)).model     # opened from a middle shard
     try:
         a = generate(one, p, max_tokens=24, sampling=greedy)
         b = generate(many, p, max_tokens=24, sampling=greedy)
@@ -62,7 +63,7 @@ def test_q8_trunk_matches_reference_on_q8_rounded_weights(tiny):
     """The Q8_0 file's trunk is the reference trunk rounded to Q8_0: greedy agrees with a torch
     model holding exactly those weights (the engine's GGUF trunk, copied into the reference)."""
     _, path, model = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=1))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=1)).model
     try:
         ref_params = dict(model.named_parameters())
         diffs = []
@@ -99,7 +100,7 @@ def test_file_changed_while_mapped_is_reported(tiny, tmp_path):
     _, path, _ = tiny
     copy = tmp_path / "m.gguf"
     copy.write_bytes(path.read_bytes())
-    adapter = load_model(copy, LoadOptions(expert_cache_mib=0))    # every forward reads experts
+    adapter = load_model(copy, LoadOptions(expert_cache_mib=0)).model    # every forward reads experts
     try:
         adapter.forward([1, 2, 3])
         with open(copy, "ab") as f:            # e.g. a download or requant rewriting it in place
@@ -138,7 +139,7 @@ def test_cli_json_and_streaming(tiny):
     torch_out = json.loads(r3.stdout)
     assert torch_out["stats"]["expert_kernel"] == "torch" and torch_out["token_ids"] == out["token_ids"]
     # greedy through the CLI equals greedy through the API on the same prompt
-    adapter = load_model(path, LoadOptions(expert_cache_mib=1))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=1)).model
     try:
         codec = TextCodec(adapter.source.raw_kv)
         ids = codec.encode("def f(x):")
@@ -162,7 +163,7 @@ def test_cli_bad_arguments(tiny, tmp_path):
 
 def test_text_stream_decodes_utf8_across_tokens(tiny):
     _, path, _ = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=0))
+    adapter = load_model(path, LoadOptions(expert_cache_mib=0)).model
     try:
         codec = TextCodec(adapter.source.raw_kv)
     finally:

@@ -26,8 +26,8 @@ import pytest
 
 from k3kit.gguf.reader import GGUFFile
 from k3kit.gguf.synth import K3, synthesize
-from k3kit.runtime.experts import MAX_SPARE
-from k3kit.runtime.qmatmul import native_available
+from k3kit.kernels.qmatmul import native_available
+from k3kit.runtime.experts.cache import MAX_SPARE
 
 MIB = 1 << 20
 CACHE_MIB = 128
@@ -65,9 +65,9 @@ def test_peak_rss_stays_within_trunk_cache_and_margin(k3_slice, kernel):
     else:
         margin = 2 * one_expert + 192 * MIB
 
-    base = _run("import resource, torch, k3kit.runtime.engine, k3kit.runtime.text, "
-                "k3kit.models.kimi_k3.adapter, k3kit.commands.generate; "
-                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    base = _run("import torch, k3kit.runtime.engine, k3kit.tokenizer.codec, "
+                "k3kit.adapters.kimi_k3, k3kit.commands.generate; "
+                "print(k3kit.runtime.engine.peak_rss_bytes())")
     assert base.returncode == 0, base.stderr
     base_rss = int(base.stdout)
 

@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from k3kit.errors import FormatError
-from k3kit.runtime.dequant import nbytes_for
-from k3kit.runtime.experts import MIB, ExpertStore, ExpertTensor, LayerStats
+from k3kit.kernels.dequant import nbytes_for
+from k3kit.runtime.experts import ExpertStore, ExpertTensor
+from k3kit.runtime.experts.cache import MIB, LayerStats
 
 N_IN, N_OUT, N_EXP = 64, 32, 8
 PROJ = [("gate", T.MXFP4, (N_IN, N_OUT)), ("up", T.MXFP4, (N_IN, N_OUT)), ("down", T.Q8_0, (N_OUT, N_IN))]
@@ -319,8 +320,8 @@ def test_truncated_file_is_rejected_at_open(model_file):
 def test_unsupported_type_and_bad_geometry_are_format_errors(model_file):
     path, spec, _ = model_file
     t = spec[3][0]
-    with pytest.raises(FormatError, match=re.escape(str(path)) + ".*IQ2_XS has no dequant kernel"):
-        ExpertStore({0: [ExpertTensor(path, t.offset, T.IQ2_XS, (256, 4), 2, "x")]})
+    with pytest.raises(FormatError, match=re.escape(str(path)) + ".*Q8_K has no dequant kernel"):
+        ExpertStore({0: [ExpertTensor(path, t.offset, T.Q8_K, (256, 4), 2, "x")]})
     with pytest.raises(FormatError, match="bad geometry"):
         ExpertStore({0: [ExpertTensor(path, t.offset, T.MXFP4, (48, 4), 2, "x")]})
 

@@ -8,17 +8,14 @@ from toy_target import (
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
+from k3kit.adapters.dflash import DSparkDrafter
+from k3kit.convert.draft_config import YarnScaling
 from k3kit.errors import ConvertError
-from k3kit.models.dspark import (
-    DraftConfig,
-    DSparkDraft,
-    DSparkDrafter,
-    YarnScaling,
-    gguf_tensor_name,
-    rope_inv_freq,
-)
+from k3kit.models.dflash.config import DraftConfig
+from k3kit.models.dflash.names import gguf_tensor_name
+from k3kit.models.dflash.network import DSparkDraft, rope_inv_freq
+from k3kit.runtime.protocols import DraftBlock
 from k3kit.runtime.speculative import FeatureRing, Sampling, propose, speculative_generate
-from k3kit.runtime.speculative.interface import DraftBlock
 from k3kit.runtime.speculative.sampling import probs
 
 V, H = 32, 16
@@ -298,7 +295,7 @@ def test_gguf_metadata_round_trip():
 
 
 def test_context_rows_buffer_matches_a_list():
-    from k3kit.models.dspark import _Rows
+    from k3kit.adapters.dflash import _Rows
 
     g = torch.Generator().manual_seed(0)
     rows, ref, counter = _Rows(), [], 0

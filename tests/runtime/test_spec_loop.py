@@ -6,7 +6,9 @@ from toy_target import (
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
-from k3kit.models.dspark import DraftConfig, DSparkDraft, DSparkDrafter
+from k3kit.adapters.dflash import DSparkDrafter
+from k3kit.models.dflash.config import DraftConfig
+from k3kit.models.dflash.network import DSparkDraft
 from k3kit.runtime.speculative import (
     FeatureRing,
     Sampling,

@@ -1,7 +1,7 @@
 import pytest
 
 from k3kit.errors import K3Error
-from k3kit.runtime.route_batch import expected_unique
+from k3kit.runtime.cost import expected_unique
 from k3kit.runtime.speculative.schedule import (
     DepthAcceptance,
     ExpertLayer,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from k3kit.runtime.speculative.interface import VerifyOutput
+from k3kit.runtime.protocols import VerifyOutput
 
 
 class ToyTarget:
@@ -177,7 +177,7 @@ class OracleDraft:
         self.synced = ring.length
 
     def draft_block(self, anchor: int, position: int):
-        from k3kit.runtime.speculative.interface import DraftBlock
+        from k3kit.runtime.protocols import DraftBlock
 
         assert position == self.synced == self.target.position
         truth = self.target.greedy_continuation(anchor, self.block_size)
@@ -194,7 +194,9 @@ def bigram_dspark(target: ToyTarget, block: int):
     """A DSpark draft whose block rows carry nothing (final norm zeroed) and whose Markov head
     holds the target's bigram argmax from a fresh state: good when the target's state matters
     little, and only if the chain is seeded by the anchor and run left to right."""
-    from k3kit.models.dspark import DraftConfig, DSparkDraft, DSparkDrafter
+    from k3kit.adapters.dflash import DSparkDrafter
+    from k3kit.models.dflash.config import DraftConfig
+    from k3kit.models.dflash.network import DSparkDraft
 
     v = target.vocab_size
     fresh = target.clone()

@@ -34,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", metavar="D",
                         help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
     parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
-                        help="compute dtype of trunk and experts (f32)")
+                        help="compute dtype (f32): activations, and the weights a float trunk or a "
+                        "torch expert kernel dequantizes to")
+    parser.add_argument("--trunk", default="float", choices=("float", "quantized"),
+                        help="float: dequantize the trunk matrices to --dtype at load; quantized: keep "
+                        "them as the file's bytes (mapped) and multiply them directly, CPU only (float)")
     parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
     parser.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt rows per pass")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn (Kimi format)")
@@ -54,7 +58,7 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
                    help="draft block (proposals per pass); default: the draft's trained block")
     g.add_argument("--verify-budget", default="auto", metavar="auto|N",
                    help="rows verified per pass: 'auto' picks the width with the best expected tokens "
-                   "per unit of cost (expert bytes not cached + compute); N fixes it (default auto)")
+                   "per second of verify cost (experts not cached + compute); N fixes it (default auto)")
     g.add_argument("--confidence-threshold", type=float, default=0.0, metavar="C",
                    help="drop proposals from the first one whose confidence is below C (0 = off)")
     g.add_argument("--feature-ring", default="f16", choices=("f32", "f16", "bf16", "q8"),
@@ -110,27 +114,14 @@ def check_draft_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--confidence-threshold {args.confidence_threshold}: must be in [0, 1]")
 
 
-def load_draft(args: argparse.Namespace, options, target):
-    """The --draft GGUF attached to `target` (None without --draft)."""
+def draft_path(args: argparse.Namespace) -> Path | None:
+    """The --draft GGUF: a path, 'default' for the shipped mini drafter, or None."""
     if args.draft is None:
         return None
-    from k3kit.runtime.loader import load_model
-
     if args.draft == "default":
         from k3kit.mini import paths
-        path = paths.shipped_draft()
-    else:
-        path = Path(args.draft)
-    draft = load_model(path, options)
-    try:
-        if not hasattr(draft, "attach"):
-            raise K3Error(f"{path}: architecture {draft.source.arch!r} is not a draft (expected dflash)")
-        draft.set_block_size(args.block_size)
-        draft.attach(target)
-    except BaseException:
-        draft.close()
-        raise
-    return draft
+        return paths.shipped_draft()
+    return Path(args.draft)
 
 
 def decode_step(args: argparse.Namespace, draft, stop_ids):
@@ -149,19 +140,13 @@ def decode_step(args: argparse.Namespace, draft, stop_ids):
     return build
 
 
-def expert_kernel_name(keep: str) -> str:
-    """'native-avx512' (quantized cache, native kernel and its vector path) or 'torch'."""
-    from k3kit.runtime.qmatmul import native_simd
-    return f"native-{native_simd()}" if keep == "quantized" else "torch"
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from k3kit.adapters.session import open_session
     from k3kit.runtime.engine import generate
-    from k3kit.runtime.loader import DTYPES, LoadOptions, load_model
+    from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.runtime.sampling import make_sampling
-    from k3kit.runtime.text import TextCodec
 
     check_args(args)
     check_draft_args(args)
@@ -170,16 +155,12 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model()
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=args.expert_cache_mib, cold=bool(args.cold),
-                          expert_kernel=args.expert_kernel)
+                          expert_kernel=args.expert_kernel, trunk=args.trunk)
     if args.threads:
         torch.set_num_threads(args.threads)
-    adapter = load_model(path, options)
-    draft = None
+    session = open_session(path, options, draft=draft_path(args), block_size=args.block_size)
     try:
-        draft = load_draft(args, options, adapter)
-        codec = TextCodec(adapter.source.raw_kv, str(path))
-        if codec.n_vocab > adapter.vocab_size:
-            raise K3Error(f"{path}: tokenizer has {codec.n_vocab} tokens, the model {adapter.vocab_size}")
+        codec = session.codec
         if args.chat:
             text = codec.chat_prompt(text)
         ids = codec.encode(text)
@@ -193,24 +174,22 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
         torch.set_grad_enabled(False)
-        result = generate(adapter, ids, max_tokens=args.max_tokens, sampling=sampling,
+        result = generate(session.model, ids, max_tokens=args.max_tokens, sampling=sampling,
                           stop_ids=codec.stop_ids(), prefill_chunk=args.prefill_chunk, on_token=on_token,
-                          step=decode_step(args, draft, codec.stop_ids()),
+                          step=decode_step(args, session.draft_model, codec.stop_ids()),
                           detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
-        adapter.source.check()
-        trunk_bytes, cache_bytes = adapter.trunk_bytes, adapter.expert_stats().resident_bytes
-        kernel = expert_kernel_name(adapter.store.keep)
+        session.target.check()
+        memory, kernel = session.target.memory(), session.target.expert_kernel
     finally:
-        if draft is not None:
-            draft.close()
-        adapter.close()
+        session.close()
 
     if args.json:
         d = result.to_dict()
         keep = ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "expert_cache_hit_rate",
                 "payload_bytes", "payload_bytes_per_token", "peak_rss_bytes")
         d["stats"] = {k: d["stats"][k] for k in keep} | {
-            k: v for k, v in d["stats"].items() if k not in keep} | {"expert_kernel": kernel}
+            k: v for k, v in d["stats"].items() if k not in keep} | {
+            "expert_kernel": kernel, "trunk": memory.trunk, "trunk_bytes": memory.trunk_bytes}
         print(json.dumps(d))
         return 0
     sys.stdout.write(stream.flush() + "\n")
@@ -224,8 +203,10 @@ def run(args: argparse.Namespace) -> int:
               f"({s.expert_hits} hits, {s.expert_misses} misses); "
               f"payload {s.payload_bytes / mib:.2f} MiB total, "
               f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
-        print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {trunk_bytes / mib:.1f} MiB, "
-              f"expert cache {cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)", file=sys.stderr)
+        print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {memory.trunk_bytes / mib:.1f} MiB "
+              f"{memory.trunk}, "
+              f"expert cache {memory.expert_cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)",
+              file=sys.stderr)
         if s.speculative is not None:
             d = s.speculative
             print(f"speculative: {d['target_passes']} target passes, {d['draft_steps']} draft steps, "

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 NAME = "inspect"
 HELP = "show a GGUF model's tensors and bytes by type and role (header-only, any shard)"
@@ -35,7 +39,8 @@ def render(result: dict, out=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from k3kit.gguf.inspect import ROLES, trunk_summary
+    from k3kit.gguf.format import ROLES
+    from k3kit.gguf.inspect import trunk_summary
 
     out = out or sys.stdout
     # a pipe gets a wide console: squeezed tables are unreadable in logs and files
@@ -89,8 +94,10 @@ def render(result: dict, out=None) -> None:
 
     if len(files) > 1:
         s = Table(title="shards", title_justify="left")
-        for col, just in (("#", "right"), ("file", "left"), ("tensors", "right"),
-                          ("tensor bytes", "right"), ("types", "left")):
+        columns: tuple[tuple[str, JustifyMethod], ...] = (
+            ("#", "right"), ("file", "left"), ("tensors", "right"),
+            ("tensor bytes", "right"), ("types", "left"))
+        for col, just in columns:
             s.add_column(col, justify=just)
         for i, f in enumerate(files):
             s.add_row(str(i + 1), f["path"].rsplit("/", 1)[-1], str(f["n_tensors"]),

@@ -14,9 +14,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from k3kit import _io
 from k3kit.errors import ConvertError
 
 MAX_JSON_BYTES = 64 << 20          # config.json, tokenizer_config.json, the shard index
@@ -34,18 +36,9 @@ DTYPE_SIZES = {
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
-def read_json(path: Path, what: str = "JSON") -> object:
-    """Parse a JSON file of bounded size; ConvertError naming the file on any problem."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise ConvertError(f"{path}: no such file") from None
-    if size > MAX_JSON_BYTES:
-        raise ConvertError(f"{path}: {size} bytes is too large for a {what} file")
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ConvertError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
+def read_json(path: Path, what: str = "JSON") -> Any:
+    """k3kit._io's bounded JSON read, failing with a ConvertError like everything a conversion reads."""
+    return _io.read_json(path, what, max_bytes=MAX_JSON_BYTES, error=ConvertError)
 
 
 @dataclass(frozen=True)
@@ -139,8 +132,8 @@ class Checkpoint:
                 self.tensors[name] = entry
         if index.is_file():
             for name, fname in self._weight_map.items():
-                entry = self.tensors.get(name)
-                if entry is None or entry.path.name != fname:
+                held = self.tensors.get(name)
+                if held is None or held.path.name != fname:
                     raise ConvertError(f"{index}: lists {name!r} in {fname!r}, which does not hold it")
 
     def _index_files(self, index: Path) -> list[Path]:

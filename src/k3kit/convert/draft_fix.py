@@ -26,12 +26,26 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGUFValueType, Keys
 
+from k3kit.convert import draft_config
 from k3kit.errors import K3Error
-from k3kit.gguf.format import ARCH_DFLASH, KEY_MASK_TOKEN_ID, check_kv_types, dflash_expected_tensors
+from k3kit.gguf.format import (
+    ARCH_DFLASH,
+    CONF_PROJ,
+    KEY_BLOCK_SIZE,
+    KEY_HAS_CONFIDENCE_HEAD,
+    KEY_MASK_TOKEN_ID,
+    KEY_SAMPLE_FROM_ANCHOR,
+    KEY_TARGET_LAYERS,
+    LLM,
+    MARKOV_W1,
+    check_kv_types,
+    dflash_expected_tensors,
+)
 from k3kit.gguf.reader import KV
 from k3kit.gguf.rewrite import Rules, apply_kv_rules, rewrite
 from k3kit.gguf.shards import Model
@@ -39,6 +53,10 @@ from k3kit.gguf.writer import kv
 
 LEGACY_ARCHES = ("dflash-draft", "qwen35-dflash-draft")
 A = ARCH_DFLASH
+BLOCK_SIZE = KEY_BLOCK_SIZE.format(arch=A)
+TARGET_LAYERS = KEY_TARGET_LAYERS.format(arch=A)
+SAMPLE_FROM_ANCHOR = KEY_SAMPLE_FROM_ANCHOR.format(arch=A)
+HAS_CONFIDENCE = KEY_HAS_CONFIDENCE_HEAD.format(arch=A)
 
 # legacy tensor name -> llama.cpp dflash name
 LEGACY_TENSORS = {
@@ -145,19 +163,17 @@ def plan_fix(path: Path, model: Model, target: Model) -> tuple[Rules, list[list[
 
     block = _first(moved, _BLOCK_SIZE)
     if block is not None:
-        carry(_BLOCK_SIZE, f"{A}.block_size", kv(f"{A}.block_size", GGUFValueType.UINT32,
-                                                  _scalar_int(block, f"{path}: {_BLOCK_SIZE[0]}")))
+        carry(_BLOCK_SIZE, BLOCK_SIZE, kv(BLOCK_SIZE, GGUFValueType.UINT32,
+                                          _scalar_int(block, f"{path}: {_BLOCK_SIZE[0]}")))
     ids = _first(moved, _TARGET_IDS)
     if ids is not None:
         hf = _int_list(ids, f"{path}: {ids.key}")
         if not hf or min(hf) < -1:
             raise K3Error(f"{path}: {ids.key}={hf} is not a list of layer ids")
-        carry(_TARGET_IDS, f"{A}.target_layers",
-              kv(f"{A}.target_layers", GGUFValueType.ARRAY, [i + 1 for i in hf], GGUFValueType.INT32))
+        carry(_TARGET_IDS, TARGET_LAYERS, draft_config.target_layers_kv(hf))
     conf = _first(moved, _CONFIDENCE)
     if conf is not None:
-        carry(_CONFIDENCE, f"{A}.has_confidence_head",
-              kv(f"{A}.has_confidence_head", GGUFValueType.BOOL, bool(conf.value)))
+        carry(_CONFIDENCE, HAS_CONFIDENCE, kv(HAS_CONFIDENCE, GGUFValueType.BOOL, bool(conf.value)))
 
     # tokenizer: the target's, whole; the draft's own tokenizer.* keys go
     mask = _first(moved, _MASK)
@@ -169,7 +185,7 @@ def plan_fix(path: Path, model: Model, target: Model) -> tuple[Rules, list[list[
     tok = {k: v for k, v in target.kv.items() if k.startswith("tokenizer.") and k != KEY_MASK_TOKEN_ID}
     if "tokenizer.ggml.tokens" not in tok:
         raise K3Error(f"{target.paths[0]}: has no tokenizer.ggml.tokens to give the draft")
-    if not 0 <= mask_id < len(tok["tokenizer.ggml.tokens"].value):
+    if not 0 <= mask_id < len(cast(list, tok["tokenizer.ggml.tokens"].value)):
         raise K3Error(f"{path}: mask token id {mask_id} is outside the target's vocabulary")
     for k in [k for k in final if k.startswith("tokenizer.")]:
         del final[k]
@@ -182,13 +198,12 @@ def plan_fix(path: Path, model: Model, target: Model) -> tuple[Rules, list[list[
     names = list(model.tensors)
     renames = {n: LEGACY_TENSORS[n] for n in names if n in LEGACY_TENSORS}
     new_names = [renames.get(n, n) for n in names]
-    if "markov_w1.weight" in new_names:          # DSpark: the keys llama.cpp's converter writes
-        if f"{A}.sample_from_anchor" not in final:
+    if f"{MARKOV_W1}.weight" in new_names:       # DSpark: the keys llama.cpp's converter writes
+        if SAMPLE_FROM_ANCHOR not in final:
             # every legacy DSpark converter samples from the anchor (Lucebox refuses anything else)
-            final[f"{A}.sample_from_anchor"] = kv(f"{A}.sample_from_anchor", GGUFValueType.BOOL, True)
-        if f"{A}.has_confidence_head" not in final:
-            final[f"{A}.has_confidence_head"] = kv(f"{A}.has_confidence_head", GGUFValueType.BOOL,
-                                                   "conf_proj.weight" in new_names)
+            final[SAMPLE_FROM_ANCHOR] = kv(SAMPLE_FROM_ANCHOR, GGUFValueType.BOOL, True)
+        if HAS_CONFIDENCE not in final:
+            final[HAS_CONFIDENCE] = kv(HAS_CONFIDENCE, GGUFValueType.BOOL, f"{CONF_PROJ}.weight" in new_names)
 
     for k in list(final):
         if k.startswith(_DROP_PREFIXES) or k in _DROP_KEYS:
@@ -196,7 +211,7 @@ def plan_fix(path: Path, model: Model, target: Model) -> tuple[Rules, list[list[
                 notes.append([k, "(dropped)"])
             del final[k]
 
-    _check(path, final, new_names)
+    _check(path, final, new_names, {renames.get(n, n): model.tensors[n].shape for n in names})
     rules.set = [v for k, v in final.items() if k not in moved or not _equal(moved[k], v)]
     rules.delete = [k for k in moved if k not in final]
     rules.rename_tensors = [(re.compile("^" + re.escape(o) + "$"), n) for o, n in renames.items()]
@@ -211,18 +226,28 @@ def _equal(a: KV, b: KV) -> bool:
     return a.value == b.value
 
 
-def _check(path: Path, final: dict[str, KV], names: list[str]) -> None:
-    """Refuse to write a file llama.cpp's dflash loader would still reject."""
+def _check(path: Path, final: dict[str, KV], names: list[str], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse to write a file llama.cpp's dflash loader would still reject, or whose metadata the
+    shared draft config reader (k3kit.convert.draft_config) does not accept."""
     problems = check_kv_types(A, final)
-    block = final.get(f"{A}.block_count")
+    block = final.get(LLM.BLOCK_COUNT.format(arch=A))
     if block is not None and not problems:
-        required, optional = dflash_expected_tensors(int(block.value))
+        required, optional = dflash_expected_tensors(int(cast(int, block.value)))
         missing = sorted(required - set(names))
         unknown = sorted(set(names) - required - optional)
         problems += [f"missing tensor {n}" for n in missing[:3]]
         problems += [f"tensor {n} is not one llama.cpp's dflash loader knows" for n in unknown[:3]]
     if problems:
         raise K3Error(f"{path}: cannot be fixed into a llama.cpp dflash draft: {'; '.join(problems)}")
+    # Markov rank and confidence input width from the shapes (ggml order): markov_w1 {r, V},
+    # conf_proj {H + r, 1} or {H, 1}
+    w1, conf = shapes.get(f"{MARKOV_W1}.weight"), shapes.get(f"{CONF_PROJ}.weight")
+    hidden = final.get(LLM.EMBEDDING_LENGTH.format(arch=A))
+    with_markov = conf is None or hidden is None or int(conf[0]) != hidden.value
+    draft_config.read_kvs({k: v.value for k, v in final.items()},
+                          vocab_size=len(cast(list, final[Keys.Tokenizer.LIST].value)),
+                          markov_rank=int(w1[0]) if w1 is not None else 0,
+                          confidence_with_markov=with_markov, where=path)
 
 
 def fix_draft(src: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike) -> FixResult:
@@ -231,7 +256,7 @@ def fix_draft(src: str | os.PathLike, target: str | os.PathLike, out: str | os.P
     with Model.open(src) as model, Model.open(target) as tmodel:
         rules, notes = plan_fix(src, model, tmodel)
         old_arch = model.arch
-    r = rewrite(src, out, rules)
+    r: dict[str, Any] = rewrite(src, out, rules)
     changed = bool(r["kv_moved"] or r["kv_added"] or r["kv_removed"] or r["kv_changed"]
                    or r["tensors_renamed"] or old_arch != A)
     return FixResult(

@@ -1,12 +1,13 @@
-"""A K3 `config.json`, read the way llama.cpp's converter reads it, and checked.
+"""A K3 `config.json`, read the way llama.cpp's converter reads it, and checked: the one parser.
 
 llama.cpp's converter (conversion/base.py TextModel + conversion/kimi_k3.py) lifts
 `text_config` to the top level (`{**config, **text_config}`), then reads plain keys. We do
 the same, but a hostile or foreign config fails here with one line naming the key, instead
 of an assert or a KeyError halfway through the tensors.
 
-This module must not import torch, so it does not reuse `k3kit.models.kimi_k3.config`
-(whose package imports the torch model); tests check the two agree.
+Both sides of k3kit read config.json through `parse_hparams`: the converter (convert/target.py)
+and the torch model (`K3ModelConfig.from_hf_config` builds its dataclass from the K3HParams).
+So this module stays torch-free and owns the bounds a hostile config is held to.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from k3kit.errors import ConvertError
 HF_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 
-_MAX_DIM = 1 << 20
-_MAX_LAYERS = 4096
-_MAX_EXPERTS = 1 << 16
-_MAX_VOCAB = 1 << 24
+# Sanity bounds for configs read from disk (hostile JSON): generous for a 2.8T model.
+MAX_DIM = 1 << 20
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_VOCAB = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,8 @@ def parse_hparams(cfg: object, where: Path | str) -> K3HParams:
     if hp.get("tie_word_embeddings"):
         raise bad("tie_word_embeddings", "is set; K3 has a separate output matrix")
 
-    n_layer = integer("num_hidden_layers", 1, _MAX_LAYERS)
-    n_head = integer("num_attention_heads", 1, _MAX_DIM)
+    n_layer = integer("num_hidden_layers", 1, MAX_LAYERS)
+    n_head = integer("num_attention_heads", 1, MAX_DIM)
     lin = hp.get("linear_attn_config")
     if not isinstance(lin, dict):
         raise bad("linear_attn_config", "is missing or not an object")
@@ -177,41 +179,41 @@ def parse_hparams(cfg: object, where: Path | str) -> K3HParams:
     n_ff = _find(hp, ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size"))
     hp_ff = {"intermediate_size": n_ff}
     h = K3HParams(
-        vocab_size=integer("vocab_size", 1, _MAX_VOCAB),
-        hidden_size=integer("hidden_size", 1, _MAX_DIM),
+        vocab_size=integer("vocab_size", 1, MAX_VOCAB),
+        hidden_size=integer("hidden_size", 1, MAX_DIM),
         n_layer=n_layer,
         mla_layers=mla,
         n_head=n_head,
         n_ctx=integer("max_position_embeddings", 1, (1 << 32) - 1),
         rms_eps=number("rms_norm_eps"),
-        n_ff=integer("intermediate_size", 1, _MAX_DIM * 8, src=hp_ff),
-        kda_head_dim=integer("head_dim", 1, _MAX_DIM, src=lin),
+        n_ff=integer("intermediate_size", 1, MAX_DIM * 8, src=hp_ff),
+        kda_head_dim=integer("head_dim", 1, MAX_DIM, src=lin),
         conv_kernel=integer("short_conv_kernel_size", 2, 64, src=lin),
         gate_lower_bound=None if lb is None else number("gate_lower_bound", src=lin),
-        q_lora_rank=opt_int("q_lora_rank", 1, _MAX_DIM),
-        kv_lora_rank=integer("kv_lora_rank", 1, _MAX_DIM),
-        qk_nope=integer("qk_nope_head_dim", 1, _MAX_DIM),
-        qk_rope=integer("qk_rope_head_dim", 0, _MAX_DIM),
-        v_head_dim=integer("v_head_dim", 1, _MAX_DIM),
+        q_lora_rank=opt_int("q_lora_rank", 1, MAX_DIM),
+        kv_lora_rank=integer("kv_lora_rank", 1, MAX_DIM),
+        qk_nope=integer("qk_nope_head_dim", 1, MAX_DIM),
+        qk_rope=integer("qk_rope_head_dim", 0, MAX_DIM),
+        v_head_dim=integer("v_head_dim", 1, MAX_DIM),
         mla_output_gate=opt_flag("mla_output_gate"),
-        n_expert=integer("num_experts", 1, _MAX_EXPERTS),
-        n_expert_used=integer("num_experts_per_tok", 1, _MAX_EXPERTS),
-        n_ff_exp=integer("moe_intermediate_size", 1, _MAX_DIM),
+        n_expert=integer("num_experts", 1, MAX_EXPERTS),
+        n_expert_used=integer("num_experts_per_tok", 1, MAX_EXPERTS),
+        n_ff_exp=integer("moe_intermediate_size", 1, MAX_DIM),
         n_shared=integer("num_shared_experts", 0, 64),
         n_dense_lead=integer("first_k_dense_replace", 0, n_layer),
         expert_weights_scale=number("routed_scaling_factor"),
         expert_weights_norm=flag("moe_renormalize"),
-        latent=opt_int("routed_expert_hidden_size", 1, _MAX_DIM) or 0,
+        latent=opt_int("routed_expert_hidden_size", 1, MAX_DIM) or 0,
         routed_norm=opt_flag("routed_expert_norm"),
         experts_mxfp4=mxfp4,
         situ_beta=number("activation_situ_beta"),
         situ_linear_beta=number("activation_situ_linear_beta"),
-        attn_res_block_size=integer("attn_res_block_size", 0, _MAX_LAYERS),
+        attn_res_block_size=integer("attn_res_block_size", 0, MAX_LAYERS),
         rope_theta=None if hp.get("rope_theta") is None else number("rope_theta"),
-        n_group=opt_int("n_group", 1, _MAX_EXPERTS),
-        topk_group=opt_int("topk_group", 1, _MAX_EXPERTS),
-        bos_token_id=opt_int("bos_token_id", 0, _MAX_VOCAB),
-        eos_token_id=opt_int("eos_token_id", 0, _MAX_VOCAB),
+        n_group=opt_int("n_group", 1, MAX_EXPERTS),
+        topk_group=opt_int("topk_group", 1, MAX_EXPERTS),
+        bos_token_id=opt_int("bos_token_id", 0, MAX_VOCAB),
+        eos_token_id=opt_int("eos_token_id", 0, MAX_VOCAB),
     )
     if h.n_expert_used > h.n_expert:
         raise bad("num_experts_per_tok", f"{h.n_expert_used} exceeds num_experts {h.n_expert}")

@@ -41,6 +41,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -240,7 +241,7 @@ def _plan_layer(p: _Planner, il: int) -> None:
         else:
             entries = [p.take(n + "weight", (rows, cols)) for n in names]
             p.add_stacked(blk + base + ".weight", (E, rows, cols),
-                          [lambda e=e: ck.floats(e) for e in entries])
+                          [partial(ck.floats, e) for e in entries])
 
 
 def _plan_mxfp4_experts(p: _Planner, name: str, packed: list[TensorEntry], scales: list[TensorEntry],
@@ -272,8 +273,11 @@ def _plan_kda(p: _Planner, il: int) -> None:
         e = p.by_name.get(name)
         shape = (C, 1, hp.conv_kernel) if e is None or len(e.shape) == 3 else (C, hp.conv_kernel)
         e = p.take(name, shape)
-        p.add(f"{blk}ssm_conv1d_{x}.weight", (1, C, 1, hp.conv_kernel),
-              lambda e=e: ck.floats(e).reshape(1, C, 1, hp.conv_kernel))
+
+        def conv(e: TensorEntry = e) -> np.ndarray:  # a def: mypy cannot type a lambda's default
+            return ck.floats(e).reshape(1, C, 1, hp.conv_kernel)
+
+        p.add(f"{blk}ssm_conv1d_{x}.weight", (1, C, 1, hp.conv_kernel), conv)
         p.plain(f"{blk}attn_{x}.weight", f"{src}{x}_proj.weight", (C, H))
     p.plain(blk + "ssm_f_a.weight", src + "f_a_proj.weight", (D, H))
     p.plain(blk + "ssm_f_b.weight", src + "f_b_proj.weight", (C, D))
@@ -445,7 +449,7 @@ def plan_target(model_dir: str | Path, trunk_type: str = "Q8_0") -> tuple[list[K
     if trunk is None:
         raise ConvertError(f"trunk type {trunk_type!r} is not one of {', '.join(TRUNK_TYPES)}")
     cfg_path = model_dir / "config.json"
-    hp = parse_hparams(read_json(cfg_path, "config"), cfg_path)
+    hp = parse_hparams(read_json(cfg_path), cfg_path)
     ckpt = Checkpoint(model_dir)
     specs = _plan_tensors(ckpt, hp, trunk)
     vocab = tokenizer_kvs(model_dir, hp.vocab_size, hp.eos_token_id)

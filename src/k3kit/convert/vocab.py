@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from gguf import GGUFValueType
@@ -24,7 +25,7 @@ from tokenizers import Tokenizer
 
 from k3kit.errors import ConvertError
 from k3kit.gguf.reader import KV
-from k3kit.gguf.tokenizer_kv import PRE_TOKENIZERS, TOKEN_UNUSED, hf_pre_tokenizer, tokenizer_kv
+from k3kit.tokenizer.gguf_kv import PRE_TOKENIZERS, TOKEN_UNUSED, hf_pre_tokenizer, tokenizer_kv
 
 from .checkpoint import read_json
 
@@ -123,7 +124,7 @@ def tokenizer_kvs(model_dir: Path, vocab_size: int, eos_token_id: int | None) ->
 def _pad_vocab(kvs: list[KV], vocab_size: int, where: Path) -> list[KV]:
     """Extend tokens/token_type to the model's vocab_size with unused [PAD{i}] entries."""
     by_key = {k.key: k for k in kvs}
-    tokens = by_key["tokenizer.ggml.tokens"].value
+    tokens = cast("list[str]", by_key["tokenizer.ggml.tokens"].value)   # tokenizer_kv wrote a list
     n = len(tokens)
     if n > vocab_size:
         raise ConvertError(f"{where}: {n} tokens but config.json vocab_size is {vocab_size}")
@@ -133,7 +134,7 @@ def _pad_vocab(kvs: list[KV], vocab_size: int, where: Path) -> list[KV]:
     clash = set(extra) & set(tokens)
     if clash:
         raise ConvertError(f"{where}: padding token {sorted(clash)[0]!r} is already in the vocab")
-    types = by_key["tokenizer.ggml.token_type"].value
+    types = cast("np.ndarray", by_key["tokenizer.ggml.token_type"].value)
     new = {
         "tokenizer.ggml.tokens": KV("tokenizer.ggml.tokens", GGUFValueType.ARRAY, list(tokens) + extra,
                                     GGUFValueType.STRING),

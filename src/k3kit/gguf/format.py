@@ -18,10 +18,14 @@ Shard file names (`NAME-0000K-of-0000N.gguf`) are in `k3kit.gguf.shards`.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from gguf import GGUFValueType, Keys
+from gguf import MODEL_TENSOR, TENSOR_NAMES, GGUFValueType
+from gguf import Keys as Keys  # re-exported: models read gguf's key names through this table
+
+from k3kit.gguf.reader import KV, kv_array, kv_int
 
 ARCH_KIMI_K3 = "kimi-k3"
 ARCH_DFLASH = "dflash"
@@ -186,7 +190,7 @@ def key_specs(arch: str) -> dict[str, KeySpec]:
     return {s.name(arch): s for s in specs}
 
 
-def check_kv_types(arch: str, kv: Mapping[str, object]) -> list[str]:
+def check_kv_types(arch: str, kv: Mapping[str, KV]) -> list[str]:
     """Problems llama.cpp's loader would hit with these KVs: missing required keys, wrong types.
 
     `kv` maps key names to objects with `vtype` and `item_type` (k3kit.gguf.reader.KV).
@@ -197,14 +201,14 @@ def check_kv_types(arch: str, kv: Mapping[str, object]) -> list[str]:
     n_layer = None
     block = kv.get(LLM.BLOCK_COUNT.format(arch=arch))
     if block is not None and getattr(block, "vtype", None) == U32:
-        n_layer = int(block.value)  # type: ignore[attr-defined]
+        n_layer = kv_int(block)
     for name, spec in specs.items():
         item = kv.get(name)
         if item is None:
             if spec.required:
                 problems.append(f"missing required key {name}")
             continue
-        vtype, item_type = item.vtype, item.item_type  # type: ignore[attr-defined]
+        vtype, item_type = item.vtype, item.item_type
         if spec.array_items:
             if vtype != ARR or item_type not in spec.array_items:
                 want = "/".join(t.name for t in spec.array_items)
@@ -213,8 +217,8 @@ def check_kv_types(arch: str, kv: Mapping[str, object]) -> list[str]:
             if item_type not in INT_ITEMS:
                 got = _type_str(vtype, item_type)
                 problems.append(f"{name}: per-layer array must hold INT32/UINT32, got {got}")
-            elif n_layer is not None and len(item.value) != n_layer:  # type: ignore[attr-defined]
-                n = len(item.value)  # type: ignore[attr-defined]
+            elif n_layer is not None and len(kv_array(item)) != n_layer:
+                n = len(kv_array(item))
                 problems.append(f"{name}: array length {n} != block_count {n_layer}")
         elif vtype != spec.vtype:
             problems.append(f"{name}: expected {spec.vtype.name}, got {_type_str(vtype, item_type)}")
@@ -226,11 +230,22 @@ def _type_str(vtype: GGUFValueType, item_type: GGUFValueType | None) -> str:
 
 
 # --- tensor names (LLM_TENSOR_NAMES templates; `{bid}` is the layer) ---
-TOKEN_EMBD = "token_embd"
-OUTPUT_NORM = "output_norm"
-OUTPUT = "output"
+# A name is `BASE.SUFFIX` (global) or `blk.N.BASE.SUFFIX` (per layer, see blk()); the bases
+# are gguf-py's TENSOR_NAMES where it has them, else the strings of llama-arch.cpp.
+WEIGHT = "weight"
+BIAS = "bias"
+
+
+def _gguf(t: MODEL_TENSOR) -> str:
+    """gguf-py's name of a tensor as a base: the `blk.{bid}.` of per-layer tensors dropped."""
+    return TENSOR_NAMES[t].removeprefix("blk.{bid}.")
+
+
+TOKEN_EMBD = _gguf(MODEL_TENSOR.TOKEN_EMBD)
+OUTPUT_NORM = _gguf(MODEL_TENSOR.OUTPUT_NORM)
+OUTPUT = _gguf(MODEL_TENSOR.OUTPUT)
 OUTPUT_RES_SCORE = "output_res_score"
-ENC_OUTPUT_NORM = "enc.output_norm"  # dflash: hidden_norm applied after fc
+ENC_OUTPUT_NORM = _gguf(MODEL_TENSOR.ENC_OUTPUT_NORM)  # dflash: hidden_norm applied after fc
 DFLASH_HIDDEN_NORM = ENC_OUTPUT_NORM
 FC = "fc"
 D2T = "d2t"
@@ -242,40 +257,89 @@ SELECTOR_NEXT = "selector_successor"
 SELECTOR_HIDDEN = "selector_hidden"
 
 
-def blk(bid: int, base: str, suffix: str | None = "weight") -> str:
+# per-layer bases kimi-k3 uses
+ATTN_NORM = _gguf(MODEL_TENSOR.ATTN_NORM)
+FFN_NORM = _gguf(MODEL_TENSOR.FFN_NORM)
+ATTN_RES_SCORE = "attn_res_score"
+FFN_RES_SCORE = "ffn_res_score"
+ATTN_Q = _gguf(MODEL_TENSOR.ATTN_Q)
+ATTN_K = _gguf(MODEL_TENSOR.ATTN_K)
+ATTN_V = _gguf(MODEL_TENSOR.ATTN_V)
+ATTN_QKV = _gguf(MODEL_TENSOR.ATTN_QKV)
+ATTN_OUTPUT = _gguf(MODEL_TENSOR.ATTN_OUT)
+ATTN_GATE = _gguf(MODEL_TENSOR.ATTN_GATE)
+SSM_CONV1D_Q = _gguf(MODEL_TENSOR.SSM_CONV1D_Q)
+SSM_CONV1D_K = _gguf(MODEL_TENSOR.SSM_CONV1D_K)
+SSM_CONV1D_V = _gguf(MODEL_TENSOR.SSM_CONV1D_V)
+SSM_F_A = _gguf(MODEL_TENSOR.SSM_F_A)
+SSM_F_B = _gguf(MODEL_TENSOR.SSM_F_B)
+SSM_BETA = _gguf(MODEL_TENSOR.SSM_BETA)
+SSM_A = _gguf(MODEL_TENSOR.SSM_A)
+SSM_DT = _gguf(MODEL_TENSOR.SSM_DT)
+SSM_G = "ssm_g"
+SSM_NORM = _gguf(MODEL_TENSOR.SSM_NORM)
+ATTN_Q_A = _gguf(MODEL_TENSOR.ATTN_Q_A)
+ATTN_Q_B = _gguf(MODEL_TENSOR.ATTN_Q_B)
+ATTN_Q_A_NORM = _gguf(MODEL_TENSOR.ATTN_Q_A_NORM)
+ATTN_KV_A_MQA = _gguf(MODEL_TENSOR.ATTN_KV_A_MQA)
+ATTN_KV_A_NORM = _gguf(MODEL_TENSOR.ATTN_KV_A_NORM)
+ATTN_KV_B = _gguf(MODEL_TENSOR.ATTN_KV_B)
+ATTN_K_B = _gguf(MODEL_TENSOR.ATTN_K_B)
+ATTN_V_B = _gguf(MODEL_TENSOR.ATTN_V_B)
+FFN_GATE = _gguf(MODEL_TENSOR.FFN_GATE)
+FFN_DOWN = _gguf(MODEL_TENSOR.FFN_DOWN)
+FFN_UP = _gguf(MODEL_TENSOR.FFN_UP)
+FFN_GATE_INP = _gguf(MODEL_TENSOR.FFN_GATE_INP)
+EXP_PROBS_B = _gguf(MODEL_TENSOR.FFN_EXP_PROBS_B)
+FFN_GATE_EXPS = _gguf(MODEL_TENSOR.FFN_GATE_EXP)
+FFN_DOWN_EXPS = _gguf(MODEL_TENSOR.FFN_DOWN_EXP)
+FFN_UP_EXPS = _gguf(MODEL_TENSOR.FFN_UP_EXP)
+FFN_ROUTED_DOWN = "ffn_routed_down"
+FFN_ROUTED_UP = "ffn_routed_up"
+FFN_ROUTED_NORM = "ffn_routed_norm"
+FFN_GATE_SHEXP = _gguf(MODEL_TENSOR.FFN_GATE_SHEXP)
+FFN_DOWN_SHEXP = _gguf(MODEL_TENSOR.FFN_DOWN_SHEXP)
+FFN_UP_SHEXP = _gguf(MODEL_TENSOR.FFN_UP_SHEXP)
+
+
+def tensor_name(base: str, suffix: str | None = WEIGHT) -> str:
+    """`{base}[.{suffix}]`, a global tensor name (token_embd.weight, output_norm.weight, ...)."""
+    return base + (f".{suffix}" if suffix else "")
+
+
+def blk(bid: int, base: str, suffix: str | None = WEIGHT) -> str:
     """`blk.{bid}.{base}[.{suffix}]`, the way LLM_TN builds per-layer names."""
     return f"blk.{bid}.{base}" + (f".{suffix}" if suffix else "")
 
 
 # kimi-k3 per-layer tensors, grouped the way load_arch_tensors creates them.
 # (base, suffix); suffix None = no suffix (ssm_a is created without ".weight").
-K3_LAYER_NORMS = (("attn_norm", "weight"), ("ffn_norm", "weight"))
-K3_ATTN_RES = (("attn_res_score", "weight"), ("ffn_res_score", "weight"))
+K3_LAYER_NORMS = ((ATTN_NORM, WEIGHT), (FFN_NORM, WEIGHT))
+K3_ATTN_RES = ((ATTN_RES_SCORE, WEIGHT), (FFN_RES_SCORE, WEIGHT))
 K3_KDA = (
-    ("ssm_conv1d_q", "weight"), ("ssm_conv1d_k", "weight"), ("ssm_conv1d_v", "weight"),
-    ("attn_q", "weight"), ("attn_k", "weight"), ("attn_v", "weight"),
-    ("ssm_f_a", "weight"), ("ssm_f_b", "weight"), ("ssm_beta", "weight"),
-    ("ssm_a", None), ("ssm_dt", "bias"),
-    ("ssm_g", "weight"), ("ssm_norm", "weight"), ("attn_output", "weight"),
+    (SSM_CONV1D_Q, WEIGHT), (SSM_CONV1D_K, WEIGHT), (SSM_CONV1D_V, WEIGHT),
+    (ATTN_Q, WEIGHT), (ATTN_K, WEIGHT), (ATTN_V, WEIGHT),
+    (SSM_F_A, WEIGHT), (SSM_F_B, WEIGHT), (SSM_BETA, WEIGHT),
+    (SSM_A, None), (SSM_DT, BIAS),
+    (SSM_G, WEIGHT), (SSM_NORM, WEIGHT), (ATTN_OUTPUT, WEIGHT),
 )
 # KDA alternatives llama.cpp also accepts: a fused qkv (+ optional biases) instead of q/k/v.
-K3_KDA_OPTIONAL = (("attn_qkv", "weight"), ("attn_qkv", "bias"),
-                   ("attn_q", "bias"), ("attn_k", "bias"), ("attn_v", "bias"))
-K3_MLA = (("attn_kv_a_norm", "weight"), ("attn_kv_a_mqa", "weight"), ("attn_output", "weight"))
-K3_MLA_Q_LORA = (("attn_q_a_norm", "weight"), ("attn_q_a", "weight"), ("attn_q_b", "weight"))
-K3_MLA_Q_FULL = (("attn_q", "weight"),)
-K3_MLA_KV_SPLIT = (("attn_k_b", "weight"), ("attn_v_b", "weight"))  # what works; fused attn_kv_b crashes
-K3_MLA_KV_FUSED = (("attn_kv_b", "weight"),)
-K3_MLA_GATE = (("attn_gate", "weight"),)
-K3_DENSE_FFN = (("ffn_gate", "weight"), ("ffn_down", "weight"), ("ffn_up", "weight"))
-K3_MOE = (("ffn_gate_inp", "weight"), ("exp_probs_b", "bias"),
-          ("ffn_gate_exps", "weight"), ("ffn_down_exps", "weight"), ("ffn_up_exps", "weight"))
-K3_MOE_LATENT = (("ffn_routed_down", "weight"), ("ffn_routed_up", "weight"))
-K3_MOE_LATENT_NORM = (("ffn_routed_norm", "weight"),)
-K3_SHEXP = (("ffn_gate_shexp", "weight"), ("ffn_down_shexp", "weight"), ("ffn_up_shexp", "weight"))
+K3_KDA_OPTIONAL = ((ATTN_QKV, WEIGHT), (ATTN_QKV, BIAS), (ATTN_Q, BIAS), (ATTN_K, BIAS), (ATTN_V, BIAS))
+K3_MLA = ((ATTN_KV_A_NORM, WEIGHT), (ATTN_KV_A_MQA, WEIGHT), (ATTN_OUTPUT, WEIGHT))
+K3_MLA_Q_LORA = ((ATTN_Q_A_NORM, WEIGHT), (ATTN_Q_A, WEIGHT), (ATTN_Q_B, WEIGHT))
+K3_MLA_Q_FULL = ((ATTN_Q, WEIGHT),)
+K3_MLA_KV_SPLIT = ((ATTN_K_B, WEIGHT), (ATTN_V_B, WEIGHT))  # what works; fused attn_kv_b crashes
+K3_MLA_KV_FUSED = ((ATTN_KV_B, WEIGHT),)
+K3_MLA_GATE = ((ATTN_GATE, WEIGHT),)
+K3_DENSE_FFN = ((FFN_GATE, WEIGHT), (FFN_DOWN, WEIGHT), (FFN_UP, WEIGHT))
+K3_MOE = ((FFN_GATE_INP, WEIGHT), (EXP_PROBS_B, BIAS),
+          (FFN_GATE_EXPS, WEIGHT), (FFN_DOWN_EXPS, WEIGHT), (FFN_UP_EXPS, WEIGHT))
+K3_MOE_LATENT = ((FFN_ROUTED_DOWN, WEIGHT), (FFN_ROUTED_UP, WEIGHT))
+K3_MOE_LATENT_NORM = ((FFN_ROUTED_NORM, WEIGHT),)
+K3_SHEXP = ((FFN_GATE_SHEXP, WEIGHT), (FFN_DOWN_SHEXP, WEIGHT), (FFN_UP_SHEXP, WEIGHT))
 
 
-def _names(bid: int, group) -> list[str]:
+def _names(bid: int, group: tuple[tuple[str, str | None], ...]) -> list[str]:
     return [blk(bid, base, suffix) for base, suffix in group]
 
 
@@ -315,13 +379,13 @@ def kimi_k3_expected_tensors(n_layer: int, mla_layers: set[int] | list[int], *, 
     return required, optional
 
 
-def kimi_k3_layout_from_kv(kv: Mapping[str, object]) -> dict:
+def kimi_k3_layout_from_kv(kv: Mapping[str, KV]) -> dict[str, Any]:
     """The layer layout a kimi-k3 file's KVs describe: n_layer, MLA layers, dense lead, flags."""
     a = ARCH_KIMI_K3
 
-    def get(template: str, default=None):
+    def get(template: str, default: object = None) -> Any:  # the KV's value (a number or an array)
         item = kv.get(template.format(arch=a))
-        return default if item is None else item.value  # type: ignore[attr-defined]
+        return default if item is None else item.value
 
     n_layer = int(get(LLM.BLOCK_COUNT))
     head_kv = get(ATT.HEAD_COUNT_KV, 0)
@@ -338,7 +402,7 @@ def kimi_k3_layout_from_kv(kv: Mapping[str, object]) -> dict:
     }
 
 
-def kimi_k3_check_names(names: set[str] | list[str], kv: Mapping[str, object]) -> list[str]:
+def kimi_k3_check_names(names: set[str] | list[str], kv: Mapping[str, KV]) -> list[str]:
     """Problems with a kimi-k3 tensor-name set: missing required, unknown, q/kv alternatives."""
     layout = kimi_k3_layout_from_kv(kv)
     names = set(names)
@@ -346,13 +410,13 @@ def kimi_k3_check_names(names: set[str] | list[str], kv: Mapping[str, object]) -
     problems = [f"missing tensor {n}" for n in sorted(required - names)]
     problems += [f"tensor {n} is not one kimi-k3 loads" for n in sorted(names - required - optional)]
     for i in sorted(layout["mla_layers"]):
-        q_lora = blk(i, "attn_q_a_norm") in names
-        if q_lora and not {blk(i, "attn_q_a"), blk(i, "attn_q_b")} <= names:
+        q_lora = blk(i, ATTN_Q_A_NORM) in names
+        if q_lora and not {blk(i, ATTN_Q_A), blk(i, ATTN_Q_B)} <= names:
             problems.append(f"layer {i}: q-LoRA path needs attn_q_a and attn_q_b")
-        if not q_lora and blk(i, "attn_q") not in names:
+        if not q_lora and blk(i, ATTN_Q) not in names:
             problems.append(f"layer {i}: MLA layer has neither attn_q_a_norm nor attn_q")
-        split = {blk(i, "attn_k_b"), blk(i, "attn_v_b")} <= names
-        if blk(i, "attn_kv_b") not in names and not split:
+        split = {blk(i, ATTN_K_B), blk(i, ATTN_V_B)} <= names
+        if blk(i, ATTN_KV_B) not in names and not split:
             problems.append(f"layer {i}: MLA layer needs attn_kv_b or attn_k_b + attn_v_b")
     return problems
 
@@ -489,6 +553,16 @@ def is_trunk_matrix(name: str, n_dims: int) -> bool:
     return role_of(name, n_dims) in TRUNK_ROLES
 
 
-def trunk_matrices(tensors) -> list[str]:
+class _NamedTensor(Protocol):
+    """What trunk_matrices needs of a tensor (TensorInfo, TensorSpec, ...)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def trunk_matrices(tensors: Iterable[_NamedTensor]) -> list[str]:
     """Names of the trunk matrices among `tensors` (objects with .name and .shape), in order."""
     return [t.name for t in tensors if is_trunk_matrix(t.name, len(t.shape))]

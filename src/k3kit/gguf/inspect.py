@@ -10,13 +10,23 @@ from `k3kit.gguf.format.role_of`, the one table requant also uses.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypedDict, cast
 
 import numpy as np
 from gguf import GGUFValueType
 
 from k3kit.gguf.format import ROLES, layer_of, role_of
-from k3kit.gguf.reader import KV, TensorInfo
+from k3kit.gguf.reader import KV, TensorInfo, kv_array
 from k3kit.gguf.shards import Model
+
+
+class _LayerRow(TypedDict):
+    """One layer's bytes in `inspect_model(..., layers=True)["layers"]` (before "layer"/"attention")."""
+
+    tensors: int
+    bytes: int
+    by_role: dict[str, int]
+    types: dict[str, int]
 
 
 def _bucket() -> dict[str, int]:
@@ -38,7 +48,7 @@ def kv_summary(kvs: Iterable[KV]) -> dict[str, object]:
     out: dict[str, object] = {}
     for k in kvs:
         if k.vtype == GGUFValueType.ARRAY:
-            out[k.key] = {"type": k.item_type.name if k.item_type else "?", "length": len(k.value)}
+            out[k.key] = {"type": k.item_type.name if k.item_type else "?", "length": len(kv_array(k))}
         elif isinstance(k.value, float) and not np.isfinite(k.value):
             out[k.key] = str(k.value)
         else:
@@ -50,7 +60,7 @@ def _scalar(kvs: dict[str, KV], key: str) -> int | float | str | None:
     k = kvs.get(key)
     if k is None or k.vtype == GGUFValueType.ARRAY:
         return None
-    return k.value
+    return cast("int | float | str", k.value)  # what the reader gives a scalar KV (bool is an int)
 
 
 def architecture(model: Model) -> dict[str, object]:
@@ -78,7 +88,7 @@ def architecture(model: Model) -> dict[str, object]:
         facts["mla_layers"] = [i for i, v in enumerate(per_layer) if v != 0]
     tokens = kvs.get("tokenizer.ggml.tokens")
     if tokens is not None and tokens.vtype == GGUFValueType.ARRAY:
-        facts["vocab"] = len(tokens.value)
+        facts["vocab"] = len(kv_array(tokens))
     else:
         facts["vocab"] = _scalar(kvs, f"{arch}.vocab_size")
     return facts
@@ -97,7 +107,7 @@ def inspect_model(model: Model, *, layers: bool = False) -> dict[str, object]:
         files.append({"path": str(model.paths[i]), "size": f.size, "version": f.version,
                       "alignment": f.alignment, "n_tensors": len(f.tensors),
                       "tensor_bytes": sum(t.nbytes for t in f.tensors), "by_type": _sorted_by_bytes(ft)})
-    per_layer: dict[int, dict[str, object]] = {}
+    per_layer: dict[int, _LayerRow] = {}
     for t in model.tensors.values():
         tname = t.ggml_type.name
         role = role_of(t.name, len(t.shape))
@@ -125,8 +135,9 @@ def inspect_model(model: Model, *, layers: bool = False) -> dict[str, object]:
         "kv": kv_summary(model.kv.values()),
     }
     if layers:
-        kda = set(arch["kda_layers"] or [])
-        mla = set(arch["mla_layers"] or [])
+        # architecture() sets both to a list of layer numbers or None
+        kda = set(cast("list[int] | None", arch["kda_layers"]) or [])
+        mla = set(cast("list[int] | None", arch["mla_layers"]) or [])
         rows = []
         for n in sorted(per_layer):
             row = per_layer[n]
@@ -140,7 +151,9 @@ def trunk_summary(result: dict[str, object]) -> tuple[int, dict[str, int]]:
     """Bytes of everything except routed experts, by type: what must fit on the GPU."""
     total = 0
     types: dict[str, int] = {}
-    for role, per_type in result["by_role_type"].items():
+    # role -> ggml type -> bucket, as inspect_model builds it
+    by_role_type = cast("dict[str, dict[str, dict[str, int]]]", result["by_role_type"])
+    for role, per_type in by_role_type.items():
         if role == "routed_experts":
             continue
         for tname, b in per_type.items():

@@ -13,6 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO, SupportsInt, cast
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -67,6 +68,22 @@ class KV:
     item_type: GGUFValueType | None = None
 
 
+# `KV.value` is `object` because one KV holds any GGUF type. These say, once, what a caller that
+# has checked `kv.vtype` knows about the value, instead of a cast at every use. They only narrow
+# the static type: each does what its callers did before (`int(kv.value)`, `kv.value`), no new check.
+
+
+def kv_int(kv: KV) -> int:
+    """`int(kv.value)` for a KV holding an integer (vtype checked by the caller, or general.alignment)."""
+    return int(cast(SupportsInt, kv.value))
+
+
+def kv_array(kv: KV) -> list[Any] | np.ndarray:
+    """`kv.value` of an ARRAY KV: list[str] for strings, a 1-D numpy array for numbers (a KV built
+    by hand may hold a list of either)."""
+    return cast("list[Any] | np.ndarray", kv.value)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes live. `shape` is in ggml order (ne0, the contiguous dim, first)."""
@@ -106,7 +123,7 @@ def align_up(n: int, alignment: int) -> int:
 class _HeaderBuffer:
     """Sequential reads over the start of a file; fetches more bytes only when a read needs them."""
 
-    def __init__(self, f, path: Path, size: int) -> None:
+    def __init__(self, f: BinaryIO, path: Path, size: int) -> None:
         self.f = f
         self.path = path
         self.size = size
@@ -134,17 +151,19 @@ class _HeaderBuffer:
                 raise self.fail(f"truncated: header needs {end} bytes, could read {got}")
             self.buf += more
 
-    def unpack(self, code: str, n: int):
+    def unpack(self, code: str, n: int) -> Any:  # int, float or bool as `code` says
         self.need(n)
         (v,) = struct.unpack_from(code, self.buf, self.pos)
         self.pos += n
         return v
 
     def u32(self) -> int:
-        return self.unpack("<I", 4)
+        v: int = self.unpack("<I", 4)
+        return v
 
     def u64(self) -> int:
-        return self.unpack("<Q", 8)
+        v: int = self.unpack("<Q", 8)
+        return v
 
     def raw_string(self, what: str) -> bytes:
         n = self.u64()
@@ -253,14 +272,14 @@ class GGUFFile:
         self._mm: np.memmap | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> GGUFFile:
+    def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
         path = Path(path)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             return cls._parse(f, path, size)
 
     @classmethod
-    def _parse(cls, f, path: Path, size: int) -> GGUFFile:
+    def _parse(cls, f: BinaryIO, path: Path, size: int) -> GGUFFile:
         r = _HeaderBuffer(f, path, size)
         if size < 4:
             raise r.fail(f"truncated: {size}-byte file is too short to be GGUF")
@@ -298,7 +317,7 @@ class GGUFFile:
             a = kv[ALIGNMENT_KEY]
             if a.vtype != GGUFValueType.UINT32:
                 raise r.fail(f"{ALIGNMENT_KEY} must be UINT32, not {a.vtype.name}")
-            alignment = int(a.value)
+            alignment = kv_int(a)
             if alignment <= 0 or alignment & (alignment - 1):
                 raise r.fail(f"{ALIGNMENT_KEY} {alignment} is not a power of two")
 
@@ -342,10 +361,10 @@ class GGUFFile:
                              f"file ({size} bytes)")
             tensors.append(TensorInfo(name, shape, ggml_type, start, nbytes))
         by_start = sorted(tensors, key=lambda t: t.offset)
-        for a, b in zip(by_start, by_start[1:], strict=False):
-            if b.offset < a.offset + a.nbytes:
-                raise r.fail(f"tensors '{a.name}' and '{b.name}' overlap "
-                             f"(at byte {b.offset}, '{a.name}' ends at {a.offset + a.nbytes})")
+        for t, u in zip(by_start, by_start[1:], strict=False):
+            if u.offset < t.offset + t.nbytes:
+                raise r.fail(f"tensors '{t.name}' and '{u.name}' overlap "
+                             f"(at byte {u.offset}, '{t.name}' ends at {t.offset + t.nbytes})")
         return cls(path, version, alignment, data_offset, size, kv, tensors)
 
     def view(self, t: TensorInfo) -> np.ndarray:

@@ -15,12 +15,13 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from gguf import GGUFValueType
 
 from k3kit.errors import K3Error
-from k3kit.gguf.reader import ALIGNMENT_KEY, KV
+from k3kit.gguf.reader import ALIGNMENT_KEY, KV, kv_int
 from k3kit.gguf.shards import SPLIT_KEYS, Model
 from k3kit.gguf.writer import (
     GGML_MAX_NAME,
@@ -48,7 +49,7 @@ class Rules:
     """Everything a rewrite may change. Built from flags and/or a rules TOML file."""
 
     arch: str | None = None
-    rename_tensors: list[tuple[re.Pattern, str]] = field(default_factory=list)
+    rename_tensors: list[tuple[re.Pattern[str], str]] = field(default_factory=list)
     set: list[KV] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)  # exact keys or globs
     copy_kv: list[tuple[Path, list[str]]] = field(default_factory=list)  # (file, key globs)
@@ -124,7 +125,7 @@ def parse_set(spec: str) -> KV:
     return parse_typed_value(key, value, f"--set {spec}")
 
 
-def parse_rename(spec: str) -> tuple[re.Pattern, str]:
+def parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
     """`--rename-tensor REGEX=REPL` (split at the first '=')."""
     if "=" not in spec:
         raise K3Error(f"--rename-tensor {spec}: expected REGEX=REPLACEMENT")
@@ -147,7 +148,7 @@ def parse_size(text: str) -> int:
     return n
 
 
-def load_rules(path: str | os.PathLike) -> Rules:
+def load_rules(path: str | os.PathLike[str]) -> Rules:
     """A rules TOML: arch, delete, [set], [[rename_tensor]] {pattern, replace}, [[copy_kv]] {from, keys}."""
     path = Path(path)
     try:
@@ -205,7 +206,7 @@ def apply_kv_rules(path: Path, kvs: dict[str, KV], rules: Rules) -> dict[str, KV
             renamed: dict[str, KV] = {}
             for key, item in out.items():
                 if key.startswith(f"{old}."):
-                    new_key = rules.arch + key[len(old):]
+                    new_key = rules.arch + key[len(cast(str, old)):]  # general.architecture: a STRING KV
                     if new_key in out:
                         raise K3Error(f"{path}: cannot rename '{key}': '{new_key}' already exists")
                     renamed[new_key] = KV(new_key, item.vtype, item.value, item.item_type)
@@ -261,7 +262,7 @@ def _resolved(p: Path) -> Path:
     return p.resolve() if p.exists() or p.parent.exists() else p.absolute()
 
 
-def rewrite(src: str | os.PathLike, out: str | os.PathLike | None, rules: Rules, *,
+def rewrite(src: str | os.PathLike[str], out: str | os.PathLike[str] | None, rules: Rules, *,
             max_shard_bytes: int | None = None, in_place: bool = False,
             progress: ByteProgress | None = None) -> dict[str, object]:
     """Apply `rules` to the model at `src` and write it to `out`; returns what changed."""
@@ -283,7 +284,7 @@ def rewrite(src: str | os.PathLike, out: str | os.PathLike | None, rules: Rules,
         if max_shard_bytes is None and len(model.files) > 1:
             layout = [[mapping[t.name] for t in f.tensors] for f in model.files]
         if max_shard_bytes is not None:
-            alignment = int(new_kv[ALIGNMENT_KEY].value) if ALIGNMENT_KEY in new_kv else 32
+            alignment = kv_int(new_kv[ALIGNMENT_KEY]) if ALIGNMENT_KEY in new_kv else 32
             n_out = len(plan_shards(specs, max_shard_bytes, alignment))
         else:
             n_out = len(layout) if layout else 1
@@ -309,7 +310,9 @@ def rewrite(src: str | os.PathLike, out: str | os.PathLike | None, rules: Rules,
     old_arch = old_arch_kv.value if old_arch_kv is not None else None
     moved = []
     if rules.arch and old_arch and old_arch != rules.arch:
-        moved = [[k, rules.arch + k[len(old_arch):]] for k in old_kv if k.startswith(f"{old_arch}.")]
+        # general.architecture is a STRING KV
+        moved = [[k, rules.arch + k[len(cast(str, old_arch)):]]
+                 for k in old_kv if k.startswith(f"{old_arch}.")]
     moved_old = {a for a, _ in moved}
     moved_new = {b: a for a, b in moved}
     added = [k for k in new_kv if k not in old_kv and k not in moved_new]

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from k3kit.errors import ShardError
-from k3kit.gguf.reader import KV, GGUFFile, TensorInfo
+from k3kit.gguf.reader import KV, GGUFFile, TensorInfo, kv_int
 
 SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_NO = "split.no"
@@ -30,7 +30,7 @@ def shard_name(prefix: str, no: int, count: int) -> str:
     return f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"
 
 
-def shard_paths(path: str | os.PathLike) -> list[Path]:
+def shard_paths(path: str | os.PathLike[str]) -> list[Path]:
     """All shard paths of the set `path` belongs to (just `path` if it is not a shard name)."""
     path = Path(path)
     m = SHARD_RE.match(path.name)
@@ -49,7 +49,7 @@ def _int_kv(f: GGUFFile, key: str) -> int | None:
     if kv.vtype == GGUFValueType.ARRAY or kv.vtype in (GGUFValueType.STRING, GGUFValueType.FLOAT32,
                                                        GGUFValueType.FLOAT64, GGUFValueType.BOOL):
         raise ShardError(f"{f.path}: {key} has type {kv.vtype.name}, expected an integer")
-    return int(kv.value)
+    return kv_int(kv)
 
 
 class Model:
@@ -73,7 +73,7 @@ class Model:
         return str(kv.value) if kv is not None and kv.vtype == GGUFValueType.STRING else ""
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Model:
+    def open(cls, path: str | os.PathLike[str]) -> Model:
         path = Path(path)
         paths = shard_paths(path)
         if len(paths) == 1 and not SHARD_RE.match(path.name):
@@ -88,7 +88,8 @@ class Model:
 
         missing = [p for p in paths if not p.exists()]
         if missing:
-            which = ", ".join(str(SHARD_RE.match(p.name)["no"]) for p in missing)
+            # every name came from shard_name(), so each matches SHARD_RE
+            which = ", ".join(str(m["no"]) for p in missing if (m := SHARD_RE.match(p.name)))
             raise ShardError(f"{missing[0]}: missing shard ({len(missing)} of {len(paths)} absent: {which})")
         files = [GGUFFile.open(p) for p in paths]
         seen: dict[int, Path] = {}
@@ -127,7 +128,7 @@ class Model:
     def __enter__(self) -> Model:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

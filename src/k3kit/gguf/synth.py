@@ -10,28 +10,44 @@ int8; MXFP4: E8M0 exponent + e2m1 nibbles) into one pool per type, created once;
 tensor is its pool read from a seed- and name-dependent offset, repeated, in chunks. Writing is a
 memory-to-disk copy: no float generation, no quantization, no per-tensor Python work.
 Scales are small so activations stay finite through the forward pass.
+
+The types of the published low-bit K3 files can be asked for: routed experts in any of
+EXPERT_TYPES (gate/up and down separately, e.g. IQ2_XXS + IQ3_XXS like UD-IQ1_S), trunk
+matrices in any of TRUNK_TYPES; their blocks come from synth_blocks (random codes, scales
+chosen for the same weight size). Like the published files, the first shard can hold only
+metadata (`metadata_shard`). A `sparse` model has exact headers and a data region that is a
+hole: full size, (almost) no disk blocks, so the full 1.4 TB K3 geometry can be inspected or
+planned on any machine. Holes read as zeros, which every block type decodes to 0.0.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType, TokenType
 
+from k3kit._io import fsync_dir, fsync_file, temp_path
 from k3kit.errors import K3Error
 from k3kit.gguf import format as fmt
+from k3kit.gguf import synth_blocks
 from k3kit.gguf.reader import KV, align_up, tensor_nbytes
-from k3kit.gguf.writer import TensorSpec, kv, write_model
-from k3kit.progress import byte_progress
+from k3kit.gguf.shards import SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT
+from k3kit.gguf.writer import TensorSpec, header_bytes, kv, output_paths, write_gguf, write_model
+from k3kit.progress import ByteProgress, byte_progress
 
 Q8_0 = GGMLQuantizationType.Q8_0
 MXFP4 = GGMLQuantizationType.MXFP4
 F32 = GGMLQuantizationType.F32
+F16 = GGMLQuantizationType.F16
+BF16 = GGMLQuantizationType.BF16
+U16 = GGUFValueType.UINT16
 U32 = GGUFValueType.UINT32
 I32 = GGUFValueType.INT32
 F32V = GGUFValueType.FLOAT32
@@ -101,7 +117,11 @@ MINI = Geometry(
     rms_eps=1e-5, context_length=4096, vocab=1024, expert_weights_scale=2.827,
 )
 
-GEOMETRIES = {"k3": K3, "mini": MINI}
+# mini with 256-wide expert rows (latent 256, expert FFN 256), so the 256-weight block types
+# (K-quants, i-quants, TQ) can be routed experts; mini's 128 / 96 fit only 32-weight blocks.
+MINI256 = replace(MINI, name="mini256", n_ff_exp=256, expert_latent=256)
+
+GEOMETRIES = {"k3": K3, "mini": MINI, "mini256": MINI256}
 
 
 def mla_layers(n_layers: int, every: int = 4) -> list[int]:
@@ -184,7 +204,7 @@ class Pools:
 
     def _pool(self, qtype: GGMLQuantizationType) -> np.ndarray:
         """Random blocks: the cap in bytes, or less for small models (the largest tensor fits)."""
-        if qtype not in (Q8_0, MXFP4, F32):
+        if qtype not in (Q8_0, MXFP4, F32, F16, BF16) and qtype not in synth_blocks.GENERATORS:
             raise ValueError(f"no random pool for {qtype.name}")
         _, block_bytes = GGML_QUANT_SIZES[qtype]
         cap = F32_POOL_BYTES if qtype == F32 else POOL_BYTES
@@ -192,6 +212,10 @@ class Pools:
         rng = np.random.default_rng([self.seed, int(qtype)])
         if qtype == F32:
             return rng.normal(0.0, 0.02, size // 4).astype(np.float32).view(np.uint8)
+        if qtype in (F16, BF16):
+            return _float16_pool(rng, size // 2, qtype)
+        if qtype in synth_blocks.GENERATORS:
+            return synth_blocks.random_blocks(qtype, size // block_bytes, rng).reshape(-1)
         # raw generator output is ~5x faster than rng.bytes; any bytes are valid int8 / nibbles
         pool = rng.bit_generator.random_raw(-(-size // 8)).view(np.uint8)[:size].copy()
         if qtype == Q8_0:
@@ -223,8 +247,129 @@ class Pools:
             yield buf[off:off + min(size, nbytes - start)]
 
 
+def _float16_pool(rng: np.random.Generator, n: int, qtype: GGMLQuantizationType) -> np.ndarray:
+    """n normal(0, 0.02) weights (the F32 pool's) as F16, or as BF16 rounded to nearest even."""
+    x = rng.normal(0.0, 0.02, n).astype(np.float32)
+    if qtype == F16:
+        return x.astype(np.float16).view(np.uint8)
+    u = x.view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)
+
+
 def _small_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+# ---------------------------------------------------------------- types
+
+
+def _types(*names: str) -> tuple[GGMLQuantizationType, ...]:
+    return tuple(GGMLQuantizationType[n] for n in names)
+
+
+# The routed-expert types of published K3 files and llama-quantize's mixes; the trunk types
+# people run (the converter's Q8_0, `k3kit requant`'s Q4_K, and the float types).
+EXPERT_TYPES = _types("MXFP4", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "TQ1_0", "TQ2_0")
+TRUNK_TYPES = _types("Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+
+LFT = LlamaFileType
+# general.file_type of a file whose routed experts are of the key type: the llama-quantize mix
+# that has it as default type (IQ2_S is IQ2_M's; IQ2_S-the-mix uses IQ2_XS). File types name
+# the experts because they are ~96% of K3's bytes, as "UD-IQ1_S" names a Q8_0-trunk file.
+_FTYPE_OF_EXPERTS: dict[GGMLQuantizationType, LlamaFileType] = {
+    GGMLQuantizationType.IQ1_S: LFT.MOSTLY_IQ1_S, GGMLQuantizationType.IQ1_M: LFT.MOSTLY_IQ1_M,
+    GGMLQuantizationType.IQ2_XXS: LFT.MOSTLY_IQ2_XXS, GGMLQuantizationType.IQ2_XS: LFT.MOSTLY_IQ2_XS,
+    GGMLQuantizationType.IQ2_S: LFT.MOSTLY_IQ2_M, GGMLQuantizationType.IQ3_XXS: LFT.MOSTLY_IQ3_XXS,
+    GGMLQuantizationType.IQ3_S: LFT.MOSTLY_IQ3_S, GGMLQuantizationType.Q2_K: LFT.MOSTLY_Q2_K,
+    GGMLQuantizationType.Q3_K: LFT.MOSTLY_Q3_K_S, GGMLQuantizationType.Q4_K: LFT.MOSTLY_Q4_K_S,
+    GGMLQuantizationType.Q5_K: LFT.MOSTLY_Q5_K_S, GGMLQuantizationType.Q6_K: LFT.MOSTLY_Q6_K,
+    Q8_0: LFT.MOSTLY_Q8_0, GGMLQuantizationType.TQ1_0: LFT.MOSTLY_TQ1_0,
+    GGMLQuantizationType.TQ2_0: LFT.MOSTLY_TQ2_0,
+}
+# With the QAT MXFP4 experts kept, the trunk decides: MXFP4_MOE is llama.cpp's name for MXFP4
+# experts + Q8_0 rest; a requantized trunk gets what `k3kit requant` writes for it.
+_FTYPE_OF_TRUNK: dict[GGMLQuantizationType, LlamaFileType] = {
+    Q8_0: LFT.MOSTLY_MXFP4_MOE, GGMLQuantizationType.Q4_K: LFT.MOSTLY_Q4_K_S,
+    GGMLQuantizationType.Q5_K: LFT.MOSTLY_Q5_K_S, GGMLQuantizationType.Q6_K: LFT.MOSTLY_Q6_K,
+    F16: LFT.MOSTLY_F16, BF16: LFT.MOSTLY_BF16, F32: LFT.ALL_F32,
+}
+
+
+@dataclass(frozen=True)
+class Types:
+    """ggml types of the routed experts (gate/up, down) and of the trunk matrices."""
+
+    expert: GGMLQuantizationType = MXFP4
+    expert_down: GGMLQuantizationType = MXFP4
+    trunk: GGMLQuantizationType = Q8_0
+
+    @property
+    def file_type(self) -> int:
+        """general.file_type for this mix (see _FTYPE_OF_EXPERTS and _FTYPE_OF_TRUNK)."""
+        if self.expert != MXFP4:
+            return int(_FTYPE_OF_EXPERTS[self.expert])
+        return int(_FTYPE_OF_TRUNK[self.trunk])
+
+    def suffix(self) -> str:
+        """"" for the default mix, else e.g. "-IQ2_XXS-IQ3_XXS-Q4_K" (for default file names)."""
+        if self == Types():
+            return ""
+        names = [self.expert.name] + ([self.expert_down.name] if self.expert_down != self.expert else [])
+        return "-" + "-".join([*names, self.trunk.name])
+
+
+def _one_type(value: str | GGMLQuantizationType | None, allowed: tuple[GGMLQuantizationType, ...],
+              flag: str, default: GGMLQuantizationType) -> GGMLQuantizationType:
+    if value is None:
+        return default
+    if isinstance(value, GGMLQuantizationType):
+        qtype: GGMLQuantizationType | None = value
+    else:
+        qtype = GGMLQuantizationType.__members__.get(str(value).upper())
+    if qtype not in allowed:
+        raise K3Error(f"{flag} {getattr(value, 'name', value)}: expected one of "
+                      f"{', '.join(t.name for t in allowed)}")
+    return qtype
+
+
+def types_for(expert: str | GGMLQuantizationType | None = None,
+              expert_down: str | GGMLQuantizationType | None = None,
+              trunk: str | GGMLQuantizationType | None = None) -> Types:
+    """Checked Types from names (None: MXFP4 experts, down like gate/up, Q8_0 trunk)."""
+    e = _one_type(expert, EXPERT_TYPES, "--expert-type", MXFP4)
+    return Types(e, _one_type(expert_down, EXPERT_TYPES, "--expert-type-down", e),
+                 _one_type(trunk, TRUNK_TYPES, "--trunk-type", Q8_0))
+
+
+def apply_types(shapes: TensorList, types: Types, geometry: str = "") -> tuple[TensorList, list[str]]:
+    """`shapes` with routed experts and trunk matrices in `types`, and the trunk matrices kept Q8_0.
+
+    Routed gate/up take types.expert, down types.expert_down; experts whose rows are not a
+    multiple of the type's block are an error (mini's are 128 / 96 wide: use mini256 or k3).
+    Trunk matrices are the ones `k3kit requant` converts: format.is_trunk_matrix except
+    token_embd and output, which stay Q8_0 as requant keeps them. A trunk matrix whose rows do
+    not fit the type's block (K3's attn_k_b and ssm_f_b rows are 128 wide) stays Q8_0, as
+    requant leaves it, so `synth --trunk-type T` has the tensor types of synth + requant to T.
+    """
+    out: TensorList = []
+    kept: list[str] = []
+    for name, shape, qtype in shapes:
+        if fmt.is_routed_expert(name):
+            qtype = types.expert_down if f".{fmt.FFN_DOWN_EXPS}." in name else types.expert
+            block = GGML_QUANT_SIZES[qtype][0]
+            if shape[0] % block:
+                where = f" of geometry {geometry}" if geometry else ""
+                raise K3Error(f"{qtype.name} experts need rows that are a multiple of {block}; "
+                              f"'{name}'{where} has rows of {shape[0]} (use --geometry mini256 or k3)")
+        elif (qtype == Q8_0 and types.trunk != Q8_0 and fmt.is_trunk_matrix(name, len(shape))
+              and fmt.role_of(name, len(shape)) != fmt.ROLE_EMBEDDINGS_OUTPUT):
+            if shape[0] % GGML_QUANT_SIZES[types.trunk][0]:
+                kept.append(name)
+            else:
+                qtype = types.trunk
+        out.append((name, shape, qtype))
+    return out, kept
 
 
 # ---------------------------------------------------------------- the plan
@@ -240,7 +385,9 @@ class SynthPlan:
     mla_layers: list[int]
     kv: list[KV]
     tensors: list[TensorSpec]
-    layout: list[list[str]]
+    layout: list[list[str]]  # with a metadata shard, layout[0] is empty
+    types: Types = field(default_factory=Types)
+    trunk_kept_q8_0: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -268,18 +415,19 @@ def _check_counts(n_layers: int, n_experts: int, shards: int, seed: int) -> None
         raise K3Error(f"--seed {seed}: need 0 <= seed < 2**63")
 
 
-def build_kv(g: Geometry, n_layers: int, n_experts: int, name: str, vocab: Vocab) -> list[KV]:
+def build_kv(g: Geometry, n_layers: int, n_experts: int, name: str, vocab: Vocab, *,
+             file_type: int = int(LlamaFileType.MOSTLY_MXFP4_MOE)) -> list[KV]:
     a = fmt.ARCH_KIMI_K3
     mla = set(mla_layers(n_layers, g.mla_every))
 
-    def k(template: str, vtype: GGUFValueType, value, item_type=None) -> KV:
+    def k(template: str, vtype: GGUFValueType, value: object, item_type: GGUFValueType | None = None) -> KV:
         return kv(template.format(arch=a), vtype, value, item_type)
 
     L, A = Keys.LLM, Keys.Attention
     return [
         kv(Keys.General.ARCHITECTURE, STR, a),
         kv(Keys.General.NAME, STR, name),
-        kv(Keys.General.FILE_TYPE, U32, int(LlamaFileType.MOSTLY_MXFP4_MOE)),
+        kv(Keys.General.FILE_TYPE, U32, file_type),
         kv(Keys.General.QUANTIZATION_VERSION, U32, 2),
         k(L.VOCAB_SIZE, U32, g.vocab),
         k(L.CONTEXT_LENGTH, U32, g.context_length),
@@ -418,9 +566,9 @@ def _f32_values(name: str, n: int, seed: int) -> np.ndarray | None:
 
 
 def _source(pools: Pools, name: str, qtype: GGMLQuantizationType, nbytes: int, n_elem: int,
-            seed: int) -> Callable[[], np.ndarray]:
+            seed: int) -> Callable[[], np.ndarray | Iterator[np.ndarray]]:
     if qtype == F32:
-        def make() -> np.ndarray:
+        def make() -> np.ndarray | Iterator[np.ndarray]:
             vals = _f32_values(name, n_elem, seed)
             return vals.view(np.uint8) if vals is not None else pools.window(F32, name, nbytes)
         return make
@@ -451,14 +599,23 @@ def balanced_layout(names: list[str], sizes: list[int], shards: int) -> list[lis
 
 
 def plan(geometry: Geometry | str, n_layers: int, n_experts: int, *, vocab: int | None = None,
-         shards: int = 1, seed: int = 0, name: str | None = None) -> SynthPlan:
-    """The KVs, tensor specs and shard layout of a synthetic kimi-k3 model (nothing is generated yet)."""
+         shards: int = 1, seed: int = 0, name: str | None = None, types: Types | None = None,
+         metadata_shard: bool = False) -> SynthPlan:
+    """The KVs, tensor specs and shard layout of a synthetic kimi-k3 model (nothing is generated yet).
+
+    With metadata_shard, `shards` counts the first file, which holds the KVs and no tensors
+    (as split.count does), and the tensors are balanced over the other shards - 1.
+    """
     _check_counts(n_layers, n_experts, shards, seed)
+    if metadata_shard and shards < 2:
+        raise K3Error(f"--metadata-shard needs --shards >= 2 (the first shard holds no tensors), "
+                      f"got {shards}")
+    types = types or Types()
     g = _geometry_for(geometry, vocab)
-    name = name or default_name(g, n_layers, n_experts)
+    name = name or default_name(g, n_layers, n_experts, types)
     voc = make_vocab(g.vocab)
-    kvs = build_kv(g, n_layers, n_experts, name, voc)
-    shapes = tensor_shapes(g, n_layers, n_experts)
+    kvs = build_kv(g, n_layers, n_experts, name, voc, file_type=types.file_type)
+    shapes, kept = apply_types(tensor_shapes(g, n_layers, n_experts), types, g.name)
     largest: dict[GGMLQuantizationType, int] = {}
     for _, shape, qtype in shapes:
         largest[qtype] = max(largest.get(qtype, 0), tensor_nbytes(shape, qtype))
@@ -469,12 +626,17 @@ def plan(geometry: Geometry | str, n_layers: int, n_experts: int, *, vocab: int 
         n_elem = int(np.prod(shape))
         source = _source(pools, tname, qtype, nbytes, n_elem, seed)
         specs.append(TensorSpec(tname, shape, qtype, nbytes, source))
-    layout = balanced_layout([t.name for t in specs], [align_up(t.nbytes, ALIGNMENT) for t in specs], shards)
-    return SynthPlan(g, n_layers, n_experts, mla_layers(n_layers, g.mla_every), kvs, specs, layout)
+    sizes = [align_up(t.nbytes, ALIGNMENT) for t in specs]
+    if metadata_shard:
+        layout = [[], *balanced_layout([t.name for t in specs], sizes, shards - 1)]
+    else:
+        layout = balanced_layout([t.name for t in specs], sizes, shards)
+    return SynthPlan(g, n_layers, n_experts, mla_layers(n_layers, g.mla_every), kvs, specs, layout,
+                     types, kept)
 
 
-def default_name(g: Geometry, n_layers: int, n_experts: int) -> str:
-    return f"kimi-k3-synth-{g.name}-{n_layers}L-{n_experts}E"
+def default_name(g: Geometry, n_layers: int, n_experts: int, types: Types | None = None) -> str:
+    return f"kimi-k3-synth-{g.name}-{n_layers}L-{n_experts}E{(types or Types()).suffix()}"
 
 
 @dataclass
@@ -492,35 +654,116 @@ class SynthResult:
     file_bytes: int
     seconds: float
     gb_per_s: float
+    expert_type: str = "MXFP4"
+    expert_type_down: str = "MXFP4"
+    trunk_type: str = "Q8_0"
+    file_type: int = int(LlamaFileType.MOSTLY_MXFP4_MOE)
+    trunk_kept_q8_0: int = 0  # trunk matrices whose rows do not fit trunk_type's block
+    metadata_shard: bool = False
+    sparse: bool = False
+    disk_bytes: int = 0  # blocks the files occupy (st_blocks); ~header bytes when sparse
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _shard_jobs(p: SynthPlan, out: Path) -> list[tuple[Path, list[KV], list[TensorSpec]]]:
+    """(path, KVs, tensors) of every file: write_model's split convention, empty groups kept.
+
+    Shard 1 has every KV, all shards have split.no / split.count / split.tensors.count; a
+    metadata shard is simply a first group without tensors.
+    """
+    by_name = {t.name: t for t in p.tensors}
+    groups = [[by_name[n] for n in names] for names in p.layout]
+    paths = output_paths(out, len(groups))
+    if len(groups) == 1:
+        return [(paths[0], list(p.kv), groups[0])]
+    jobs = []
+    for i, (path, group) in enumerate(zip(paths, groups, strict=True)):
+        split = [kv(SPLIT_NO, U16, i), kv(SPLIT_COUNT, U16, len(groups)),
+                 kv(SPLIT_TENSORS_COUNT, I32, len(p.tensors))]
+        jobs.append((path, (list(p.kv) if i == 0 else []) + split, group))
+    return jobs
+
+
+def _write_sparse(path: Path, kvs: list[KV], tensors: list[TensorSpec]) -> None:
+    """The exact header, then the data region as a hole: ftruncate to the full size."""
+    header = header_bytes(kvs, tensors, ALIGNMENT)
+    size = len(header) + sum(align_up(t.nbytes, ALIGNMENT) for t in tensors)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(header)
+        while view:
+            view = view[os.write(fd, view):]
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _write_files(jobs: list[tuple[Path, list[KV], list[TensorSpec]]], *, sparse: bool,
+                 progress: ByteProgress | None) -> None:
+    """Every file under a temporary name, then all renamed: the set appears complete or not at all."""
+    temps = [temp_path(path) for path, _, _ in jobs]
+    try:
+        for tmp, (_, kvs, tensors) in zip(temps, jobs, strict=True):
+            if sparse:
+                _write_sparse(tmp, kvs, tensors)
+                fsync_file(tmp)
+            else:
+                write_gguf(tmp, kvs, tensors, alignment=ALIGNMENT, progress=progress)
+        for tmp, (path, _, _) in zip(temps, jobs, strict=True):
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(jobs[0][0].parent)
 
 
 def synthesize(out_dir: str | Path, geometry: Geometry | str, n_layers: int, n_experts: int, *,
                vocab: int | None = None, shards: int = 1, seed: int = 0, name: str | None = None,
-               progress: bool = True) -> SynthResult:
-    """Write a synthetic kimi-k3 model into out_dir (as NAME.gguf or NAME-0000K-of-0000N.gguf)."""
+               progress: bool = True, expert_type: str | GGMLQuantizationType | None = None,
+               expert_type_down: str | GGMLQuantizationType | None = None,
+               trunk_type: str | GGMLQuantizationType | None = None, metadata_shard: bool = False,
+               sparse: bool = False) -> SynthResult:
+    """Write a synthetic kimi-k3 model into out_dir (as NAME.gguf or NAME-0000K-of-0000N.gguf).
+
+    expert_type / expert_type_down / trunk_type: see apply_types (defaults: MXFP4 experts,
+    Q8_0 trunk). metadata_shard: shard 1 holds only the KVs (needs shards >= 2). sparse: exact
+    headers, data left as a hole (no tensor bytes are generated or written).
+    """
     if name is not None and (not name or "/" in name or "\0" in name or name.startswith(".")):
         raise K3Error(f"--name {name!r}: must be a plain file name")
-    p = plan(geometry, n_layers, n_experts, vocab=vocab, shards=shards, seed=seed, name=name)
+    types = types_for(expert_type, expert_type_down, trunk_type)
+    p = plan(geometry, n_layers, n_experts, vocab=vocab, shards=shards, seed=seed, name=name, types=types,
+             metadata_shard=metadata_shard)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise K3Error(f"{out_dir}: exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{name or default_name(p.geometry, n_layers, n_experts)}.gguf"
+    out = out_dir / f"{name or default_name(p.geometry, n_layers, n_experts, types)}.gguf"
     t0 = time.perf_counter()
-    with byte_progress("synth", p.nbytes, enabled=progress) as bar:
-        paths = write_model(out, p.kv, p.tensors, layout=p.layout, alignment=ALIGNMENT, progress=bar)
+    if sparse or metadata_shard:
+        jobs = _shard_jobs(p, out)
+        with byte_progress("synth", p.nbytes, enabled=progress and not sparse) as bar:
+            _write_files(jobs, sparse=sparse, progress=bar)
+        paths = [path for path, _, _ in jobs]
+    else:
+        with byte_progress("synth", p.nbytes, enabled=progress) as bar:
+            paths = write_model(out, p.kv, p.tensors, layout=p.layout, alignment=ALIGNMENT, progress=bar)
     dt = time.perf_counter() - t0
-    file_bytes = sum(q.stat().st_size for q in paths)
+    stats = [q.stat() for q in paths]
+    file_bytes = sum(st.st_size for st in stats)
     return SynthResult(
         paths=[str(q) for q in paths], geometry=p.geometry.name, layers=n_layers, experts=n_experts,
         mla_layers=p.mla_layers, vocab=p.geometry.vocab, tensors=len(p.tensors), tensor_bytes=p.nbytes,
         file_bytes=file_bytes, seconds=round(dt, 3), gb_per_s=round(file_bytes / dt / 1e9, 3) if dt else 0.0,
+        expert_type=types.expert.name, expert_type_down=types.expert_down.name, trunk_type=types.trunk.name,
+        file_type=types.file_type, trunk_kept_q8_0=len(p.trunk_kept_q8_0), metadata_shard=metadata_shard,
+        sparse=sparse, disk_bytes=sum(st.st_blocks * 512 for st in stats),
     )
 
 
-__all__ = ["Geometry", "K3", "MINI", "GEOMETRIES", "SynthPlan", "SynthResult", "Pools", "Vocab",
-           "make_vocab", "mla_layers", "tensor_shapes", "build_kv", "balanced_layout", "plan",
-           "synthesize"]
+__all__ = ["Geometry", "K3", "MINI", "MINI256", "GEOMETRIES", "SynthPlan", "SynthResult", "Pools", "Vocab",
+           "Types", "EXPERT_TYPES", "TRUNK_TYPES", "types_for", "apply_types", "make_vocab", "mla_layers",
+           "tensor_shapes", "build_kv", "balanced_layout", "plan", "synthesize"]

@@ -13,10 +13,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from k3kit._io import atomic_write, fsync_dir, fsync_file, temp_path
 from k3kit.errors import FormatError, K3Error
 from k3kit.gguf.reader import (
     ALIGNMENT_KEY,
@@ -26,6 +28,8 @@ from k3kit.gguf.reader import (
     KV,
     SCALAR_DTYPES,
     align_up,
+    kv_array,
+    kv_int,
     tensor_nbytes,
 )
 from k3kit.gguf.shards import SHARD_RE, SPLIT_COUNT, SPLIT_KEYS, SPLIT_NO, SPLIT_TENSORS_COUNT, shard_name
@@ -108,7 +112,7 @@ def kv(key: str, vtype: GGUFValueType, value: object, item_type: GGUFValueType |
     if item_type == GGUFValueType.ARRAY:
         raise ValueError(f"{key}: nested arrays are not supported")
     if item_type == GGUFValueType.STRING:
-        return KV(key, vtype, [_check_scalar(key, item_type, v) for v in value], item_type)
+        return KV(key, vtype, [_check_scalar(key, item_type, v) for v in _items(value)], item_type)
     if isinstance(value, np.ndarray):
         arr = value.reshape(-1)
         if item_type == GGUFValueType.BOOL:
@@ -123,10 +127,15 @@ def kv(key: str, vtype: GGUFValueType, value: object, item_type: GGUFValueType |
         else:
             arr = arr.astype(SCALAR_DTYPES[item_type])
     else:
-        vals = [_check_scalar(key, item_type, v) for v in value]
+        vals = [_check_scalar(key, item_type, v) for v in _items(value)]
         dtype = bool if item_type == GGUFValueType.BOOL else SCALAR_DTYPES[item_type]
         arr = np.array(vals, dtype=dtype)
     return KV(key, vtype, arr, item_type)
+
+
+def _items(value: object) -> Iterable[object]:
+    """An array KV's value: any iterable of elements (anything else fails where it is iterated)."""
+    return cast("Iterable[object]", value)
 
 
 def _string(s: str | bytes) -> bytes:
@@ -136,7 +145,7 @@ def _string(s: str | bytes) -> bytes:
 
 def _scalar_bytes(vtype: GGUFValueType, value: object) -> bytes:
     if vtype == GGUFValueType.STRING:
-        return _string(value)
+        return _string(cast("str | bytes", value))  # a STRING KV holds a str
     if vtype == GGUFValueType.BOOL:
         return b"\x01" if value else b"\x00"
     return np.array(value, dtype=SCALAR_DTYPES[vtype]).tobytes()
@@ -151,9 +160,10 @@ def encode_kv(item: KV) -> bytes:
     it = item.item_type
     if it is None:
         raise ValueError(f"{item.key}: array without item_type")
-    out += [int(it).to_bytes(4, "little"), len(item.value).to_bytes(8, "little")]
+    values = kv_array(item)
+    out += [int(it).to_bytes(4, "little"), len(values).to_bytes(8, "little")]
     if it == GGUFValueType.STRING:
-        out += [_string(s) for s in item.value]
+        out += [_string(s) for s in values]
     elif it == GGUFValueType.BOOL:
         out.append(np.asarray(item.value, dtype=bool).astype(np.uint8).tobytes())
     else:
@@ -186,7 +196,7 @@ def _resolve_alignment(kvs: list[KV], alignment: int) -> tuple[list[KV], int]:
     """general.alignment in the KVs wins over the default; it is written whenever it is not 32."""
     given = next((k for k in kvs if k.key == ALIGNMENT_KEY), None)
     if given is not None:
-        value = int(given.value)
+        value = kv_int(given)
         if alignment != DEFAULT_ALIGNMENT and alignment != value:
             raise ValueError(f"{ALIGNMENT_KEY} KV is {value} but alignment={alignment} was asked for")
         alignment = value
@@ -198,7 +208,8 @@ def _resolve_alignment(kvs: list[KV], alignment: int) -> tuple[list[KV], int]:
     return kvs, alignment
 
 
-def _header(kvs: Sequence[KV], tensors: Sequence[TensorSpec], alignment: int) -> bytes:
+def header_bytes(kvs: Sequence[KV], tensors: Sequence[TensorSpec], alignment: int) -> bytes:
+    """Everything a GGUF file holds before its data section (padded to `alignment`)."""
     parts = [GGUF_MAGIC, GGUF_VERSION.to_bytes(4, "little"),
              len(tensors).to_bytes(8, "little"), len(kvs).to_bytes(8, "little")]
     parts += [encode_kv(k) for k in kvs]
@@ -212,8 +223,9 @@ def _header(kvs: Sequence[KV], tensors: Sequence[TensorSpec], alignment: int) ->
     return head + bytes(align_up(len(head), alignment) - len(head))
 
 
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
+def _write_all(fd: int, data: Chunk) -> None:
+    # numpy declares ndarray's buffer protocol to type checkers only for Python >= 3.12
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
     while view:
         n = os.write(fd, view[:RW_CHUNK])
         view = view[n:]
@@ -269,11 +281,9 @@ def source_bytes(spec: TensorSpec) -> np.ndarray:
     if isinstance(src, FileRange):
         with open(src.path, "rb") as f:
             return np.frombuffer(os.pread(f.fileno(), src.nbytes, src.offset), np.uint8)
-    if callable(src):
-        src = src()
-    if isinstance(src, np.ndarray | bytes | bytearray | memoryview):
-        src = [src]
-    return np.concatenate([np.frombuffer(_chunk_bytes(c), np.uint8) for c in src])
+    produced = src() if callable(src) else src
+    chunks = [produced] if isinstance(produced, np.ndarray | bytes | bytearray | memoryview) else produced
+    return np.concatenate([np.frombuffer(_chunk_bytes(c), np.uint8) for c in chunks])
 
 
 def _write_data(fd: int, t: TensorSpec, progress: ByteProgress | None) -> None:
@@ -283,9 +293,8 @@ def _write_data(fd: int, t: TensorSpec, progress: ByteProgress | None) -> None:
             raise ValueError(f"tensor '{t.name}': source has {src.nbytes} bytes, expected {t.nbytes}")
         _copy_range(src, fd, progress)
         return
-    if callable(src):
-        src = src()
-    chunks = [src] if isinstance(src, np.ndarray | bytes | bytearray | memoryview) else src
+    produced = src() if callable(src) else src
+    chunks = [produced] if isinstance(produced, np.ndarray | bytes | bytearray | memoryview) else produced
     n = 0
     for chunk in chunks:
         data = _chunk_bytes(chunk)
@@ -300,20 +309,6 @@ def _write_data(fd: int, t: TensorSpec, progress: ByteProgress | None) -> None:
         raise ValueError(f"tensor '{t.name}': source has {n} bytes, expected {t.nbytes}")
 
 
-def temp_path(path: Path) -> Path:
-    """The hidden temporary name an output is written under before its atomic rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def fsync_dir(d: Path) -> None:
-    """Make a rename in directory `d` durable."""
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_out_dir(path: Path) -> None:
     if not path.parent.is_dir():
         raise K3Error(f"{path.parent}: output directory does not exist")
@@ -323,7 +318,7 @@ def _write_file(tmp: Path, kvs: list[KV], tensors: Sequence[TensorSpec], alignme
                 progress: ByteProgress | None) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, _header(kvs, tensors, alignment))
+        _write_all(fd, header_bytes(kvs, tensors, alignment))
         for t in tensors:
             _write_data(fd, t, progress)
             pad = align_up(t.nbytes, alignment) - t.nbytes
@@ -333,19 +328,11 @@ def _write_file(tmp: Path, kvs: list[KV], tensors: Sequence[TensorSpec], alignme
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(pairs: list[tuple[Path, Path]]) -> None:
     """fsync every temp, then rename them all. Syncing after all shards are written (not one
     by one) lets the kernel write back earlier shards while later ones are still copied."""
     for tmp, _ in pairs:
-        _fsync_file(tmp)
+        fsync_file(tmp)
     for tmp, final in pairs:
         os.replace(tmp, final)
     for d in {final.parent for _, final in pairs}:
@@ -360,27 +347,20 @@ def _remove_quietly(paths: Iterable[Path]) -> None:
             pass
 
 
-def write_gguf(path: str | os.PathLike, kv: Iterable[KV], tensors: Sequence[TensorSpec], *,
+def write_gguf(path: str | os.PathLike[str], kv: Iterable[KV], tensors: Sequence[TensorSpec], *,
                alignment: int = DEFAULT_ALIGNMENT, progress: ByteProgress | None = None) -> Path:
     """Write one GGUF v3 file atomically (temp in the same dir, fsync, rename, fsync dir)."""
     path = Path(path)
     kvs, alignment = _resolve_alignment(list(kv), alignment)
     _check_specs(tensors)
     _check_out_dir(path)
-    tmp = temp_path(path)
-    try:
-        _write_file(tmp, kvs, tensors, alignment, progress)
-        _commit([(tmp, path)])
-    except BaseException:
-        _remove_quietly([tmp])
-        raise
-    return path
+    return atomic_write(path, lambda tmp: _write_file(tmp, kvs, tensors, alignment, progress))
 
 
 # ---------------------------------------------------------------- shards
 
 
-def shard_prefix(out: str | os.PathLike) -> Path:
+def shard_prefix(out: str | os.PathLike[str]) -> Path:
     """`x.gguf` and `x-00001-of-00004.gguf` both give the shard prefix `x`."""
     out = Path(out)
     m = SHARD_RE.match(out.name)
@@ -408,7 +388,7 @@ def plan_shards(tensors: Sequence[TensorSpec], max_shard_bytes: int,
     return groups
 
 
-def output_paths(out: str | os.PathLike, n_shards: int) -> list[Path]:
+def output_paths(out: str | os.PathLike[str], n_shards: int) -> list[Path]:
     """Where write_model puts `n_shards` files for `out`."""
     out = Path(out)
     prefix = shard_prefix(out)
@@ -419,7 +399,7 @@ def output_paths(out: str | os.PathLike, n_shards: int) -> list[Path]:
     return [prefix.with_name(shard_name(prefix.name, i, n_shards)) for i in range(n_shards)]
 
 
-def write_model(out: str | os.PathLike, kv: Iterable[KV], tensors: Sequence[TensorSpec], *,
+def write_model(out: str | os.PathLike[str], kv: Iterable[KV], tensors: Sequence[TensorSpec], *,
                 max_shard_bytes: int | None = None, layout: Sequence[Sequence[str]] | None = None,
                 alignment: int = DEFAULT_ALIGNMENT, progress: ByteProgress | None = None) -> list[Path]:
     """Write a model as one file, or as shards by size or by an explicit layout.

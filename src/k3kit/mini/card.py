@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,14 +34,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from k3kit._io import atomic_write, read_json
+from k3kit.adapters.kimi_k3_hf import load_hf, save_hf
 from k3kit.errors import K3Error
 from k3kit.gguf import quants
 from k3kit.gguf.format import is_trunk_matrix
 from k3kit.gguf.shards import Model
 from k3kit.mini import data, paths
 from k3kit.mini.corpus import build_corpus
-from k3kit.mini.fast_kda import use_fast_kda
-from k3kit.mini.fast_moe import use_fast_moe
 from k3kit.mini.train import (
     CHECKPOINT_NAME,
     HF_DIR,
@@ -54,8 +53,9 @@ from k3kit.mini.train import (
     evaluate,
 )
 from k3kit.models.kimi_k3.gguf_map import infer_optional_parts, load_gguf_tensors
-from k3kit.models.kimi_k3.hf import load_hf, save_hf
+from k3kit.models.kimi_k3.kda import use_fast_kda
 from k3kit.models.kimi_k3.model import K3Model
+from k3kit.models.kimi_k3.moe import use_fast_moe
 
 CURVE_NAME = "training_curve.png"
 QAT_NAME = "qat.json"
@@ -188,10 +188,8 @@ def plot_curve(log: list[dict], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp)
+    atomic_write(out, lambda p: fig.savefig(p, format="png"))
     plt.close(fig)
-    tmp.replace(out)
 
 
 def _sha256(p: Path) -> str:
@@ -203,12 +201,9 @@ def _sha256(p: Path) -> str:
 
 
 def _read_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise K3Error(f"{p}: missing (not a `k3kit mini train` run directory?)") from None
-    except json.JSONDecodeError as e:
-        raise K3Error(f"{p}: not valid JSON ({e})") from None
+    if not p.exists():
+        raise K3Error(f"{p}: missing (not a `k3kit mini train` run directory?)")
+    return read_json(p)
 
 
 def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, hf_dtype: torch.dtype = torch.bfloat16,
@@ -291,7 +286,7 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     hf_model = load_hf(folder / paths.HF_NAME)
     n_params, n_active = count_params(hf_model)
     experts = sum(p.numel() for n, p in hf_model.named_parameters() if n.endswith("_exps"))
-    L = []
+    L: list[str] = []
     add = L.append
     add("# mini K3\n")
     add(f"A {len(kinds)}-layer, {n_params / 1e6:.1f} M-parameter Kimi-K3: every architectural feature "
@@ -409,22 +404,3 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
         "`k3kit convert target DIR/hf -o mini-k3.gguf`. `k3kit mini path` prints the shipped GGUF, "
         "`--hf` the checkpoint.\n")
     return "\n".join(L)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """python -m k3kit.mini.card RUN_DIR DEST [--no-gguf]"""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2:
-        print("usage: python -m k3kit.mini.card RUN_DIR DEST [--no-gguf]", file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
-    try:
-        ship(args[0], args[1], gguf="--no-gguf" not in args)
-    except K3Error as e:
-        print(f"k3kit: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

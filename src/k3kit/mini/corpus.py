@@ -128,7 +128,8 @@ def build_corpus(max_bytes: int | None = None, *, root: Path | str | None = None
     if not texts:
         raise K3Error(f"{root}: no usable .py files (after the directory, size, UTF-8 and max_bytes filters)")
 
-    train_paths, heldout_paths = [], []
+    train_paths: list[str] = []
+    heldout_paths: list[str] = []
     for rel in sorted(texts):
         (heldout_paths if is_heldout(rel, heldout_fraction) else train_paths).append(rel)
     train_docs = [texts[p] for p in train_paths]

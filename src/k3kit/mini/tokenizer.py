@@ -2,7 +2,7 @@
 
 It is trained with HF `tokenizers` on the corpus's train split and pre-tokenizes with the
 split llama.cpp runs for `tokenizer.ggml.pre = "kimi-k2"` (the name real K3 GGUFs carry; the
-regex that reproduces llama.cpp's code lives in `k3kit.gguf.tokenizer_kv`), so llama.cpp,
+regex that reproduces llama.cpp's code lives in `k3kit.tokenizer.gguf_kv`), so llama.cpp,
 k3kit's runtime (which rebuilds the tokenizer from the GGUF) and this trainer agree token for
 token.
 
@@ -10,23 +10,26 @@ Special tokens use Kimi-K2's texts and sit at the END of the vocab like real Kim
 (K2: [BOS] 163584 ... [PAD] 163839; K3's drafter mask 163824). [MASK] is the drafter's
 `mask_token_id`: DSpark/DFlash drafts fill the block after the anchor with it.
 
-The chat format is Kimi-K2's (`<|im_user|>user<|im_middle|>...<|im_end|>`), without K2's
-default "You are Kimi" system message: that is exactly what llama.cpp's built-in `kimi-k2`
-template renders, and llama.cpp picks that built-in for any template containing
-`<|im_assistant|>assistant<|im_middle|>`. (Real K3 moved to an XML-like format with
-`<|open|>`/`<|close|>`/`<|end_of_msg|>`; a model this small gains nothing from it.)
+The chat format is Kimi-K2's (`<|im_user|>user<|im_middle|>...<|im_end|>`, k3kit.tokenizer.chat's
+KIMI_TEMPLATE), without K2's default "You are Kimi" system message: that is exactly what
+llama.cpp's built-in `kimi-k2` template renders, and llama.cpp picks that built-in for any
+template containing `<|im_assistant|>assistant<|im_middle|>`. (Real K3 moved to an XML-like
+format with `<|open|>`/`<|close|>`/`<|end_of_msg|>`; a model this small gains nothing from it.)
+Encoding and the chat rendering live in k3kit.tokenizer; this module only trains and describes
+the mini's tokenizer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from k3kit.errors import K3Error
-from k3kit.gguf.tokenizer_kv import (
+from k3kit.tokenizer.chat import IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, KIMI_TEMPLATE
+from k3kit.tokenizer.gguf_kv import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     build_bpe_tokenizer,
@@ -44,50 +47,13 @@ MAX_TOKEN_BYTES = 32
 
 BOS = "[BOS]"
 EOS = "[EOS]"
-IM_END = "<|im_end|>"
-IM_USER = "<|im_user|>"
-IM_ASSISTANT = "<|im_assistant|>"
-IM_SYSTEM = "<|im_system|>"
-IM_MIDDLE = "<|im_middle|>"
 MASK = "[MASK]"
 PAD = "[PAD]"
 # In id order; they take the last len(SPECIAL_TOKENS) ids, [PAD] last as in Kimi-K2.
 SPECIAL_TOKENS = (BOS, EOS, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, MASK, PAD)
 
-ROLE_HEADERS = {
-    "system": f"{IM_SYSTEM}system{IM_MIDDLE}",
-    "user": f"{IM_USER}user{IM_MIDDLE}",
-    "assistant": f"{IM_ASSISTANT}assistant{IM_MIDDLE}",
-    "tool": f"{IM_SYSTEM}tool{IM_MIDDLE}",
-}
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}" + ROLE_HEADERS["system"] +
-    "{%- elif message['role'] == 'user' -%}" + ROLE_HEADERS["user"] +
-    "{%- elif message['role'] == 'assistant' -%}" + ROLE_HEADERS["assistant"] +
-    "{%- elif message['role'] == 'tool' -%}" + ROLE_HEADERS["tool"] +
-    "{%- else -%}{{- raise_exception('unknown role: ' + message['role']) -}}"
-    "{%- endif -%}"
-    "{{- message['content'] -}}" + IM_END +
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}" + ROLE_HEADERS["assistant"] + "{%- endif -%}"
-)
-
-
-def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-    """Render `messages` exactly as CHAT_TEMPLATE (and llama.cpp's `kimi-k2` built-in) does."""
-    parts = []
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLE_HEADERS:
-            raise K3Error(f"chat message {i}: unknown role {role!r} (expected one of {sorted(ROLE_HEADERS)})")
-        if not isinstance(content, str):
-            raise K3Error(f"chat message {i}: content must be a string, got {type(content).__name__}")
-        parts += [ROLE_HEADERS[role], content, IM_END]
-    if add_generation_prompt:
-        parts.append(ROLE_HEADERS["assistant"])
-    return "".join(parts)
+# The template the mini writes into its GGUF and tokenizer_config.json: Kimi-K2's format.
+CHAT_TEMPLATE = KIMI_TEMPLATE
 
 
 def train_tokenizer(docs: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *,
@@ -121,7 +87,8 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *
     tokens = sorted(vocab, key=vocab.__getitem__)
     if [vocab[t] for t in tokens] != list(range(n_bpe)):
         raise K3Error("BPE training returned ids with gaps")  # a tokenizers bug, not user input
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    merges = [(a, b) for a, b in pairs]
     types = [TOKEN_NORMAL] * n_bpe + [TOKEN_CONTROL] * len(SPECIAL_TOKENS)
     return finish_tokenizer(build_bpe_tokenizer(tokens + list(SPECIAL_TOKENS), merges, types, PRE))
 
@@ -169,15 +136,3 @@ def gguf_tokenizer_kv(tok: Tokenizer):
     """The mini K3's `tokenizer.*` KVs: eos [EOS] (documents), eot <|im_end|> (turns), mask for drafts."""
     return tokenizer_kv(tok, pre=PRE, bos=BOS, eos=EOS, eot=IM_END, pad=PAD, mask=MASK,
                         add_bos=True, add_eos=False, chat_template=CHAT_TEMPLATE)
-
-
-def encode(tok: Tokenizer, text: str, *, add_bos: bool = False, special: bool = True) -> list[int]:
-    """Token ids as llama.cpp's `tokenize(text, add_bos, special)` gives them.
-
-    special=False treats special-token texts in `text` as plain text (llama.cpp's parse_special).
-    """
-    tok.encode_special_tokens = not special
-    try:
-        return tok.encode(text, add_special_tokens=add_bos).ids
-    finally:
-        tok.encode_special_tokens = False

@@ -21,28 +21,28 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3kit._io import atomic_write, write_json
+from k3kit.adapters.kimi_k3_hf import save_hf
 from k3kit.errors import K3Error
 from k3kit.mini import data, tokenizer
 from k3kit.mini.corpus import build_corpus
-from k3kit.mini.fast_kda import use_fast_kda
-from k3kit.mini.fast_moe import use_fast_moe
 from k3kit.models.kimi_k3.config import KDA, MLA, K3ModelConfig
-from k3kit.models.kimi_k3.hf import save_hf
 from k3kit.models.kimi_k3.kda import KDA as KDAModule
+from k3kit.models.kimi_k3.kda import use_fast_kda
 from k3kit.models.kimi_k3.model import K3Model
-from k3kit.models.kimi_k3.moe import LatentMoE
+from k3kit.models.kimi_k3.moe import LatentMoE, use_fast_moe
 
 LOG_NAME = "train_log.jsonl"
 SETTINGS_NAME = "train_settings.json"
@@ -61,7 +61,7 @@ def mini_config(vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE, **overrides) -> 
     more tokens. Widths that feed Q8_0/MXFP4 weights are multiples of 32; hidden 256 and the
     dense FFN (512) are multiples of 256 so the biggest trunk matrices can be requantized to Q4_K.
     """
-    base = dict(
+    base: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=256, layer_kinds=[KDA, KDA, KDA, MLA, KDA, MLA],
         num_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
         kda_head_dim=64, conv_kernel=4, gate_lower_bound=-5.0,
@@ -176,8 +176,9 @@ def lm_loss(model: K3Model, batch: Tensor, routes: bool = False, balance_coef: f
     out = model(batch[:, :-1], return_routes=routes)
     logits = out.logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-    terms = [m.balance_loss for m in model.modules()
-             if isinstance(m, LatentMoE) and getattr(m, "balance_loss", None) is not None]
+    terms: list[Tensor] = [
+        t for m in model.modules()
+        if isinstance(m, LatentMoE) and (t := getattr(m, "balance_loss", None)) is not None]
     objective = loss + balance_coef * torch.stack(terms).mean() if terms and balance_coef else loss
     return loss, out.routes, objective
 
@@ -207,14 +208,15 @@ def balance_routers(model: K3Model, routes: dict[int, Tensor], rate: float) -> d
         moe = model.layers[il].ffn
         assert isinstance(moe, LatentMoE)
         load = torch.bincount(ids.reshape(-1), minlength=moe.cfg.num_experts).float()
-        moe.router.bias += rate * torch.sign(load.mean() - load)
+        moe.router.bias.add_(rate * torch.sign(load.mean() - load))  # in place, as `+=` on a Parameter
         imbalance[il] = float(load.max() / load.mean())
     return imbalance
 
 
 def param_groups(model: K3Model, weight_decay: float) -> list[dict]:
     """Decay matrices (and the expert stacks); leave norms, scores, decays and convs alone."""
-    decay, no_decay = [], []
+    decay: list[Tensor] = []
+    no_decay: list[Tensor] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -239,33 +241,6 @@ def tokenizer_config(tok) -> dict:
         "chat_template": tokenizer.CHAT_TEMPLATE,
         "special_token_ids": ids,
     }
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)             # mkstemp's 0600 is wrong for files meant to be shipped
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass
@@ -349,12 +324,11 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
         say(f"resumed at step {step} of {total_steps}")
     else:
         log_path.write_text("")
-        _atomic_write_text(out / SETTINGS_NAME, json.dumps(
-            {"settings": asdict(s), "model": cfg.to_dict(), "params": n_params, "active_params": n_active},
-            indent=2) + "\n")
-        _atomic_write_text(out / MANIFEST_NAME, json.dumps(
-            {**corpus.manifest, "tokenizer": tokenizer.tokenizer_manifest(tok),
-             "train_tokens": train_stream.numel(), "heldout_tokens": held_stream.numel()}, indent=2) + "\n")
+        write_json(out / SETTINGS_NAME, {"settings": asdict(s), "model": cfg.to_dict(), "params": n_params,
+                                         "active_params": n_active})
+        write_json(out / MANIFEST_NAME,
+                   {**corpus.manifest, "tokenizer": tokenizer.tokenizer_manifest(tok),
+                    "train_tokens": train_stream.numel(), "heldout_tokens": held_stream.numel()})
     say(f"model: {n_params / 1e6:.2f} M parameters ({n_active / 1e6:.2f} M active per token); "
         f"unigram held-out perplexity {unigram:.1f}")
 
@@ -376,6 +350,7 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
                 break
             if total_steps is None and step == 20:
                 # size the schedule from the measured speed (eval passes cost ~ one step per window / 4)
+                assert budget is not None  # validate(): no steps means minutes are given
                 per_step = elapsed / step
                 n_evals = budget / per_step / s.eval_every
                 eval_cost = n_evals * per_step * s.eval_windows / 8
@@ -418,9 +393,10 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
                 say(f"step {step}/{total_steps or '?'} loss {last_loss:.3f} lr {lr:.2e} "
                     f"{tps:.0f} tok/s max-load {imbalance:.2f}{ppl}{eta}")
             if step % s.checkpoint_every == 0 or step == s.stop_at:
-                _atomic_torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                                    "total_steps": total_steps, "tokens": tokens_seen,
-                                    "seconds": time.perf_counter() - t_run}, ckpt_path)
+                atomic_write(ckpt_path, partial(torch.save, {
+                    "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "total_steps": total_steps, "tokens": tokens_seen,
+                    "seconds": time.perf_counter() - t_run}))
 
     seconds = time.perf_counter() - t_run
     nll = evaluate(model, held_all)
@@ -430,16 +406,15 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
 
     hf = out / HF_DIR
     save_hf(model, hf)
-    tok.save(str(hf / "tokenizer.json.tmp"))
-    os.replace(hf / "tokenizer.json.tmp", hf / "tokenizer.json")
-    _atomic_write_text(hf / "tokenizer_config.json", json.dumps(tokenizer_config(tok), indent=2) + "\n")
+    atomic_write(hf / "tokenizer.json", lambda p: tok.save(str(p)))
+    write_json(hf / "tokenizer_config.json", tokenizer_config(tok))
     result = TrainResult(out, step, tokens_seen, seconds, last_loss, nll, math.exp(nll), unigram,
                          n_params, n_active)
-    _atomic_write_text(out / SUMMARY_NAME, json.dumps(
-        {**result.to_dict(), "schedule_steps": total_steps, "heldout_windows": held_all.shape[0],
-         "seq_len": s.seq_len,
-         "heldout_tokens_scored": held_all[:, 1:].numel(), "kda_modules": _count(model, KDAModule),
-         "moe_modules": _count(model, LatentMoE)}, indent=2) + "\n")
+    write_json(out / SUMMARY_NAME,
+               {**result.to_dict(), "schedule_steps": total_steps, "heldout_windows": held_all.shape[0],
+                "seq_len": s.seq_len,
+                "heldout_tokens_scored": held_all[:, 1:].numel(), "kda_modules": _count(model, KDAModule),
+                "moe_modules": _count(model, LatentMoE)})
     say(f"saved {hf}")
     return result
 
@@ -453,7 +428,7 @@ def _truncate_log(path: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-    _atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+    atomic_write(path, "".join(ln + "\n" for ln in keep))
 
 
 def settings_from_dict(d: dict) -> TrainSettings:

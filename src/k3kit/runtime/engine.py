@@ -1,8 +1,8 @@
 """The generation loop over a model adapter: chunked prefill, decode, sampling, streaming.
 
 The engine is model-neutral. It drives anything with the `CausalModel` shape (one sequence,
-`forward(ids)` runs and commits rows and returns logits) and talks to the model's expert
-ledger only through `expert_stats()` (anything with hits, misses, bytes_read), so the
+`forward(ids)` runs and commits rows and returns logits; k3kit.runtime.protocols) and talks
+to the model's expert ledger only through `expert_stats()` (an `ExpertLedger`), so the
 payload it reports is what the store actually read, not an estimate.
 
 Decoding goes through a `DecodeStep`: given the last emitted token (not yet fed to the
@@ -23,20 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from torch import Tensor
-
+from k3kit.runtime.protocols import CausalModel, ExpertLedger
 from k3kit.runtime.sampling import Sampler, Sampling
-
-
-class CausalModel(Protocol):
-    vocab_size: int
-
-    @property
-    def position(self) -> int: ...
-
-    def reset(self) -> None: ...
-
-    def forward(self, ids: Sequence[int], all_logits: bool = False) -> Tensor: ...
 
 
 class DecodeStep(Protocol):
@@ -54,7 +42,19 @@ class ARStep:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set of this process.
+
+    Linux: VmHWM from /proc/self/status. Not ru_maxrss: Linux carries a parent's peak into a
+    child's ru_maxrss across (v)fork + exec, so a `k3kit generate` started from a big process
+    would report that process's peak. Elsewhere ru_maxrss (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(r if sys.platform == "darwin" else r * 1024)
 
@@ -98,7 +98,7 @@ class _Ledger:
     """Deltas of the model's expert counters (if it has any) between two points."""
 
     def __init__(self, model: Any):
-        self.fn = getattr(model, "expert_stats", None)
+        self.fn = model.expert_stats if isinstance(model, ExpertLedger) else None
 
     def read(self) -> tuple[int, int, int]:
         if self.fn is None:

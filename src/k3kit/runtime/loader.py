@@ -1,28 +1,35 @@
-"""GGUF -> a runnable model: trunk tensors dequantized once, routed experts left in the file.
+"""GGUF -> what an adapter builds a model from: trunk tensors on demand, an expert store.
 
-The loader is model-neutral. It opens the (sharded) GGUF header-only, finds the adapter
-registered for `general.architecture`, and hands it a `GGUFSource`: a way to get one trunk
-tensor as a torch tensor in the compute dtype on a device, and a way to build an
-`ExpertStore` over the expert tensors the adapter names. The adapter (in `k3kit.models.*`)
-knows what the tensors mean; nothing here does.
+The loader is model-neutral. `GGUFSource` opens a (sharded) GGUF header-only and gives an
+adapter its KVs, its tensor infos, one trunk tensor at a time as a torch tensor in the
+compute dtype on a device, and an `ExpertStore` over the expert tensors the adapter names.
+The adapter (k3kit.adapters.<arch>) knows what the tensors mean; nothing here does, and
+nothing here chooses the adapter: `k3kit.adapters.load_model` maps `general.architecture`
+to one through its registry table.
 
-Memory: every shard is mapped with plain mmap (no MAP_POPULATE, no WILLNEED on the file);
-a trunk tensor's pages are faulted in while it is dequantized and dropped from this process
-(MADV_DONTNEED) right after, so resident memory is the dequantized trunk, not the trunk
-twice. The page cache keeps whatever the kernel wants to keep.
+Memory: every shard is mapped with plain mmap (no MAP_POPULATE, no WILLNEED on the file)
+through the same `MappedFile` the expert store reads with; a trunk tensor's pages are
+faulted in while it is dequantized and dropped from this process (MADV_DONTNEED) right
+after, so resident memory is the dequantized trunk, not the trunk twice. The page cache
+keeps whatever the kernel wants to keep.
 
-Adapters register themselves by architecture name: a module `k3kit.models.<pkg>.adapter`
-with `ARCHITECTURES` (names) and `load(source, options)`. Discovery imports only those modules.
+A quantized trunk (`LoadOptions.trunk = "quantized"`) takes tensors as their bytes instead
+(`GGUFSource.raw`): a uint8 tensor over a second, private (copy-on-write, never written)
+mapping of the shard, which nothing ever MADV_DONTNEEDs. Its pages become resident as the
+first forward touches them, are the page cache's own pages (one copy in RAM, shared with any
+other process mapping the file, and clean: the kernel can drop and re-read them under memory
+pressure, as llama.cpp's mmap does), so resident trunk = the file's trunk bytes. Reading into
+an owned buffer instead (`copy=True`) makes the same RSS but a second copy of the bytes in the
+page cache until the kernel evicts it, and loads slower.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import mmap
 import os
-import pkgutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +41,11 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from k3kit.errors import FormatError, K3Error
 from k3kit.gguf.reader import KV, TensorInfo
 from k3kit.gguf.shards import Model
-from k3kit.runtime.dequant import SUPPORTED, dequantize
+from k3kit.kernels.dequant import SUPPORTED, dequantize
+from k3kit.kernels.qmatmul import native_available
 from k3kit.runtime.experts import ExpertStore
-from k3kit.runtime.qmatmul import native_available
+from k3kit.runtime.experts.io import MappedFile
 
-PAGE = mmap.PAGESIZE
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "f16": torch.float16, "float16": torch.float16}
 
@@ -53,6 +60,7 @@ class LoadOptions:
     cold: bool | str = False             # ExpertStore cold mode (storage reads measured honestly)
     ggml_parity: bool = False            # emulate ggml-cpu's Q8_0 rounding of expert inputs
     expert_kernel: str = "auto"          # "native", "torch" or "auto": see expert_keep()
+    trunk: str = "float"                 # "float": dequantized to `dtype`; "quantized": file bytes
 
     @property
     def devices(self) -> list[torch.device]:
@@ -76,13 +84,28 @@ def parse_device(spec: str) -> torch.device:
 
 
 EXPERT_KERNELS = ("auto", "native", "torch")
+TRUNKS = ("float", "quantized")
+
+
+def check_trunk(trunk: str, devices: Sequence[torch.device]) -> str:
+    """`--trunk` checked against the devices: a quantized trunk runs on the CPU only (for now).
+
+    float:     every trunk matrix dequantized once to the compute dtype (what `--dtype` says).
+    quantized: trunk matrices kept as the file's bytes and multiplied from them
+               (k3kit.layers.quantized_linear); `--dtype` then sets the activations only.
+    """
+    if trunk not in TRUNKS:
+        raise K3Error(f"--trunk {trunk!r}: expected one of {', '.join(TRUNKS)}")
+    if trunk == "quantized" and any(d.type != "cpu" for d in devices):
+        raise K3Error("--trunk quantized runs on the CPU only; use --trunk float with CUDA")
+    return trunk
 
 
 def expert_keep(kernel: str, devices: Sequence[torch.device]) -> str:
     """`--expert-kernel` -> the ExpertStore's keep mode.
 
     native: experts stay quantized in the cache and multiply through the native kernel
-            (k3kit.runtime.qmatmul); CPU only, needs the extension built at install.
+            (k3kit.kernels.qmatmul); CPU only, needs the extension built at install.
     torch:  experts are dequantized to the compute dtype on a miss and cached that way.
     auto:   native when it is built and every device is the CPU, else torch.
     """
@@ -115,29 +138,6 @@ def kv_value(kv: KV) -> Any:
     return v
 
 
-class _Shard:
-    """One mapped shard file; remembers size and mtime to notice changes under the mapping."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        st = os.fstat(self.fd)
-        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
-        self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if self.size else None
-
-    def check(self) -> None:
-        st = os.stat(self.path)
-        if st.st_size != self.size or st.st_mtime_ns != self.mtime_ns:
-            raise FormatError(f"{self.path}: file changed while the model was loaded "
-                              f"(size {self.size} -> {st.st_size})")
-
-    def close(self) -> None:
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
-        os.close(self.fd)
-
-
 class GGUFSource:
     """An open (sharded) GGUF as the adapters see it: KVs, tensor infos, tensors on demand."""
 
@@ -151,16 +151,14 @@ class GGUFSource:
         self.kv: dict[str, Any] = {k: kv_value(v) for k, v in self.model.kv.items()}
         self.raw_kv: dict[str, KV] = self.model.kv
         self.tensors: dict[str, TensorInfo] = self.model.tensors
-        self._shards = [_Shard(p) for p in self.model.paths]
+        self._shards = [MappedFile(p) for p in self.model.paths]
+        self._raw_maps: dict[int, mmap.mmap] = {}   # shard -> the mapping `raw` views (made on demand)
+        self.where = str(self.model.paths[0])    # the first shard: what messages name
         self.trunk_bytes_read = 0
 
     @property
     def arch(self) -> str:
         return self.model.arch
-
-    @property
-    def where(self) -> str:
-        return str(self.model.paths[0])
 
     def names(self) -> set[str]:
         return set(self.tensors)
@@ -168,11 +166,9 @@ class GGUFSource:
     def check(self) -> None:
         """Raise FormatError if any shard changed since it was opened."""
         for s in self._shards:
-            s.check()
+            s.check(by_path=True)
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> torch.Tensor:
-        """One tensor dequantized to `dtype` on `device`, numpy row-major shape (ggml reversed)."""
+    def _checked(self, name: str) -> tuple[TensorInfo, MappedFile]:
         info = self.tensors.get(name)
         if info is None:
             raise FormatError(f"{self.where}: missing tensor {name!r}")
@@ -181,22 +177,50 @@ class GGUFSource:
         if qtype not in SUPPORTED:
             raise FormatError(f"{shard.path}: tensor {name!r} has type {qtype.name}, which the engine "
                               "cannot dequantize")
-        shard.check()
+        shard.check(by_path=True)
         if shard.mm is None or info.offset + info.nbytes > shard.size:
             raise FormatError(f"{shard.path}: tensor {name!r} data past end of file")
-        raw = np.frombuffer(shard.mm, np.uint8, info.nbytes, info.offset)
+        return info, shard
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+        """One tensor dequantized to `dtype` on `device`, numpy row-major shape (ggml reversed)."""
+        info, shard = self._checked(name)
+        qtype = GGMLQuantizationType(info.ggml_type)
+        raw = shard.view(info.offset, info.nbytes)
         try:
             t = dequantize(raw, qtype, tuple(info.shape), dtype)
         finally:
             del raw
-            lo = info.offset // PAGE * PAGE
-            try:   # drop the mapped pages from this process; the page cache decides the rest
-                shard.mm.madvise(mmap.MADV_DONTNEED, lo, info.offset + info.nbytes - lo)
-            except (OSError, AttributeError, ValueError):
-                pass
+            shard.release(info.offset, info.nbytes)   # unmapped here; the page cache decides the rest
         self.trunk_bytes_read += info.nbytes
         dev = torch.device(device)
         return t if dev.type == "cpu" else t.to(dev)
+
+    def raw(self, name: str, copy: bool = False) -> torch.Tensor:
+        """One tensor's bytes, exactly as stored, as a contiguous CPU uint8 tensor (ggml type and
+        shape: `self.tensors[name]`), without dequantizing.
+
+        Default: a zero-copy view of a private mapping of its shard (see the module doc); the
+        view keeps the mapping alive, so it stays valid after `close()`. `copy=True`: read once
+        into an owned buffer (pread: nothing mapped). Counted in `trunk_bytes_read` either way.
+        """
+        info, shard = self._checked(name)
+        if copy:
+            out = np.empty(info.nbytes, np.uint8)
+            shard.pread_into(out, info.offset)
+        else:
+            mm = self._raw_maps.get(info.shard)
+            if mm is None:
+                # ACCESS_COPY (MAP_PRIVATE): torch gets a writable buffer without a warning, and
+                # a stray write would copy one page instead of faulting; pages only read stay
+                # the page cache's. A numpy view holds a buffer export, so the mapping cannot be
+                # unmapped under a live tensor (mmap.close() refuses; see close()).
+                mm = mmap.mmap(shard.fd, 0, access=mmap.ACCESS_COPY)
+                self._raw_maps[info.shard] = mm
+            out = np.frombuffer(mm, np.uint8, info.nbytes, info.offset)
+        self.trunk_bytes_read += info.nbytes
+        return torch.from_numpy(out)
 
     def expert_store(self, layers: Mapping[int, Sequence[str]], *, cache_mib: float,
                      dtype: torch.dtype, device: torch.device | str, cold: bool | str,
@@ -209,6 +233,10 @@ class GGUFSource:
             raise FormatError(f"{self.where}: {e}") from None
 
     def close(self) -> None:
+        for mm in self._raw_maps.values():
+            with contextlib.suppress(BufferError):   # views still held (a quantized trunk): the
+                mm.close()                           # mapping goes when the last one does
+        self._raw_maps = {}
         for s in self._shards:
             s.close()
         self._shards = []
@@ -221,41 +249,6 @@ def release_pages(store: ExpertStore, layer: int, expert: int) -> None:
     Kept for callers written before the store did this itself on every miss (its default).
     """
     store.release(layer, expert)
-
-
-# -- adapter registry -------------------------------------------------------------------------
-
-Loader = Callable[[GGUFSource, LoadOptions], Any]
-_ADAPTERS: dict[str, Loader] = {}
-
-
-def register_adapter(arch: str, load: Loader) -> None:
-    _ADAPTERS[arch] = load
-
-
-def _discover() -> None:
-    import k3kit.models as models
-    for info in pkgutil.iter_modules(models.__path__):
-        if not info.ispkg:
-            continue
-        name = f"k3kit.models.{info.name}.adapter"
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
-        for arch in getattr(mod, "ARCHITECTURES", ()):
-            _ADAPTERS.setdefault(arch, mod.load)
-
-
-def adapter_for(arch: str, where: str = "gguf") -> Loader:
-    if arch not in _ADAPTERS:
-        _discover()
-    if arch not in _ADAPTERS:
-        known = ", ".join(sorted(_ADAPTERS)) or "none"
-        raise FormatError(f"{where}: architecture {arch!r} has no engine adapter (known: {known})")
-    return _ADAPTERS[arch]
 
 
 def limit_heap_retention(threshold: int = 1 << 20) -> bool:
@@ -277,15 +270,3 @@ def limit_heap_retention(threshold: int = 1 << 20) -> bool:
         return bool(libc.mallopt(-3, int(threshold)))   # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
-
-
-def load_model(path: str | os.PathLike, options: LoadOptions | None = None) -> Any:
-    """Open a GGUF and return its architecture's adapter (which owns the source from then on)."""
-    options = options or LoadOptions()
-    limit_heap_retention()
-    source = GGUFSource(path)
-    try:
-        return adapter_for(source.arch, source.where)(source, options)
-    except BaseException:
-        source.close()
-        raise

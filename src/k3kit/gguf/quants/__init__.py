@@ -2,27 +2,41 @@
 
 Quantizers match ggml's `quantize_row_*_ref` (what `ggml_quantize_chunk` runs without an
 importance matrix) byte for byte, so a tensor requantized by k3kit is the file llama.cpp's
-tools would write. Dequantizers match ggml's `dequantize_row_*` bit for bit in float32.
-One module per codec; this module only dispatches.
+tools would write. Dequantizers match ggml's `dequantize_row_*` bit for bit in float32 for
+every block type gguf 0.19 lists (Q1_0 through NVFP4); tests/interop/test_quants_ggml.py
+checks each against libggml. k3kit's own codecs: the floats, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
+(these also quantize) and Q1_0 (absent from gguf-py); the rest run gguf-py's dequantizers,
+which are already bit-exact, in bounded chunks (gguf_py.py). scales.py knows where each type
+keeps its scales: `first_nonfinite_block` / `check_finite` find corrupt blocks cheaply and
+`random_blocks` makes valid ones. One module per codec; this module only dispatches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from k3kit.errors import K3Error
+from k3kit.errors import FormatError, K3Error
 
 from . import float as _float
-from . import kquant_dequant, mxfp4, q4_k, q8_0
+from . import gguf_py, kquant_dequant, mxfp4, q1_0, q4_k, q8_0, scales
 
 T = GGMLQuantizationType
 
 
 class QuantTypeError(K3Error):
     """A tensor type or shape the codecs cannot handle (unsupported type, ragged rows, bad size)."""
+
+
+class CorruptBlockError(FormatError):
+    """A block whose scale is inf/NaN (or overflows): it would dequantize to non-finite values."""
+
+    def __init__(self, message: str, qtype: GGMLQuantizationType, block: int) -> None:
+        super().__init__(message)
+        self.qtype = qtype
+        self.block = block
 
 
 _QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
@@ -43,6 +57,8 @@ _DEQUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q5_K: kquant_dequant.dequantize_q5_k,
     T.Q6_K: kquant_dequant.dequantize_q6_k,
     T.MXFP4: mxfp4.dequantize,
+    T.Q1_0: q1_0.dequantize,
+    **{t: gguf_py.dequantizer(t) for t in sorted(gguf_py.DELEGATED)},
 }
 
 QUANTIZE_TYPES = frozenset(_QUANTIZE)
@@ -89,6 +105,11 @@ def dequantize(raw: np.ndarray | bytes, qtype: GGMLQuantizationType | int, n_ele
     fn = _DEQUANTIZE.get(t)
     if fn is None:
         raise QuantTypeError(f"cannot dequantize {t.name} (supported: {_names(_DEQUANTIZE)})")
+    return fn(_bytes_of(raw, t, n_elements).reshape(-1))
+
+
+def _bytes_of(raw: np.ndarray | bytes, t: GGMLQuantizationType, n_elements: int) -> np.ndarray:
+    """The uint8 array of `raw`, checked to hold exactly `n_elements` values of type t."""
     if n_elements < 0:
         raise QuantTypeError(f"negative element count {n_elements}")
     want = row_bytes(t, n_elements)
@@ -98,7 +119,56 @@ def dequantize(raw: np.ndarray | bytes, qtype: GGMLQuantizationType | int, n_ele
         raise QuantTypeError(f"{t.name} data must be uint8 bytes, got {buf.dtype}")
     if buf.size != want:
         raise QuantTypeError(f"{t.name} data of {buf.size} bytes for {n_elements} elements (expected {want})")
-    return fn(buf.reshape(-1))
+    return buf
+
+
+# Blocks scanned per step of first_nonfinite_block: bounds its temporaries to a few MiB.
+_CHECK_BLOCKS = 1 << 20
+
+
+def first_nonfinite_block(raw: np.ndarray | bytes, qtype: GGMLQuantizationType | int,
+                          n_elements: int) -> int | None:
+    """Index of the first block that would dequantize to inf/NaN, or None when all are finite.
+
+    Reads only the scale bytes (fp16 d/dmin/m, IQ1_M's split d, MXFP4's exponent; F32/F16/BF16
+    check every value, a "block" being one element): a few ms for a 4096 x 4096 matrix.
+    """
+    t = _qtype(qtype)
+    if t not in scales.CHECKED:
+        raise QuantTypeError(f"no finiteness check for {t.name}")
+    buf = _bytes_of(raw, t, n_elements)
+    nbytes = GGML_QUANT_SIZES[t][1]
+    blocks = buf.reshape(-1, nbytes)
+    for start in range(0, blocks.shape[0], _CHECK_BLOCKS):
+        bad = np.flatnonzero(scales.nonfinite_mask(blocks[start : start + _CHECK_BLOCKS], t))
+        if bad.size:
+            return start + int(bad[0])
+    return None
+
+
+def check_finite(raw: np.ndarray | bytes, qtype: GGMLQuantizationType | int, n_elements: int,
+                 what: str = "tensor") -> None:
+    """Raise CorruptBlockError (one line naming `what` and the block) if a block is non-finite.
+
+    `what` is the caller's name for the data, e.g. "model.gguf: blk.3.ffn_down_exps.weight".
+    """
+    t = _qtype(qtype)
+    i = first_nonfinite_block(raw, t, n_elements)
+    if i is not None:
+        elems = GGML_QUANT_SIZES[t][0]
+        kind = "value" if t in scales.FLOATS else "block"
+        raise CorruptBlockError(
+            f"{what}: {t.name} {kind} {i} (elements {i * elems}..{(i + 1) * elems - 1}) "
+            f"is not finite (inf/NaN scale or value); the file is corrupt", t, i)
+
+
+def random_blocks(qtype: GGMLQuantizationType | int, n_blocks: int, rng: np.random.Generator,
+                  scale_range: tuple[float, float] | None = None) -> np.ndarray:
+    """uint8 [n_blocks, block_bytes] of random valid blocks (see scales.random_blocks)."""
+    t = _qtype(qtype)
+    if t not in scales.CHECKED:
+        raise QuantTypeError(f"cannot make random {t.name} blocks")
+    return scales.random_blocks(t, n_blocks, rng, scale_range)
 
 
 def quantize_rows(data: np.ndarray, qtype: GGMLQuantizationType | int, chunk_rows: int = 256) -> np.ndarray:
@@ -118,5 +188,5 @@ def quantize_rows(data: np.ndarray, qtype: GGMLQuantizationType | int, chunk_row
     return out
 
 
-def _names(table: dict) -> str:
+def _names(table: Iterable[GGMLQuantizationType]) -> str:
     return ", ".join(t.name for t in table)

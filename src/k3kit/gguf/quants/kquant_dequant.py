@@ -32,10 +32,10 @@ def dequantize_q5_k(raw: np.ndarray) -> np.ndarray:
     s, m = scales_mins(b[:, 4:16])
     qh = b[:, 16:48]  # (nb, 32)
     qs = b[:, 48:176].reshape(nb, 4, 1, 32)
-    q = np.empty((nb, 4, 2, 32), dtype=np.uint8)
-    q[:, :, 0:1] = qs & 0xF
-    q[:, :, 1:2] = qs >> 4
-    q = q.reshape(nb, 8, 32)
+    nibbles = np.empty((nb, 4, 2, 32), dtype=np.uint8)  # (.., low/high nibble, ..)
+    nibbles[:, :, 0:1] = qs & 0xF
+    nibbles[:, :, 1:2] = qs >> 4
+    q = nibbles.reshape(nb, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
     y = (q + (high << 4)).astype(_F)
     y *= (d[:, None] * s.astype(_F))[:, :, None]

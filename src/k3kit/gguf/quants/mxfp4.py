@@ -117,7 +117,7 @@ def _quantize_exact(xb: np.ndarray, e: np.ndarray, amax: np.ndarray) -> np.ndarr
         hi_v = _MAGS[hi] * d
         err_lo = a - lo_v
         err_hi = hi_v - a
-    idx = np.where(err_hi < err_lo, hi, lo)
+    idx: np.ndarray = np.where(err_hi < err_lo, hi, lo)
     idx[~np.isfinite(a)] = 0  # every error is inf or NaN: ggml keeps index 0
     idx |= (np.signbit(xb) & (idx != 0)).astype(np.uint8) << 3
     scan = np.isinf(amax) | (e > _MAX_SAFE_E)

@@ -46,7 +46,8 @@ def nearest_int(v: np.ndarray) -> np.ndarray:
     return (t & 0x007FFFFF) - 0x00400000
 
 
-def _levels(xs: np.ndarray, mn: np.ndarray, iscale: np.ndarray, bound: np.ndarray, out: np.ndarray):
+def _levels(xs: np.ndarray, mn: np.ndarray, iscale: np.ndarray, bound: np.ndarray,
+            out: np.ndarray) -> np.ndarray:
     """clamp(nearest_int(iscale*(x - min)), 0, 15) as float32 into `out`.
 
     `bound` is max|x - min| per sub-block (float32 rounding is monotone, so every
@@ -66,7 +67,7 @@ def _levels(xs: np.ndarray, mn: np.ndarray, iscale: np.ndarray, bound: np.ndarra
     return out
 
 
-def _search(xs: np.ndarray):
+def _search(xs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """make_qkx2_quants on the (32, n) sub-blocks: returns (L as float32 (32, n), scale, min).
 
     `min` is returned as ggml's `the_min` (= -min, a non-negative offset). The winning levels
@@ -92,7 +93,7 @@ def _search(xs: np.ndarray):
     flat = xmax == mn
     mn0 = mn
 
-    def bound(m):
+    def bound(m: np.ndarray) -> np.ndarray:
         # flat sub-blocks (results discarded) get 0 so they never force the slow path
         return np.where(flat, _F(0), np.maximum(np.abs(xmax - m), np.abs(m - xmin)))
 
@@ -217,10 +218,10 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
     d1 = (d[:, None] * s.astype(_F))[:, :, None]  # (nb, 8, 1)
     m1 = (dmin[:, None] * m.astype(_F))[:, :, None]
     qs = b[:, 16:].reshape(nb, 4, 1, SUB)
-    q = np.empty((nb, 4, 2, SUB), dtype=_F)
-    q[:, :, 0:1] = qs & 0xF
-    q[:, :, 1:2] = qs >> 4
-    q = q.reshape(nb, 8, SUB)
+    nibbles = np.empty((nb, 4, 2, SUB), dtype=_F)  # (.., low/high nibble, ..)
+    nibbles[:, :, 0:1] = qs & 0xF
+    nibbles[:, :, 1:2] = qs >> 4
+    q = nibbles.reshape(nb, 8, SUB)
     q *= d1
     q -= m1
     return q.reshape(-1)

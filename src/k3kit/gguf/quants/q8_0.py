@@ -26,7 +26,8 @@ def roundf(v: np.ndarray) -> np.ndarray:
     integer through round-to-even of the sum, and 0.49999997 stays below 1.
     """
     v += np.copysign(_HALF_DOWN, v)
-    return np.trunc(v, out=v)
+    out: np.ndarray = np.trunc(v, out=v)
+    return out
 
 
 def quantize(x: np.ndarray) -> np.ndarray:

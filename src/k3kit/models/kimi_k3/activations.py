@@ -1,7 +1,8 @@
-"""The elementwise pieces of K3: situ, RMSNorm and the delta-rule L2 norm (float32).
+"""The elementwise pieces of K3: situ and the delta-rule L2 norm (float32).
 
 Written in llama.cpp's operation order (src/models/kimi-k3.cpp, models.h) so a float32
-run here and a float32 ggml run differ only by summation order.
+run here and a float32 ggml run differ only by summation order. RMSNorm is the shared
+k3kit.layers.norm.rms_norm (its default "ggml" order).
 """
 
 from __future__ import annotations
@@ -20,13 +21,6 @@ def situ(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     if linear_beta > 0.0:
         up = torch.tanh(up * (1.0 / linear_beta)) * linear_beta
     return a * up
-
-
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """ggml_rms_norm over the last dim, then the elementwise weight (ggml: x * 1/sqrt(mean(x^2)+eps))."""
-    scale = 1.0 / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = x * scale
-    return y if weight is None else y * weight
 
 
 def l2_norm(x: Tensor, eps: float) -> Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .activations import rms_norm
+from k3kit.layers.norm import rms_norm
 
 
 def res_mix(bank: list[Tensor], cur: Tensor, score_w: Tensor, eps: float) -> Tensor:

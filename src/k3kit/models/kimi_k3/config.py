@@ -4,6 +4,8 @@ Field set = what llama.cpp's `kimi-k3` loader reads (src/models/kimi-k3.cpp,
 load_arch_hparams) plus the shape facts it derives from tensors. The HF form is what
 llama.cpp's converter (conversion/kimi_k3.py on top of conversion/base.py) reads:
 `KimiK3ForConditionalGeneration` with the text model's keys under `text_config`.
+config.json is parsed by the converter's parser (k3kit.convert.hparams), the only one;
+`from_hf_config` maps its K3HParams onto this dataclass.
 """
 
 from __future__ import annotations
@@ -12,19 +14,20 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from k3kit.convert.hparams import (
+    HF_ARCHITECTURE,
+    MAX_DIM,
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MXFP4_FORMAT,
+    K3HParams,
+    parse_hparams,
+)
 from k3kit.errors import K3Error
 
 KDA = "kda"
 MLA = "mla"
-
-HF_ARCHITECTURE = "KimiK3ForConditionalGeneration"
-MXFP4_FORMAT = "mxfp4-pack-quantized"
-
-# Sanity bounds for configs read from disk (hostile JSON): generous for a 2.8T model.
-_MAX_DIM = 1 << 20
-_MAX_LAYERS = 4096
-_MAX_EXPERTS = 1 << 16
-_MAX_VOCAB = 1 << 24
 
 
 @dataclass
@@ -122,16 +125,16 @@ class K3ModelConfig:
                      "qk_nope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",
                      "num_experts", "num_experts_per_tok", "max_position_embeddings"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= _MAX_DIM * 64:
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= MAX_DIM * 64:
                 raise bad(f"{name} must be a positive integer, got {v!r}")
         for name in ("qk_rope_head_dim", "expert_latent_size", "num_shared_experts", "first_k_dense",
                      "attn_res_block_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _MAX_DIM:
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_DIM:
                 raise bad(f"{name} must be a non-negative integer, got {v!r}")
-        if self.hidden_size > _MAX_DIM or self.vocab_size > _MAX_VOCAB:
+        if self.hidden_size > MAX_DIM or self.vocab_size > MAX_VOCAB:
             raise bad("hidden_size or vocab_size out of range")
-        if not 0 < self.num_layers <= _MAX_LAYERS:
+        if not 0 < self.num_layers <= MAX_LAYERS:
             raise bad(f"{self.num_layers} layers is out of range")
         unknown = sorted({k for k in self.layer_kinds if k not in (KDA, MLA)})
         if unknown:
@@ -142,7 +145,7 @@ class K3ModelConfig:
             raise bad(f"q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")
         if not isinstance(self.conv_kernel, int) or not 2 <= self.conv_kernel <= 64:
             raise bad(f"conv_kernel must be 2..64, got {self.conv_kernel!r}")
-        if self.num_experts > _MAX_EXPERTS or not 0 < self.num_experts_per_tok <= self.num_experts:
+        if self.num_experts > MAX_EXPERTS or not 0 < self.num_experts_per_tok <= self.num_experts:
             raise bad(f"top-{self.num_experts_per_tok} of {self.num_experts} experts is not possible")
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise bad(f"first_k_dense {self.first_k_dense} exceeds {self.num_layers} layers")
@@ -229,90 +232,46 @@ class K3ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any, where: str = "config.json") -> K3ModelConfig:
-        """Parse a K3 `config.json` dict (as the converter would read it); K3Error if it is not one."""
-        if not isinstance(cfg, dict):
-            raise K3Error(f"{where}: not a JSON object")
-        arch = cfg.get("architectures")
-        if not isinstance(arch, list) or HF_ARCHITECTURE not in arch:
-            raise K3Error(f"{where}: architectures is {arch!r}, expected [{HF_ARCHITECTURE!r}]")
-        text = cfg.get("text_config", {})
-        if not isinstance(text, dict):
-            raise K3Error(f"{where}: text_config is not an object")
-        hp = {**cfg, **text}     # as the converter does: text_config wins
+        """Parse a K3 `config.json` dict (as the converter reads it); ConvertError if it is not one."""
+        return cls.from_hparams(parse_hparams(cfg, where), where)
 
-        def get(key: str, default: Any = KeyError) -> Any:
-            if key in hp:
-                return hp[key]
-            if default is KeyError:
-                raise K3Error(f"{where}: missing {key!r}")
-            return default
-
-        if get("hidden_act") != "situ":
-            raise K3Error(f"{where}: hidden_act is {get('hidden_act')!r}, expected 'situ'")
-        if not get("mla_use_nope", False):
-            raise K3Error(f"{where}: mla_use_nope must be true (K3 MLA has no rotary part)")
-        if get("moe_router_activation_func", "sigmoid") != "sigmoid":
-            raise K3Error(f"{where}: moe_router_activation_func must be 'sigmoid'")
-        lin = get("linear_attn_config")
-        if not isinstance(lin, dict):
-            raise K3Error(f"{where}: linear_attn_config is not an object")
-        n_layers = get("num_hidden_layers")
-        if not isinstance(n_layers, int) or not 0 < n_layers <= _MAX_LAYERS:
-            raise K3Error(f"{where}: num_hidden_layers {n_layers!r} out of range")
-        full = lin.get("full_attn_layers")
-        if not isinstance(full, list) or len(full) > n_layers or not all(
-                isinstance(i, int) and 1 <= i <= n_layers for i in full):
-            raise K3Error(f"{where}: linear_attn_config.full_attn_layers must list 1-indexed layers")
-        full_set = set(full)
-        kinds = [MLA if (i + 1) in full_set else KDA for i in range(n_layers)]
-        if lin.get("num_heads", get("num_attention_heads")) != get("num_attention_heads"):
-            raise K3Error(f"{where}: linear_attn_config.num_heads differs from num_attention_heads; "
-                          "llama.cpp's kimi-k3 has one head count")
-        quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
-        mxfp4 = isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors" \
-            and quant.get("format") == MXFP4_FORMAT
-        if quant and not mxfp4:
-            raise K3Error(f"{where}: unsupported quantization_config "
-                          f"(only compressed-tensors {MXFP4_FORMAT!r} routed experts)")
-        lb = lin.get("gate_lower_bound")
-        try:
-            conf = cls(
-                vocab_size=get("vocab_size"),
-                hidden_size=get("hidden_size"),
-                layer_kinds=kinds,
-                num_heads=get("num_attention_heads"),
-                max_position_embeddings=get("max_position_embeddings"),
-                rms_norm_eps=float(get("rms_norm_eps")),
-                kda_head_dim=lin.get("head_dim"),
-                conv_kernel=lin.get("short_conv_kernel_size"),
-                gate_lower_bound=None if lb is None else float(lb),
-                q_lora_rank=get("q_lora_rank", None),
-                kv_lora_rank=get("kv_lora_rank"),
-                qk_nope_head_dim=get("qk_nope_head_dim"),
-                qk_rope_head_dim=get("qk_rope_head_dim"),
-                v_head_dim=get("v_head_dim"),
-                mla_output_gate=bool(get("mla_output_gate", True)),
-                intermediate_size=get("intermediate_size"),
-                first_k_dense=get("first_k_dense_replace", 0),
-                num_experts=get("num_experts"),
-                num_experts_per_tok=get("num_experts_per_tok"),
-                moe_intermediate_size=get("moe_intermediate_size"),
-                expert_latent_size=get("routed_expert_hidden_size", None) or 0,
-                routed_expert_norm=bool(get("routed_expert_norm", True)),
-                num_shared_experts=get("num_shared_experts"),
-                routed_scaling_factor=float(get("routed_scaling_factor")),
-                moe_renormalize=bool(get("moe_renormalize")),
-                experts_mxfp4=mxfp4,
-                attn_res_block_size=get("attn_res_block_size"),
-                situ_beta=float(get("activation_situ_beta")),
-                situ_linear_beta=float(get("activation_situ_linear_beta")),
-                bos_token_id=get("bos_token_id", None),
-                eos_token_id=get("eos_token_id", None),
-            )
-        except (TypeError, ValueError) as e:
-            raise K3Error(f"{where}: bad value ({e})") from None
-        if hp.get("tie_word_embeddings"):
-            raise K3Error(f"{where}: tied embeddings are not K3 (llama.cpp needs a separate output)")
+    @classmethod
+    def from_hparams(cls, hp: K3HParams, where: str = "config.json") -> K3ModelConfig:
+        """The model's config for a parsed config.json. What the file leaves unsaid (output gate,
+        routed-expert norm) is taken as present; a loader with the tensors corrects it."""
+        conf = cls(
+            vocab_size=hp.vocab_size,
+            hidden_size=hp.hidden_size,
+            layer_kinds=[MLA if hp.is_mla(i) else KDA for i in range(hp.n_layer)],
+            num_heads=hp.n_head,
+            max_position_embeddings=hp.n_ctx,
+            rms_norm_eps=hp.rms_eps,
+            kda_head_dim=hp.kda_head_dim,
+            conv_kernel=hp.conv_kernel,
+            gate_lower_bound=hp.gate_lower_bound,
+            q_lora_rank=hp.q_lora_rank,
+            kv_lora_rank=hp.kv_lora_rank,
+            qk_nope_head_dim=hp.qk_nope,
+            qk_rope_head_dim=hp.qk_rope,
+            v_head_dim=hp.v_head_dim,
+            mla_output_gate=True if hp.mla_output_gate is None else hp.mla_output_gate,
+            intermediate_size=hp.n_ff,
+            first_k_dense=hp.n_dense_lead,
+            num_experts=hp.n_expert,
+            num_experts_per_tok=hp.n_expert_used,
+            moe_intermediate_size=hp.n_ff_exp,
+            expert_latent_size=hp.latent,
+            routed_expert_norm=True if hp.routed_norm is None else hp.routed_norm,
+            num_shared_experts=hp.n_shared,
+            routed_scaling_factor=hp.expert_weights_scale,
+            moe_renormalize=hp.expert_weights_norm,
+            experts_mxfp4=hp.experts_mxfp4,
+            attn_res_block_size=hp.attn_res_block_size,
+            situ_beta=hp.situ_beta,
+            situ_linear_beta=hp.situ_linear_beta,
+            bos_token_id=hp.bos_token_id,
+            eos_token_id=hp.eos_token_id,
+        )
         return conf.validate(where)
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,7 +315,7 @@ def tiny_config(**overrides: Any) -> K3ModelConfig:
     Layers KDA, KDA, MLA, KDA, KDA, MLA with a dense first layer and attn-res block 2,
     so a short sequence crosses several banks and conv windows.
     """
-    base = dict(
+    base: dict[str, Any] = dict(
         vocab_size=96, hidden_size=64, layer_kinds=[KDA, KDA, MLA, KDA, KDA, MLA], num_heads=2,
         max_position_embeddings=512, rms_norm_eps=1e-5, kda_head_dim=16, conv_kernel=4,
         gate_lower_bound=-5.0, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,

@@ -16,7 +16,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .activations import rms_norm
+from k3kit.layers.norm import rms_norm
+
 from .config import K3ModelConfig
 from .mxfp4 import ggml_input_round
 from .state import MLACache

@@ -13,20 +13,24 @@ The bank lives only inside one forward (see attn_res.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .activations import rms_norm
+from k3kit.layers.moe import ExpertProvider
+from k3kit.layers.norm import rms_norm
+from k3kit.layers.quantized_linear import QuantizedLinear
+
 from .attn_res import res_mix
 from .config import K3ModelConfig
 from .kda import KDA, KDARows
 from .kda import commit_rows as kda_commit_rows
 from .mla import MLA
-from .moe import DenseFFN, ExpertProvider, LatentMoE, Router
+from .moe import DenseFFN, LatentMoE, Router
 from .mxfp4 import ggml_input_round
 from .state import K3State, KDAState, MLACache
 
@@ -107,8 +111,9 @@ class K3Model(nn.Module):
                 mod.ggml_input = kinds.get(pre + "weight")
             elif isinstance(mod, MLA):
                 mod.ggml_inputs = {k: kinds.get(pre + k) for k in ("k_b", "v_b", "kv_b")}
-            elif isinstance(mod, nn.Linear) and kinds.get(pre + "weight") is not None:
-                self._ggml_hooks.append(mod.register_forward_pre_hook(_rounding_hook(kinds[pre + "weight"])))
+            elif (isinstance(mod, (nn.Linear, QuantizedLinear))
+                  and (kind := kinds.get(pre + "weight")) is not None):
+                self._ggml_hooks.append(mod.register_forward_pre_hook(_rounding_hook(kind)))
 
     def new_state(self, batch: int = 1) -> K3State:
         return K3State.new(self.cfg, batch, self.norm.device, self.norm.dtype)
@@ -156,7 +161,8 @@ class K3Model(nn.Module):
         bank: list[Tensor] = []
         stream = self.embed(tokens)
 
-        for il, layer in enumerate(self.layers):
+        layers = cast("Sequence[K3Layer]", self.layers)
+        for il, layer in enumerate(layers):
             mixed = res_mix(bank, stream, layer.attn_res_score, eps) if bs > 0 else stream
             if il in taps:
                 out.layer_inputs[il] = stream if capture_mode == "raw" else mixed

@@ -1,7 +1,7 @@
 """Speculative decoding with a block draft (DFlash / DSpark): model-neutral machinery.
 
 feature_ring  committed tap features, compact storage, window
-interface     the Target and Draft protocols
+(the Target and Draft protocols are k3kit.runtime.protocols)
 proposal      one draft step + the Markov chain across the block
 schedule      confidence / cost-aware verify width
 accept        greedy and lossless rejection-sampling acceptance
@@ -9,10 +9,10 @@ decoder       SpeculativeDecoder: one draft + verify pass per call, its statisti
 loop          speculative_generate and the autoregressive reference
 """
 
+from k3kit.runtime.protocols import Draft, DraftBlock, Target, VerifyOutput
 from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.decoder import DecodeStats, SpeculativeDecoder
 from k3kit.runtime.speculative.feature_ring import FeatureRing
-from k3kit.runtime.speculative.interface import Draft, DraftBlock, Target, VerifyOutput
 from k3kit.runtime.speculative.loop import DecodeResult, ar_generate, speculative_generate
 from k3kit.runtime.speculative.proposal import Proposal, propose
 from k3kit.runtime.speculative.sampling import Sampling, probs

@@ -16,18 +16,26 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from k3kit.runtime.protocols import Draft, Target, VerifyOutput
 from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.feature_ring import FeatureRing
-from k3kit.runtime.speculative.interface import Draft, Target
 from k3kit.runtime.speculative.proposal import propose
 from k3kit.runtime.speculative.sampling import Sampling, probs
 from k3kit.runtime.speculative.schedule import DepthAcceptance, ScheduleConfig, choose_width
 
 REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
+
+
+def _taps(out: VerifyOutput) -> Tensor:
+    """The tap features of a verify made with capture=True (the ring needs one row per committed position)."""
+    if out.taps is None:
+        raise ValueError("target.verify(capture=True) returned no tap features")
+    return out.taps
 
 
 @dataclass
@@ -45,14 +53,14 @@ class DecodeStats:
         """Tokens committed per target pass (1.0 for plain decoding)."""
         return sum(self.committed_per_pass) / max(1, len(self.committed_per_pass))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(d.pop("target_counters"))
         d["tau"] = self.tau
         d["verify_rows_total"] = sum(self.verify_rows)
         return d
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The figures `k3kit generate --draft --json` reports: averages and totals, not lists
         (committed_per_pass is the mean tokens committed per target pass)."""
         out = {
@@ -105,7 +113,7 @@ class SpeculativeDecoder:
         part = [int(t) for t in ids]
         out = self.target.verify(part, capture=True, all_logits=False)
         self.target.commit(len(part))
-        self.ring.append(out.taps)
+        self.ring.append(_taps(out))
         self.stats.prefill_rows += len(part)
         return out.logits[-1:]
 
@@ -131,7 +139,12 @@ class SpeculativeDecoder:
         if self.sampling.greedy:
             m, nxt = accept_greedy(cand, v.logits)
         else:
-            q = props.q[: len(cand)] if props else torch.zeros(0, v.logits.shape[1], dtype=torch.float64)
+            if props is None:
+                q = torch.zeros(0, v.logits.shape[1], dtype=torch.float64)
+            elif props.q is None:       # propose() fills q whenever sampling is not greedy
+                raise ValueError("sampled decoding needs the proposals' distributions (Proposal.q)")
+            else:
+                q = props.q[: len(cand)]
             m, nxt = accept_sampled(cand, q, probs(v.logits, self.sampling), self.gen)
         new = [*cand[:m], nxt]
         for j, t in enumerate(new):
@@ -140,7 +153,7 @@ class SpeculativeDecoder:
                 break
         n_commit = len(new)                 # anchor + accepted proposals up to the last new one
         target.commit(n_commit)
-        self.ring.append(v.taps[:n_commit])
+        self.ring.append(_taps(v)[:n_commit])
 
         st.target_passes += 1
         st.verify_rows.append(len(cand) + 1)

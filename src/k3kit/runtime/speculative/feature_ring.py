@@ -63,14 +63,13 @@ class FeatureRing:
             self.length += n - self.capacity
             self.start = max(self.start, self.length)
             rows, n = rows[-self.capacity:], self.capacity
+        idx = (torch.arange(self.length, self.length + n)) % self.capacity
         if self._scale is not None:
             data, scale = q8_encode(rows)
-        else:
-            data, scale = rows.to(self._buf.dtype), None
-        idx = (torch.arange(self.length, self.length + n)) % self.capacity
-        self._buf[idx] = data
-        if scale is not None:
             self._scale[idx] = scale
+        else:
+            data = rows.to(self._buf.dtype)
+        self._buf[idx] = data
         self.length += n
         self.start = max(self.start, self.length - self.capacity)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from k3kit.runtime.protocols import Draft, Target
 from k3kit.runtime.speculative.decoder import DecodeStats, SpeculativeDecoder, merge_counters
 from k3kit.runtime.speculative.feature_ring import FeatureRing
-from k3kit.runtime.speculative.interface import Draft, Target
 from k3kit.runtime.speculative.sampling import Sampling, pick
 from k3kit.runtime.speculative.schedule import ScheduleConfig
 

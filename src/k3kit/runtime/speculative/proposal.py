@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from k3kit.runtime.speculative.interface import Draft
+from k3kit.runtime.protocols import Draft
 from k3kit.runtime.speculative.sampling import Sampling, probs, sample
 
 

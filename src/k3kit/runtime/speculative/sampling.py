@@ -21,7 +21,7 @@ class Sampling:
     top_p: float = 1.0            # 1: off
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise K3Error(f"sampling: bad parameters {self}")
 
@@ -50,7 +50,8 @@ def probs(logits: Tensor, s: Sampling) -> Tensor:
     return p
 
 
-def sample(p: Tensor, gen: torch.Generator) -> int:
+def sample(p: Tensor, gen: torch.Generator | None) -> int:
+    """One token id drawn from probabilities `p` [V]; `gen` None: torch's default generator."""
     return int(torch.multinomial(p, 1, generator=gen).item())
 
 

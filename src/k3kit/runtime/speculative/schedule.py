@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from k3kit.errors import K3Error
-from k3kit.runtime.route_batch import expected_unique
+from k3kit.runtime.cost import expected_unique
 
 
 def parse_budget(text: str) -> int | None:

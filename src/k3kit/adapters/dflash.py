@@ -1,0 +1,243 @@
+"""The `dflash` GGUF architecture (DFlash and DSpark drafts) as the runtime's Draft.
+
+DSparkDrafter adapts the pure network (k3kit.models.dflash) to the runtime's Draft protocol:
+it keeps the context K/V in step with the feature ring and returns DraftBlocks. `load` is the
+registry entry, so `load_model("draft.gguf")` gives a DraftAdapter.
+
+A draft cannot run alone: it borrows the target's token embedding and LM head and reads the
+target's tapped hidden states, so `attach(target)` checks that the two fit (tap layers exist,
+feature widths and vocabularies agree, the mask token is in the target's vocabulary) and tells
+the target which layer inputs to capture. The draft's weights are dequantized once, like a target trunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from gguf import Keys
+from torch import Tensor
+
+from k3kit.errors import FormatError, K3Error
+from k3kit.gguf.format import ARCH_DFLASH, CONF_PROJ, FC, KEY_TARGET_LAYERS, LLM, MARKOV_W1
+from k3kit.models.dflash.config import DraftConfig
+from k3kit.models.dflash.names import BORROWED
+from k3kit.models.dflash.network import DSparkDraft
+from k3kit.runtime.loader import GGUFSource, LoadOptions
+from k3kit.runtime.protocols import DraftBlock
+from k3kit.runtime.speculative.feature_ring import FeatureRing
+
+FC_WEIGHT, W1_WEIGHT, CONF_WEIGHT = f"{FC}.weight", f"{MARKOV_W1}.weight", f"{CONF_PROJ}.weight"
+TARGET_LAYERS = KEY_TARGET_LAYERS.format(arch=ARCH_DFLASH)
+
+
+class _Rows:
+    """Rows appended at the end, dropped at the front, read as one contiguous view; storage grows
+    by doubling and compacts in place, so a decode pass copies only its new rows."""
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+        self.off = self.n = 0
+
+    def append(self, x: Tensor) -> None:
+        m = x.shape[0]
+        if self.buf is None:
+            self.buf = x.new_empty((max(64, 2 * m), *x.shape[1:]))
+        elif self.off + self.n + m > self.buf.shape[0]:
+            old = self.buf[self.off:self.off + self.n]
+            if self.n + m > self.buf.shape[0] // 2:
+                self.buf = x.new_empty((2 * (self.n + m), *x.shape[1:]))
+            self.buf[: self.n] = old.clone()
+            self.off = 0
+        self.buf[self.off + self.n:self.off + self.n + m] = x
+        self.n += m
+
+    def drop_front(self, k: int) -> None:
+        k = min(k, self.n)
+        self.off += k
+        self.n -= k
+
+    def view(self) -> Tensor:
+        return cast(Tensor, self.buf)[self.off:self.off + self.n]
+
+
+class DSparkDrafter:
+    """Adapts a DSparkDraft to the runtime's Draft protocol.
+
+    Keeps the per-layer K/V of the context rows: they depend only on committed features, so
+    each committed position is projected once, when the ring first holds it. `max_context`
+    bounds the attention window (None: whatever the ring holds).
+    """
+
+    def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256,
+                 block_size: int | None = None):
+        self.draft = draft
+        self.chunk = chunk
+        self.cfg = draft.cfg
+        self.max_context = max_context
+        lo = 1 if draft.cfg.sample_from_anchor else 2
+        if block_size is not None and not lo <= block_size <= draft.cfg.block_size:
+            raise ValueError(f"block size {block_size} must be in {lo}..{draft.cfg.block_size} "
+                             "(the draft's trained block)")
+        # a shorter block than trained: fewer MASK rows in the forward, fewer proposals
+        self.block_size = block_size or draft.cfg.block_size
+        self.has_markov = draft.markov_head is not None
+        self.has_confidence = draft.confidence_head is not None
+        self._rows: list[tuple[_Rows, _Rows]] = []
+        self._begin = self._end = 0
+        self._ring_version: tuple[int, int] | None = None
+
+    @property
+    def n_proposals(self) -> int:
+        return self.block_size if self.cfg.sample_from_anchor else self.block_size - 1
+
+    @property
+    def feature_width(self) -> int:
+        return self.cfg.n_taps * self.cfg.tap_width
+
+    @property
+    def context_span(self) -> tuple[int, int]:
+        return self._begin, self._end
+
+    def context(self) -> list[tuple[Tensor, Tensor]] | None:
+        """Per-layer (K, V) of the context rows currently held."""
+        if self._end == self._begin:
+            return None
+        return [(k.view(), v.view()) for k, v in self._rows]
+
+    @torch.no_grad()
+    def sync(self, ring: FeatureRing) -> None:
+        begin = ring.start
+        if self.max_context is not None:
+            begin = max(begin, ring.length - self.max_context)
+        key = (id(ring), ring.version)
+        if key != self._ring_version or self._end > ring.length or begin > self._end:
+            self._rows = [(_Rows(), _Rows()) for _ in self.draft.layers]     # rebuild from the ring
+            self._begin = self._end = begin
+            self._ring_version = key
+        if begin > self._begin:                                             # slide the window
+            for k, v in self._rows:
+                k.drop_front(begin - self._begin)
+                v.drop_front(begin - self._begin)
+            self._begin = begin
+        while ring.length > self._end:          # chunked: a long prompt's taps are wide
+            end = min(ring.length, self._end + self.chunk)
+            new = self.draft.context_kv(ring.get(self._end, end), torch.arange(self._end, end))
+            for (k, v), (nk, nv) in zip(self._rows, new, strict=True):
+                k.append(nk)
+                v.append(nv)
+            self._end = end
+
+    @torch.no_grad()
+    def draft_block(self, anchor: int, position: int) -> DraftBlock:
+        b = self.block_size
+        ids = torch.full((b,), self.cfg.mask_token_id, dtype=torch.long)
+        ids[0] = anchor
+        pos = torch.arange(position, position + b)
+        hidden = self.draft(ids, pos, self.context())
+        logits = self.draft.logits(hidden)
+        if not self.cfg.sample_from_anchor:      # DFlash: row 0 only re-reads the anchor
+            hidden, logits = hidden[1:], logits[1:]
+        return DraftBlock(logits=logits, hidden=hidden)
+
+    @torch.no_grad()
+    def markov_embed(self, prev: Tensor) -> Tensor:
+        return self.draft.markov_embed(prev)
+
+    @torch.no_grad()
+    def markov_bias(self, w1_prev: Tensor) -> Tensor:
+        return self.draft.markov_bias(w1_prev)
+
+    @torch.no_grad()
+    def confidence(self, hidden: Tensor, w1_prev: Tensor | None) -> Tensor:
+        return self.draft.confidence(hidden, w1_prev)
+
+
+class DraftAdapter(DSparkDrafter):
+    """A DSparkDrafter over GGUF weights, plus what it needs from the target it drafts for."""
+
+    def __init__(self, source: GGUFSource, draft: DSparkDraft):
+        super().__init__(draft)
+        self.source = source
+
+    @property
+    def where(self) -> str:
+        return self.source.where
+
+    @property
+    def tap_inputs(self) -> tuple[int, ...]:
+        """Target layers whose INPUTS are the draft's features (HF id i = output of layer i =
+        input of layer i + 1, which is also what the GGUF stores)."""
+        return tuple(i + 1 for i in self.cfg.target_layer_ids)
+
+    def set_block_size(self, block_size: int | None) -> None:
+        """Run the draft with a block shorter than trained (None: as trained)."""
+        lo = 1 if self.cfg.sample_from_anchor else 2
+        if block_size is not None and not lo <= block_size <= self.cfg.block_size:
+            raise K3Error(f"{self.where}: --block-size {block_size} must be in {lo}..{self.cfg.block_size} "
+                          "(this draft's trained block)")
+        self.block_size = block_size or self.cfg.block_size
+
+    def attach(self, target: Any) -> None:
+        """Borrow `target`'s embedding and LM head and make it capture this draft's taps."""
+        n_layers, hidden = int(target.num_layers), int(target.hidden_size)
+        bad = [i for i in self.tap_inputs if not 0 <= i <= n_layers]
+        if bad:
+            raise FormatError(f"{self.where}: draft taps target layers {[i - 1 for i in bad]}, "
+                              f"the target has {n_layers} layers")
+        if self.cfg.tap_width != hidden:
+            raise FormatError(f"{self.where}: draft reads target features of width {self.cfg.tap_width}, "
+                              f"the target's hidden size is {hidden}")
+        if self.draft.markov_head is not None and self.cfg.vocab_size != target.vocab_size:
+            raise FormatError(f"{self.where}: draft vocabulary {self.cfg.vocab_size} != target "
+                              f"vocabulary {target.vocab_size}")
+        if not 0 <= self.cfg.mask_token_id < target.vocab_size:
+            raise FormatError(f"{self.where}: mask token {self.cfg.mask_token_id} is outside the "
+                              f"target vocabulary ({target.vocab_size})")
+        self.draft.set_target(target.embed, target.head)
+        target.set_taps(self.tap_inputs)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _vocab_size(source: GGUFSource) -> int:
+    """From markov_w1 {r, V} (DSpark) or the tokenizer's token list (plain DFlash)."""
+    info = source.tensors.get(W1_WEIGHT)
+    if info is not None:
+        return int(info.shape[1])
+    tokens = source.kv.get(Keys.Tokenizer.LIST)
+    if tokens is not None:
+        return len(tokens)
+    raise FormatError(f"{source.where}: no markov_w1 tensor and no tokenizer.ggml.tokens: "
+                      "cannot tell the draft's vocabulary size")
+
+
+def load(source: GGUFSource, options: LoadOptions) -> DraftAdapter:
+    """The registry entry: config from the KVs and tensor shapes, weights dequantized once."""
+    t = source.tensors
+    if FC_WEIGHT not in t:
+        raise FormatError(f"{source.where}: no {FC_WEIGHT}: not a DFlash/DSpark draft")
+    n_taps = len(source.kv.get(TARGET_LAYERS) or ())
+    if n_taps == 0:
+        raise FormatError(f"{source.where}: {TARGET_LAYERS} is missing or empty")
+    fc_in = int(t[FC_WEIGHT].shape[0])            # ggml order: {n_taps * H_target, H}
+    if fc_in % n_taps:
+        raise FormatError(f"{source.where}: {FC_WEIGHT} input width {fc_in} is not a multiple of "
+                          f"{n_taps} taps")
+    w1, conf = t.get(W1_WEIGHT), t.get(CONF_WEIGHT)
+    hidden = int(source.kv.get(LLM.EMBEDDING_LENGTH.format(arch=ARCH_DFLASH)) or 0)
+    cfg = DraftConfig.from_gguf_kv(
+        source.kv, vocab_size=_vocab_size(source), markov_rank=int(w1.shape[0]) if w1 is not None else 0,
+        target_hidden_size=fc_in // n_taps, source=source.where,
+        confidence_with_markov=conf is None or int(conf.shape[0]) != hidden)
+    draft = DSparkDraft(cfg)
+    names = set(t) - BORROWED
+    draft.load_gguf_tensors({n: source.tensor(n, torch.float32) for n in names}, source.where)
+    draft.eval()
+    if options.dtype != torch.float32:
+        draft.to(options.dtype)
+    dev = options.devices[0]
+    if dev.type != "cpu":
+        draft.to(dev)
+    return DraftAdapter(source, draft)

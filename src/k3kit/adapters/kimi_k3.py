@@ -1,0 +1,354 @@
+"""The `kimi-k3` architecture: a GGUF-loaded K3Model trunk + an ExpertStore, one sequence state.
+
+What the runtime sees (k3kit.runtime.protocols: a CausalModel, a Target, an ExpertBacked):
+  forward(ids)            run and commit rows (prefill chunks, plain decode); logits
+  verify(ids, ...)        run rows on top of the committed state WITHOUT committing: KDA
+                          state untouched (rows captured), MLA rows appended as pending
+  commit(n) / rollback()  keep the first n verified rows: KDA replays them (commit_rows),
+                          MLA caches keep them by position (ReplaySSM, below)
+  cost(n)                 estimated seconds of a verify pass of n rows: per-pass trunk and
+                          per-row compute, plus reading (and dequantizing) the experts the
+                          cache would not hold (runtime.speculative.schedule.verify_seconds)
+  embed / head / tap_layers   what a draft borrows and reads
+  expert_stats / memory / expert_kernel   the store's ledger and figures, for the CLI
+
+ReplaySSM: verification never touches the committed KDA state; commit(n) applies the first n
+rows' transitions from the per-row inputs verify captured (a "fast commit": no expert is read
+again). If the capture cannot be used (it does not match the state), the accepted rows are
+run again through the whole model from the committed state (a "full replay", which re-reads
+their experts); if that fails too, the state is rebuilt from the committed token history (a
+"failed fallback"). The three counters are reported with the decode statistics; in normal
+operation only fast commits happen.
+
+Routed experts: the MoE asks the provider once per distinct expert per forward and runs all
+of that expert's rows together (route batching); the provider serves it from the store,
+which reads the expert's bytes from the file only on a cache miss, and one expert at a time,
+so a batch never holds more than one uncached expert's weights, plus (quantized cache) the
+next planned miss being read in the background.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from k3kit.kernels.qmatmul import native_simd
+from k3kit.layers.moe import ExpertWeights
+from k3kit.layers.quantized_linear import quantized_modules
+from k3kit.models.kimi_k3.config import K3ModelConfig
+from k3kit.models.kimi_k3.gguf_load import (
+    build_trunk,
+    config_from_source,
+    expert_tensor_names,
+    ggml_input_kinds,
+)
+from k3kit.models.kimi_k3.model import Captured, K3Model, commit_rows
+from k3kit.models.kimi_k3.state import K3State, KDAState
+from k3kit.runtime.experts import ExpertStats, ExpertStore
+from k3kit.runtime.loader import GGUFSource, LoadOptions, check_trunk, expert_keep, layer_devices
+from k3kit.runtime.protocols import MemoryFigures, RoutedExperts, VerifyOutput
+from k3kit.runtime.row_linear import use_row_linear
+from k3kit.runtime.speculative.schedule import ExpertLayer, verify_seconds
+
+
+class StoreExperts:
+    """ExpertProvider backed by an ExpertStore; counts the distinct experts each forward asks for."""
+
+    def __init__(self, store: ExpertStore, layer_dev: Sequence[torch.device]):
+        self.store = store
+        self.layer_dev = list(layer_dev)
+        self.requests = 0
+
+    def plan(self, layer: int, experts: list[int]) -> None:
+        self.store.plan(layer, experts)      # the store reads each planned miss one expert ahead
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        weights = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
+        self.requests += 1
+        dev = self.layer_dev[layer]
+        # a layer split over devices: move dequantized weights there (quantized ones are CPU-only)
+        gate, up, down = (w.to(dev) if isinstance(w, Tensor) and w.device != dev else w for w in weights)
+        return ExpertWeights(gate, up, down)
+
+
+@dataclass
+class _Pending:
+    captured: Captured
+    n_rows: int
+    ids: list[int]
+
+
+class K3Adapter:
+    """One K3 sequence over GGUF weights. Not thread-safe; one state per adapter."""
+
+    def __init__(self, source: GGUFSource, cfg: K3ModelConfig, model: K3Model, store: ExpertStore,
+                 options: LoadOptions, layer_dev: Sequence[torch.device]):
+        self.source = source
+        self.cfg = cfg
+        self.model = model
+        self.store = store
+        self.options = options
+        self.layer_dev = list(layer_dev)
+        self.experts = StoreExperts(store, layer_dev)
+        self.vocab_size = cfg.vocab_size
+        self.context_length = cfg.max_position_embeddings
+        self.hidden_size = cfg.hidden_size
+        self.num_layers = cfg.num_layers
+        self.tap_layers: tuple[int, ...] = ()
+        self.capture_mode = "raw"
+        self.dtype = options.dtype
+        # held for compute: float parameters + the file bytes quantized layers keep (mapped: they
+        # are resident once the first forward touched them)
+        quantized = quantized_modules(model)
+        self.trunk = "quantized" if quantized else "float"
+        self.trunk_bytes = (sum(p.numel() * p.element_size() for p in model.parameters())
+                            + sum(m.nbytes for m in quantized))
+        self.trunk_params = sum(p.numel() for p in model.parameters()) + sum(m.numel for m in quantized)
+        self.trunk_file_bytes = source.trunk_bytes_read
+        self.replay_fast_commits = 0
+        self.replay_full_replays = 0
+        self.replay_failed_fallbacks = 0
+        self.history: list[int] = []          # committed token ids: the last-resort rebuild
+        self._cost_geometry: tuple | None = None   # cost(): per-layer expert geometry, once
+        self._cost_cached: tuple | None = None     # cost(): cached-expert counts per cache state
+        self._pending: _Pending | None = None
+        if len(set(self.layer_dev)) > 1:
+            _install_layer_split(model, self.layer_dev)
+        self.state = self.new_state()
+
+    # -- state --------------------------------------------------------------------------------
+    def new_state(self) -> K3State:
+        """Empty state in the compute dtype, each layer's tensors on its layer's device."""
+        st = K3State.new(self.cfg, 1, self.layer_dev[0], self.dtype)
+        for il, layer in enumerate(st.layers):
+            dev = self.layer_dev[il]
+            if isinstance(layer, KDAState):
+                layer.S, layer.conv = layer.S.to(dev), layer.conv.to(dev)
+            else:
+                layer.kv, layer.pe = layer.kv.to(dev), layer.pe.to(dev)
+        return st
+
+    def reset(self) -> None:
+        self.state = self.new_state()
+        self.history = []
+        self._pending = None
+
+    @property
+    def position(self) -> int:
+        return self.state.pos
+
+    def set_taps(self, layers: Sequence[int], mode: str = "raw") -> None:
+        """Layers whose inputs `verify(capture=True)` returns (il == num_layers: the final stream)."""
+        if any(not 0 <= il <= self.cfg.num_layers for il in layers):
+            raise ValueError(f"tap layers must be in 0..{self.cfg.num_layers}")
+        self.tap_layers, self.capture_mode = tuple(int(i) for i in layers), mode
+
+    # -- running ------------------------------------------------------------------------------
+    def _ids(self, ids: Sequence[int] | Tensor) -> Tensor:
+        t = torch.as_tensor(list(ids) if not isinstance(ids, Tensor) else ids, dtype=torch.long)
+        if t.numel() == 0:
+            raise ValueError("no token ids")
+        if int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return t.reshape(1, -1).to(self.layer_dev[0])
+
+    @torch.no_grad()
+    def forward(self, ids: Sequence[int] | Tensor, all_logits: bool = False) -> Tensor:
+        """Run and commit `ids`; float32 logits [n, V] (all rows) or [1, V] (the last)."""
+        self._pending = None
+        t = self._ids(ids)
+        out = self.model(t, self.state, experts=self.experts, logits="all" if all_logits else "last")
+        self.history += t[0].tolist()
+        return out.logits[0].float()
+
+    @torch.no_grad()
+    def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
+        """Run rows after the committed state without committing (see module doc)."""
+        taps = self.tap_layers if capture else ()
+        t = self._ids(ids)
+        out = self.model(t, self.state, experts=self.experts, capture_layers=taps,
+                         capture_mode=self.capture_mode, speculative=True,
+                         logits="all" if all_logits else "last")
+        assert out.captured is not None
+        self._pending = _Pending(out.captured, out.captured.n_rows, t[0].tolist())
+        feats = None
+        if capture:
+            if taps:
+                feats = torch.cat([out.layer_inputs[il][0].to(self.layer_dev[-1]) for il in taps], dim=-1)
+            else:
+                feats = out.logits.new_zeros(out.captured.n_rows, 0)
+        return VerifyOutput(out.logits[0].float(), feats.float() if feats is not None else None)
+
+    def commit(self, n: int) -> None:
+        p = self._pending
+        if p is None:
+            if n:
+                raise ValueError("commit without a pending verify")
+            return
+        if not 0 <= n <= p.n_rows:
+            raise ValueError(f"cannot commit {n} of {p.n_rows} verified rows")
+        self._pending = None
+        if self._replayable(p.captured, n):
+            commit_rows(self.state, p.captured, n)
+            self.replay_fast_commits += n > 0
+        else:
+            self._full_replay(p.ids[:n])
+        self.history += p.ids[:n]
+
+    def _replayable(self, captured: Captured, n: int) -> bool:
+        """Can commit_rows apply these captured rows to the committed state as it is now?"""
+        if captured.start_pos != self.state.pos or n > captured.n_rows:
+            return False
+        for il, layer in enumerate(self.state.layers):
+            if isinstance(layer, KDAState):
+                rows = captured.kda.get(il)
+                if rows is None or rows.n_rows < n or rows.k.shape[0] != layer.S.shape[0]:
+                    return False
+            elif layer.length < self.state.pos + n:
+                return False
+        return True
+
+    def _full_replay(self, ids: list[int]) -> None:
+        """Run the accepted rows again from the committed state; if even that fails, rebuild
+        the whole state from the committed history."""
+        try:
+            for layer in self.state.mla_caches():
+                layer.truncate(self.state.pos)              # drop the verify's pending rows
+            if ids:
+                self.model(self._ids(ids), self.state, experts=self.experts, logits="none")
+            self.replay_full_replays += 1
+        except (RuntimeError, ValueError):
+            self.replay_failed_fallbacks += 1
+            self.state = self.new_state()
+            tokens = self.history + ids
+            for i in range(0, len(tokens), 256):
+                self.model(self._ids(tokens[i:i + 256]), self.state, experts=self.experts, logits="none")
+
+    def rollback(self) -> None:
+        self.commit(0)
+
+    # -- for the scheduler and the draft ---------------------------------------------------
+    def cost(self, n_rows: int) -> float:
+        """Estimated seconds of one verify pass of n rows (runtime.speculative.schedule's
+        `verify_seconds`): per-pass and per-row trunk work, per distinct routed expert, and
+        for the experts an LRU cache of this size would not hold, reading and dequantizing them
+        (cold reads slower). Distinct experts follow uniform top-k routing. The scheduler asks
+        for every width on every step, so the geometry is worked out once and the per-layer
+        cache counts only when the cache has changed."""
+        store = self.store
+        geometry = self._cost_geometry
+        if geometry is None:
+            elem = torch.empty(0, dtype=self.dtype).element_size()
+            geometry = (elem, [(il, store.n_experts(il), sum(int(torch.Size(t.shape).numel()) for t in ts),
+                                store.expert_nbytes(il), store.cached_expert_nbytes(il))
+                               for il, ts in store.layers.items()])
+            self._cost_geometry = geometry
+        elem, layers = geometry
+        s = store.stats()       # the cache's contents change only on a miss, an eviction or a pin
+        key = (s.misses, s.evictions, s.resident_experts, s.pinned_bytes, store.cache_bytes)
+        memo = self._cost_cached
+        if memo is None or memo[0] != key:
+            memo = (key, [store.cached_count(il) for il, *_ in layers])
+            self._cost_cached = memo
+        k = self.cfg.num_experts_per_tok
+        # an expert held at its file size is kept quantized: a miss is a copy, no dequantization
+        moe = [ExpertLayer(n_exp, k, n, held, nbytes, cached, dequant_on_miss=held != nbytes)
+               for (_, n_exp, n, nbytes, held), cached in zip(layers, memo[1], strict=True)]
+        return verify_seconds(n_rows, layers=self.cfg.num_layers, trunk_params=self.trunk_params,
+                              trunk_bytes=self.trunk_bytes, moe=moe, cache_bytes=store.cache_bytes,
+                              cold=bool(store.cold))
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.embed(ids.to(self.layer_dev[0]))
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(hidden.to(self.dtype)).float()
+
+    def counters(self) -> dict[str, int]:
+        s = self.store.stats()
+        return {"replay_fast_commits": self.replay_fast_commits,
+                "replay_full_replays": self.replay_full_replays,
+                "replay_failed_fallbacks": self.replay_failed_fallbacks, "expert_hits": s.hits,
+                "expert_misses": s.misses, "expert_bytes_read": s.bytes_read}
+
+    def reset_expert_cache(self, cache_mib: float | None = None) -> None:
+        """Empty the expert cache (optionally with a new budget) and zero its counters."""
+        if cache_mib is not None:
+            if cache_mib < 0:
+                raise ValueError("cache_mib must be >= 0")
+            self.store.cache_bytes = int(cache_mib * (1 << 20))
+        self.store.clear()
+        self.store.reset_stats()
+
+    def expert_stats(self) -> ExpertStats:
+        return self.store.stats()
+
+    @property
+    def expert_kernel(self) -> str:
+        """'native-avx512' (quantized cache, native kernel and its vector path) or 'torch'."""
+        return f"native-{native_simd()}" if self.store.keep == "quantized" else "torch"
+
+    def memory(self) -> MemoryFigures:
+        store, s = self.store, self.store.stats()
+        experts = tuple(RoutedExperts(il, store.n_experts(il), store.expert_nbytes(il),
+                                      store.cached_expert_nbytes(il)) for il in store.layers)
+        return MemoryFigures(trunk_bytes=self.trunk_bytes, trunk_file_bytes=self.trunk_file_bytes,
+                             expert_cache_bytes=s.resident_bytes, expert_cache_budget=store.cache_bytes,
+                             experts_per_token=self.cfg.num_experts_per_tok, experts=experts,
+                             trunk=self.trunk)
+
+    def close(self) -> None:
+        self.store.close()
+        self.source.close()
+
+
+def _install_layer_split(model: K3Model, layer_dev: Sequence[torch.device]) -> None:
+    """Multi-device layer split without touching the model's forward: each layer's attention
+    and FFN run on that layer's device (inputs moved there by a pre-hook) and hand their
+    outputs back to the stream's device (the first). Untested here: CPU-only machine."""
+    home = layer_dev[0]
+
+    def to_dev(dev: torch.device):
+        def pre(_mod, args):
+            return tuple(a.to(dev) if isinstance(a, Tensor) else a for a in args)
+        return pre
+
+    def back(_mod, _args, out):
+        if isinstance(out, tuple):
+            return tuple(o.to(home) if isinstance(o, Tensor) else o for o in out)
+        return out.to(home)
+
+    for il, layer in enumerate(model.layers):
+        for sub in (layer.get_submodule("attn"), layer.get_submodule("ffn")):
+            sub.register_forward_pre_hook(to_dev(layer_dev[il]))
+            sub.register_forward_hook(back)
+    model.lm_head.register_forward_pre_hook(to_dev(layer_dev[-1]))
+
+
+def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
+    """The registry entry (k3kit.adapters.ADAPTERS): build the trunk and the expert store from
+    an open GGUF. The adapter owns `source` from then on (its close() closes it)."""
+    cfg = config_from_source(source)
+    devices = options.devices
+    quantized = check_trunk(options.trunk, devices) == "quantized"
+    layer_dev = layer_devices(cfg.num_layers, devices)
+    if len(devices) > 1:     # norms and scores used in the stream loop stay with the stream
+        layer_dev_params = [devices[0]] * cfg.num_layers
+    else:
+        layer_dev_params = layer_dev
+    model = build_trunk(source, cfg, options.dtype, layer_dev_params, raw=source.raw if quantized else None)
+    if len(devices) > 1:     # move each layer's attention and FFN weights to its device
+        for il, layer in enumerate(model.layers):
+            layer.attn.to(layer_dev[il])
+            layer.ffn.to(layer_dev[il])
+        model.lm_head.to(layer_dev[-1])
+    if options.ggml_parity:
+        model.set_ggml_q8_inputs(True, ggml_input_kinds(source, model))
+    use_row_linear(model)     # decode rows as matrix-vector products (bf16/f16 only)
+    store = source.expert_store(expert_tensor_names(cfg), cache_mib=options.expert_cache_mib,
+                                dtype=options.dtype, device=devices[0], cold=options.cold,
+                                keep=expert_keep(options.expert_kernel, devices))
+    return K3Adapter(source, cfg, model, store, options, layer_dev)

@@ -1,0 +1,102 @@
+"""`k3kit serve`: an OpenAI-compatible HTTP server over a kimi-k3 GGUF (k3kit.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from k3kit.errors import K3Error
+
+NAME = "serve"
+HELP = "serve a GGUF model over an OpenAI-compatible HTTP API (needs the `serve` extra)"
+
+API_KEY_ENV = "K3KIT_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3kit.commands.generate import add_draft_arguments
+
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="GGUF file or any shard (default: the shipped mini K3)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080, help="port (8080; 0 = any free port)")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}, else none)")
+    parser.add_argument("--max-batch", type=int, default=256, metavar="N",
+                        help="rows per target pass (256); this release runs one sequence at a time, "
+                        "so N is the prefill chunk")
+    parser.add_argument("--max-queue", type=int, default=64, metavar="N",
+                        help="requests that may wait for the model; one more is answered 429 (64)")
+    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+                        help="context per sequence, prompt + completion (default: the model's)")
+    parser.add_argument("--max-body-mib", type=float, default=8.0, metavar="M",
+                        help="largest request body, MiB (8); larger is answered 413")
+    parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
+                        help="LRU budget for routed experts, MiB of what is cached (256)")
+    parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
+                        help="native: cache experts as MXFP4 bytes and multiply them directly (CPU); "
+                        "torch: dequantize each miss; auto: native when built (auto)")
+    parser.add_argument("--device", default="cpu", metavar="D",
+                        help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
+    parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"), help="compute dtype (f32)")
+    parser.add_argument("--trunk", default="float", choices=("float", "quantized"),
+                        help="float: dequantize the trunk to --dtype at load; quantized: multiply the file's "
+                        "bytes directly, CPU only (float)")
+    parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
+    add_draft_arguments(parser)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
+                             ("--max-queue", args.max_queue, 0), ("--threads", args.threads, 0)):
+        if value < low:
+            raise K3Error(f"{flag} {value}: must be >= {low}")
+    if args.port > 65535:
+        raise K3Error(f"--port {args.port}: must be <= 65535")
+    if args.ctx is not None and args.ctx < 1:
+        raise K3Error(f"--ctx {args.ctx}: must be >= 1")
+    if not args.max_body_mib > 0:
+        raise K3Error(f"--max-body-mib {args.max_body_mib}: must be > 0")
+    if args.expert_cache_mib < 0:
+        raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise K3Error(f"k3kit serve needs the serve extra (pip install 'k3kit[serve]'): "
+                      f"{e.name} is missing") from None
+    import torch
+
+    from k3kit.adapters.session import open_session
+    from k3kit.commands.generate import check_draft_args, decode_step, default_model, draft_path
+    from k3kit.runtime.loader import DTYPES, LoadOptions
+    from k3kit.serve.server import ServeConfig, serve
+
+    check_args(args)
+    check_draft_args(args)
+    path = Path(args.model) if args.model else default_model()
+    draft = draft_path(args)
+    options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
+                          expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+                          trunk=args.trunk)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+    def load():
+        session = open_session(path, options, draft=draft, block_size=args.block_size)
+        try:
+            return session, decode_step(args, session.draft_model, session.codec.stop_ids())
+        except BaseException:
+            session.close()
+            raise
+
+    config = ServeConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
+                         max_queue=args.max_queue, ctx=args.ctx,
+                         max_body_bytes=int(args.max_body_mib * (1 << 20)))
+    return serve(path, load, config)

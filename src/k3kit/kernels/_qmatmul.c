@@ -1,0 +1,1341 @@
+/* Quantized ggml matrices times float32 activations, without dequantizing the matrix first.
+ *
+ * y[r, n] = sum_i W[n, i] * x[r, i]  for a ggml matrix W of n_out rows of k values stored as
+ * its blocks (MXFP4, Q8_0, Q2_K..Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ3_XXS), x float32.
+ *
+ * Why it exists: a matrix that stays in its file bytes (a quantized trunk, or routed experts in
+ * a cache of quantized bytes) would otherwise be dequantized whole just to be multiplied by one
+ * or a few rows. Reading the blocks directly costs about one pass over the quantized bytes; for
+ * many rows (prefill, verify, batches) each block is decoded once into a float32 panel that
+ * every row reuses, so the decode is paid once per row block, not per row.
+ *
+ * The contract (tests/kernels/test_qmatmul*.py): each result agrees with the float64 product of
+ * the dequantized matrix to the float32 rounding bound of a k-term dot product, on every path,
+ * and a column's result is the same for any thread count and any number of rows. How:
+ *
+ * - Every type decodes a 32-value sub-block into float32 weights that are exactly ggml's
+ *   dequantize_row_* values: the same products and differences in the same order, each rounded
+ *   once (the build passes -ffp-contract=off, so `d * q - m` is never fused). A sub-block is
+ *   first unpacked to 32 int8 values q (sign-applied grid values for IQ types, the doubled e2m1
+ *   values for MXFP4) with a float scale s (and for Q2_K/Q4_K/Q5_K a min) per 16 or 32 values:
+ *   w = s * q [- min]. IQ1 values (grid + delta, delta = +-1/8) are kept as the integers
+ *   8 * grid +- 1 with the scale dl / 8; dividing by 8 is exact, so the product rounds to ggml's
+ *   dl * (grid + delta). Then y is a plain float32 dot product of x with those weights, except
+ *   for the FACTORED types (one scale per 32 values, no min, cheap to decode: MXFP4, IQ2_XXS,
+ *   IQ3_XXS, IQ1_S), whose products apply the scale to each sub-block's partial sums,
+ *   s * sum(q x) (one multiply per 32 values instead of per value; each term s q x is then
+ *   rounded at a relative 2^-24 of |w x| more, inside the bound; and an infinite MXFP4 scale
+ *   times a zero sum stays 0 where inf * 0 would be NaN). One row of x with a single 1 still
+ *   reads each weight back bit for bit, on every type and path.
+ * - The arithmetic of one (row of x, row of W) pair does not depend on how many rows of x a
+ *   call has, nor on the thread count (threads split the output columns): few rows run per-row
+ *   tiles, many rows panels (see "many rows" below), and both give every pair the same
+ *   operations in the same order. So a decode step (one row) and a verify pass or a prefill
+ *   chunk (many rows) give bit-identical rows.
+ *
+ * IQ grids and the sign table are not typed here: qmatmul.py passes gguf-py's tables to
+ * init_tables() at import (the same data the torch dequantizers gather from). dequantize()
+ * writes W's rows as ggml's float32 values (or their bfloat16 rounding), for QuantizedMatrix's
+ * dequantize + GEMM path.
+ *
+ * Paths: AVX-512F, AVX2+FMA+F16C and scalar C, chosen at run time by what the CPU has (the
+ * scalar path is the reference and the fallback on other CPUs). AVX-512 VNNI is not used: it
+ * multiplies int8 by int8, and the activations here stay float32 (quantizing them to int8, as
+ * ggml's CPU backend does, would break the float32 agreement above). A call may split its
+ * output columns over OpenMP threads (the caller passes torch's thread count).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "ggml blocks are little-endian and are read in place"
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define K3_X86 1
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define AVX2_TARGET "avx2,fma,f16c"
+#define AVX512_TARGET "avx512f,avx2,fma,f16c"
+
+/* y[:, n0:n1] for rows n0 .. n1 - 1 of W; scratch: SCRATCH_FLOATS floats (64-byte aligned) for the
+ * many-row drivers, or NULL for the per-row tiles (vector paths, few rows). */
+typedef void (*kernel_fn)(const uint8_t *w, int64_t n0, int64_t n1, int64_t n_out, int64_t k,
+                          const float *x, int64_t m, float *y, float *scratch);
+
+/* ---- little-endian loads and f16 ---------------------------------------------------------- */
+
+INLINE uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+INLINE uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+INLINE uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* IEEE half -> float, exact (subnormals, infinities and NaN payloads included). */
+INLINE float f16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        f = (float)man * 0x1p-24f;   /* subnormal: man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- bytewise arithmetic on 8 int8 values in a uint64 (no carries between bytes) ---------- */
+
+#define L8 0x0101010101010101ULL
+#define H8 0x8080808080808080ULL
+
+INLINE uint64_t add_bytes(uint64_t a, uint64_t b) { return ((a & ~H8) + (b & ~H8)) ^ ((a ^ b) & H8); }
+/* Negate the bytes of g where mask has 0xFF: (g ^ 0xFF) + 1 = -g. */
+INLINE uint64_t negate_where(uint64_t g, uint64_t mask) { return add_bytes(g ^ mask, mask & L8); }
+
+/* ---- tables filled by init_tables() from gguf-py's data ---------------------------------- */
+
+static uint64_t IQ2XXS_GRID[256];   /* iq2xxs_grid: 8 bytes 0x08/0x19/0x2b per entry */
+static uint64_t IQ2XS_GRID[512];    /* iq2xs_grid */
+static uint32_t IQ3XXS_GRID[256];   /* iq3xxs_grid: 4 bytes per entry */
+static uint64_t IQ1S_GRID8[2048];   /* iq1s_grid (-1, 0, 1) times 8, as int8 bytes */
+static uint64_t SIGN_MASK[128];     /* ksigns_iq2xs[i]: byte j = 0xFF where bit j is set */
+static int tables_ready = 0;
+
+/* ---- per type: the scales of a block, and sub-block j as 32 int8 values -------------------
+ * scales_T(blk, s, mn): the scales (and mins) of the block's 32-value sub-blocks as ggml
+ * computes them: s[SIDX(T, j, h)] is the scale of half h (values 16 h .. 16 h + 15) of
+ * sub-block j; T_PER16 types have one per 16 values (s[2 j + h]), the others one per 32 (s[j]).
+ * q_T(blk, j, q): the 32 int8 values of sub-block j in four little-endian words (the scalar
+ * path's unpacking, also the reference for the vector paths' qv_T, which return the 32 bytes
+ * in a register; scales_T_v are the vector paths' versions where they differ). */
+#define SIDX(T, j, h) (T##_PER16 ? 2 * (j) + (h) : (j))
+
+/* Q8_0: f16 d, int8 qs[32]: w = q * d. */
+#define Q8_0_QK 32
+#define Q8_0_BYTES 34
+#define Q8_0_PER16 0
+INLINE void scales_q8_0(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    s[0] = f16(rd16(b));
+}
+INLINE void q_q8_0(const uint8_t *b, int j, uint64_t *q) {
+    (void)j;
+    for (int i = 0; i < 4; i++) q[i] = rd64(b + 2 + 8 * i);
+}
+
+/* Q4_K: f16 d, f16 dmin, scales[12] (8 six-bit scale/min pairs), qs[128]: sub-block j is the
+ * low (j even) or high nibbles of qs[32 (j / 2) ...]; w = (d * sc) * q - dmin * m. */
+#define Q4_K_QK 256
+#define Q4_K_BYTES 144
+#define Q4_K_PER16 0
+INLINE void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+INLINE void scales_k4(const uint8_t *b, float *s, float *mn) {
+    const float d = f16(rd16(b)), dmin = f16(rd16(b + 2));
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        scale_min_k4(j, b + 4, &sc, &m);
+        s[j] = d * sc;
+        mn[j] = dmin * m;
+    }
+}
+#define scales_q4_k scales_k4
+INLINE void q_q4_k(const uint8_t *b, int j, uint64_t *q) {
+    const uint8_t *qs = b + 16 + 32 * (j / 2);
+    for (int i = 0; i < 4; i++) q[i] = (rd64(qs + 8 * i) >> (4 * (j & 1))) & 0x0F0F0F0F0F0F0F0FULL;
+}
+
+/* Q5_K: as Q4_K plus qh[32] at 16 (bit j of qh[l] is the fifth bit), qs[128] at 48. */
+#define Q5_K_QK 256
+#define Q5_K_BYTES 176
+#define Q5_K_PER16 0
+#define scales_q5_k scales_k4
+INLINE void q_q5_k(const uint8_t *b, int j, uint64_t *q) {
+    const uint8_t *qs = b + 48 + 32 * (j / 2);
+    for (int i = 0; i < 4; i++)
+        q[i] = ((rd64(qs + 8 * i) >> (4 * (j & 1))) & 0x0F0F0F0F0F0F0F0FULL) |
+               (((rd64(b + 16 + 8 * i) >> j) & L8) << 4);
+}
+
+/* Q6_K: ql[128], qh[64], int8 scales[16], f16 d at 208. Sub-block j = 4 h + g: low 4 bits from
+ * ql[64 h + 32 (g & 1) ...] (high nibble if g >= 2), top 2 bits from qh[32 h ...] >> 2 g, minus
+ * 32; scale 2 j + l / 16. w = (d * sc) * q. */
+#define Q6_K_QK 256
+#define Q6_K_BYTES 210
+#define Q6_K_PER16 1
+INLINE void scales_q6_k(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const float d = f16(rd16(b + 208));
+    for (int i = 0; i < 16; i++) s[i] = d * (int8_t)b[192 + i];
+}
+INLINE void q_q6_k(const uint8_t *b, int j, uint64_t *q) {
+    const int h = j >> 2, g = j & 3;
+    const uint8_t *ql = b + 64 * h + 32 * (g & 1), *qh = b + 128 + 32 * h;
+    for (int i = 0; i < 4; i++) {
+        const uint64_t lo = (rd64(ql + 8 * i) >> (4 * (g >> 1))) & 0x0F0F0F0F0F0F0F0FULL;
+        const uint64_t hi = ((rd64(qh + 8 * i) >> (2 * g)) & 0x0303030303030303ULL) << 4;
+        q[i] = add_bytes(lo | hi, 0xE0E0E0E0E0E0E0E0ULL);   /* - 32 */
+    }
+}
+
+/* Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], f16 d, f16 dmin. Sub-block j:
+ * bits 2 (j % 4) of qs[32 (j / 4) ...]; w = (d * sc) * q - dmin * m per 16 values. */
+#define Q2_K_QK 256
+#define Q2_K_BYTES 84
+#define Q2_K_PER16 1
+INLINE void scales_q2_k(const uint8_t *b, float *s, float *mn) {
+    const float d = f16(rd16(b + 80)), dmin = f16(rd16(b + 82));
+    for (int i = 0; i < 16; i++) {
+        s[i] = d * (b[i] & 0xF);
+        mn[i] = dmin * (b[i] >> 4);
+    }
+}
+INLINE void q_q2_k(const uint8_t *b, int j, uint64_t *q) {
+    const uint8_t *qs = b + 16 + 32 * (j >> 2);
+    for (int i = 0; i < 4; i++) q[i] = (rd64(qs + 8 * i) >> (2 * (j & 3))) & 0x0303030303030303ULL;
+}
+
+/* Q3_K: hmask[32], qs[64], scales[12] (16 six-bit, minus 32), f16 d at 108. Sub-block j: bits
+ * 2 (j % 4) of qs[32 (j / 4) ...], minus 4 where bit j of hmask[l] is clear; w = (d * sc) * q. */
+#define Q3_K_QK 256
+#define Q3_K_BYTES 110
+#define Q3_K_PER16 1
+INLINE void scales_q3_k(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t aux[4];
+    int8_t sc[16];
+    memcpy(aux, b + 96, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    memcpy(sc, aux, 16);
+    const float d = f16(rd16(b + 108));
+    for (int i = 0; i < 16; i++) s[i] = d * (sc[i] - 32);
+}
+INLINE void q_q3_k(const uint8_t *b, int j, uint64_t *q) {
+    const uint8_t *qs = b + 32 + 32 * (j >> 2);
+    for (int i = 0; i < 4; i++) {
+        const uint64_t low = (rd64(qs + 8 * i) >> (2 * (j & 3))) & 0x0303030303030303ULL;
+        const uint64_t clear = ((rd64(b + 8 * i) >> j) & L8) ^ L8;
+        q[i] = low | (clear * 0xFC);   /* low - 4: the bits of 0xFC and of low (<= 3) are disjoint */
+    }
+}
+
+/* IQ2_XXS: f16 d, then per sub-block 8 bytes: 4 grid indices and a uint32 of four 7-bit sign
+ * indices plus a 4-bit scale; w = (d * (0.5 + s) * 0.25) * (+-grid). */
+#define IQ2_XXS_QK 256
+#define IQ2_XXS_BYTES 66
+#define IQ2_XXS_PER16 0
+INLINE void scales_iq2_xxs(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const float d = f16(rd16(b));
+    for (int j = 0; j < 8; j++) s[j] = d * (0.5f + (rd32(b + 2 + 8 * j + 4) >> 28)) * 0.25f;
+}
+INLINE void q_iq2_xxs(const uint8_t *b, int j, uint64_t *q) {
+    const uint8_t *p = b + 2 + 8 * j;
+    const uint32_t aux = rd32(p + 4);
+    for (int l = 0; l < 4; l++) q[l] = negate_where(IQ2XXS_GRID[p[l]], SIGN_MASK[(aux >> (7 * l)) & 127]);
+}
+
+/* IQ2_XS: f16 d, uint16 qs[32] (9-bit grid index | 7-bit sign index), scales[8] (a nibble per
+ * 16 values); w = (d * (0.5 + s) * 0.25) * (+-grid). */
+#define IQ2_XS_QK 256
+#define IQ2_XS_BYTES 74
+#define IQ2_XS_PER16 1
+INLINE void scales_iq2_xs(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const float d = f16(rd16(b));
+    for (int j = 0; j < 8; j++) {
+        s[2 * j] = d * (0.5f + (b[66 + j] & 0xf)) * 0.25f;
+        s[2 * j + 1] = d * (0.5f + (b[66 + j] >> 4)) * 0.25f;
+    }
+}
+INLINE void q_iq2_xs(const uint8_t *b, int j, uint64_t *q) {
+    for (int l = 0; l < 4; l++) {
+        const uint16_t v = rd16(b + 2 + 2 * (4 * j + l));
+        q[l] = negate_where(IQ2XS_GRID[v & 511], SIGN_MASK[v >> 9]);
+    }
+}
+
+/* IQ3_XXS: f16 d, qs[64] (grid indices of 4 values), then per sub-block a uint32 of four 7-bit
+ * sign indices plus a 4-bit scale; w = (d * (0.5 + s) * 0.5) * (+-grid). */
+#define IQ3_XXS_QK 256
+#define IQ3_XXS_BYTES 98
+#define IQ3_XXS_PER16 0
+INLINE void scales_iq3_xxs(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const float d = f16(rd16(b));
+    for (int j = 0; j < 8; j++) s[j] = d * (0.5f + (rd32(b + 66 + 4 * j) >> 28)) * 0.5f;
+}
+INLINE void q_iq3_xxs(const uint8_t *b, int j, uint64_t *q) {
+    const uint8_t *qs = b + 2 + 8 * j;
+    const uint32_t aux = rd32(b + 66 + 4 * j);
+    for (int l = 0; l < 4; l++) {
+        const uint64_t g = IQ3XXS_GRID[qs[2 * l]] | ((uint64_t)IQ3XXS_GRID[qs[2 * l + 1]] << 32);
+        q[l] = negate_where(g, SIGN_MASK[(aux >> (7 * l)) & 127]);
+    }
+}
+
+/* IQ1_S: f16 d, qs[32], uint16 qh[8] (4 x 3 high index bits, a 3-bit scale, the delta sign);
+ * w = (d * (2 s + 1)) * (grid + delta), computed as ((d * (2 s + 1)) / 8) * (8 grid +- 1). */
+#define IQ1_S_QK 256
+#define IQ1_S_BYTES 50
+#define IQ1_S_PER16 0
+INLINE void scales_iq1_s(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const float d = f16(rd16(b));
+    for (int j = 0; j < 8; j++) {
+        const float dl = d * (2 * ((rd16(b + 34 + 2 * j) >> 12) & 7) + 1);
+        s[j] = dl * 0.125f;
+    }
+}
+INLINE void q_iq1_s(const uint8_t *b, int j, uint64_t *q) {
+    const uint16_t qh = rd16(b + 34 + 2 * j);
+    const uint64_t delta = qh & 0x8000 ? ~0ULL : L8;   /* -1 or +1 in every byte */
+    for (int l = 0; l < 4; l++)
+        q[l] = add_bytes(IQ1S_GRID8[b[2 + 4 * j + l] | (((qh >> (3 * l)) & 7) << 8)], delta);
+}
+
+/* IQ1_M: qs[32], qh[16] (a nibble per 8 values: 3 index bits and the delta sign), 4 x uint16
+ * scales (3 bits per 16 values; their top nibbles together are the f16 d). */
+#define IQ1_M_QK 256
+#define IQ1_M_BYTES 56
+#define IQ1_M_PER16 1
+INLINE void scales_iq1_m(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const uint16_t sc[4] = {rd16(b + 48), rd16(b + 50), rd16(b + 52), rd16(b + 54)};
+    const float d = f16((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                                   (sc[3] & 0xf000)));
+    for (int j = 0; j < 8; j++) {
+        const float dl1 = d * (2 * ((sc[j / 2] >> (6 * (j % 2) + 0)) & 0x7) + 1);
+        const float dl2 = d * (2 * ((sc[j / 2] >> (6 * (j % 2) + 3)) & 0x7) + 1);
+        s[2 * j] = dl1 * 0.125f;
+        s[2 * j + 1] = dl2 * 0.125f;
+    }
+}
+INLINE void q_iq1_m(const uint8_t *b, int j, uint64_t *q) {
+    for (int l = 0; l < 4; l++) {
+        const int nib = (b[32 + 2 * j + l / 2] >> (4 * (l & 1))) & 0xF;
+        q[l] = add_bytes(IQ1S_GRID8[b[4 * j + l] | ((nib & 7) << 8)], nib & 8 ? ~0ULL : L8);
+    }
+}
+
+/* MXFP4: e8m0 exponent e, then 16 bytes; value j is the low nibble of byte j, value j + 16 its
+ * high nibble. w = kv * d with kv the doubled e2m1 values (ggml's kvalues_mxfp4) and d = 2^(e - 128)
+ * the halved scale (ggml_e8m0_to_fp32_half): the product is exact, ggml's value. */
+#define MXFP4_QK 32
+#define MXFP4_BYTES 17
+#define MXFP4_PER16 0
+
+static const int8_t KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static float E8M0_HALF[256];
+
+static void init_e8m0(void) {
+    for (int e = 0; e < 256; e++) {
+        uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+        memcpy(&E8M0_HALF[e], &bits, sizeof bits);
+    }
+}
+INLINE void scales_mxfp4(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    s[0] = E8M0_HALF[b[0]];
+}
+INLINE void q_mxfp4(const uint8_t *b, int j, uint64_t *q) {
+    (void)j;
+    int8_t v[32];
+    for (int i = 0; i < 16; i++) {
+        v[i] = KV[b[1 + i] & 0x0F];
+        v[i + 16] = KV[b[1 + i] >> 4];
+    }
+    memcpy(q, v, 32);
+}
+
+/* Per type, for the vector paths: T_FACTORED, whether a sub-block's scale multiplies its
+ * partial sums instead of each weight (see the top), and T_BLOCKED_FROM, the row count from
+ * which products use panels instead of per-row tiles ("many rows" below). Measured (AVX-512,
+ * 7168 x 2048, 1 thread, benchmarks/bench_qmatmul.py --paths): panels win from 6-8 rows for
+ * types with costly decodes; FACTORED types and Q8_0, whose per-row tiles decode in a few
+ * instructions, only from 12-48. Q8_0 is not FACTORED: its panels then run at the 2-operation
+ * rate (trunk prefill), while one row, bound by memory, costs the same either way. */
+#define Q8_0_FACTORED 0
+#define Q4_K_FACTORED 0
+#define Q5_K_FACTORED 0
+#define Q6_K_FACTORED 0
+#define Q2_K_FACTORED 0
+#define Q3_K_FACTORED 0
+#define IQ2_XXS_FACTORED 1
+#define IQ2_XS_FACTORED 0
+#define IQ3_XXS_FACTORED 1
+#define IQ1_S_FACTORED 1
+#define IQ1_M_FACTORED 0
+#define MXFP4_FACTORED 1
+
+#define Q8_0_BLOCKED_FROM 32
+#define Q4_K_BLOCKED_FROM 6
+#define Q5_K_BLOCKED_FROM 6
+#define Q6_K_BLOCKED_FROM 8
+#define Q2_K_BLOCKED_FROM 6
+#define Q3_K_BLOCKED_FROM 6
+#define IQ2_XXS_BLOCKED_FROM 32
+#define IQ2_XS_BLOCKED_FROM 6
+#define IQ3_XXS_BLOCKED_FROM 12
+#define IQ1_S_BLOCKED_FROM 24
+#define IQ1_M_BLOCKED_FROM 6
+#define MXFP4_BLOCKED_FROM 48
+
+/* ---- many rows: each block decoded once ----------------------------------------------------
+ * The many-row driver takes x in blocks of BLK_MB rows (accumulators for BLK_MB x BLK_NP pairs,
+ * and that block of x stays in cache while W streams past), and W in panels of BLK_NP rows and
+ * BLK_KC values: a panel is decoded once into float32 (panel_T: each row's values in element
+ * order, exactly the weights the per-row tiles below make; for FACTORED types the integer values,
+ * each sub-block's scale in a second buffer), then every register tile of (rows of x) x (rows of
+ * W) multiplies it, its accumulators kept in a buffer from one panel of values to the next. Each
+ * (row of x, row of W) pair goes through the operations of the per-row tiles in the same order
+ * (storing an accumulator and loading it back changes no bit), so neither the driver, nor the
+ * tile shape, nor the row count changes a result. The scalar path always runs this driver; the
+ * vector paths from T_BLOCKED_FROM rows, below which per-row tiles are faster (they decode each
+ * block per tile of 4 rows, but into registers: no panel stores and loads). Sizes measured on
+ * Zen 4 (AVX-512, 1 MiB L2 per core): 32 x 1024 panels (128 KiB) and 64-row blocks keep 7168 x
+ * 2048..16384 products at 80-90 GFLOP/s (non-FACTORED types; ~65 FACTORED: 3 FMA-unit operations
+ * per 32 products instead of 2) from 32 to 512 rows; smaller panels or values lost 5-40%. */
+#ifndef BLK_NP
+#define BLK_NP 32     /* rows of W per panel */
+#endif
+#ifndef BLK_KC
+#define BLK_KC 1024   /* values per panel row: a multiple of every block size */
+#endif
+#ifndef BLK_MB
+#define BLK_MB 64     /* rows of x whose accumulators are kept at once */
+#endif
+#define BLK_SUB (BLK_KC / 32)
+/* Per thread: the panel, its sub-block scales, and 16 floats of accumulator per pair. */
+#define SCRATCH_FLOATS (BLK_NP * BLK_KC + BLK_NP * BLK_SUB + BLK_NP * BLK_MB * 16)
+
+/* Decode blocks b0 .. b0 + nbk - 1 of np rows of W (row stride rb bytes) into out (row stride
+ * ldw values). PANEL_RAW: float32 as the products use them, so FACTORED types give their integer
+ * values, with the sub-block scales in sb (row stride BLK_SUB); PANEL_F32: ggml's weights (q * s
+ * for FACTORED types too: what the torch dequantizers make, bit for bit); PANEL_BF16: those
+ * rounded to bfloat16 (to nearest even, NaN -> 0x7FC0, as torch's conversion). */
+enum { PANEL_RAW, PANEL_F32, PANEL_BF16 };
+typedef void (*panel_fn)(const uint8_t *row, int64_t rb, int np, int64_t b0, int64_t nbk, void *out, int64_t ldw,
+                         float *sb, int mode);
+
+static inline uint16_t bf16_rne(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* The per-panel loops shared by every path: MK(nt, rt, first, last, wb_i, sb_i, x_t, acc_ti, y_ti)
+ * multiplies rows i0 .. i0 + nt of the panel with rows t0 .. t0 + rt of x over the panel's values. */
+#define BLOCKED_LOOPS(NT_MAX, RT_MAX, TILES)                                                        \
+    do {                                                                                           \
+        const int64_t rb = k / qk * bytes;                                                         \
+        float *wb = scratch, *sb = scratch + BLK_NP * BLK_KC, *acc = sb + BLK_NP * BLK_SUB;        \
+        for (int64_t r0 = 0; r0 < m; r0 += BLK_MB) {                                               \
+            const int mb = m - r0 < BLK_MB ? (int)(m - r0) : BLK_MB;                               \
+            for (int64_t p0 = n0; p0 < n1; p0 += BLK_NP) {                                         \
+                const int np = n1 - p0 < BLK_NP ? (int)(n1 - p0) : BLK_NP;                         \
+                for (int64_t c0 = 0; c0 < k; c0 += BLK_KC) {                                       \
+                    const int64_t kc = k - c0 < BLK_KC ? k - c0 : BLK_KC;                          \
+                    const int first = c0 == 0, last = c0 + kc == k;                                \
+                    panel(w + p0 * rb, rb, np, c0 / qk, kc / qk, wb, BLK_KC, sb, PANEL_RAW);       \
+                    for (int t0 = 0; t0 < mb; t0 += RT_MAX) {                                      \
+                        const int rt = mb - t0 < RT_MAX ? mb - t0 : RT_MAX;                        \
+                        const float *xt = x + (r0 + t0) * k + c0;                                  \
+                        float *yt = y + (r0 + t0) * n_out + p0;                                    \
+                        float *at = acc + (int64_t)t0 * BLK_NP * 16;                               \
+                        int i0 = 0;                                                                \
+                        for (; i0 + NT_MAX <= np; i0 += NT_MAX) TILES(NT_MAX);                     \
+                        for (; i0 < np; i0++) TILES(1);                                            \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+/* ---- scalar path: the reference -------------------------------------------------------------
+ * Per (row of x, row of W): y = sum over sub-blocks, in order, of the sub-block's dot product
+ * of weights and x, itself summed in order. Always blocked: one panel per BLK_MB rows of x. */
+
+#define DEFINE_PANEL_SCALAR(T, NAME_LC, HAS_MIN)                                                    \
+    static void panel_##NAME_LC##_scalar(const uint8_t *row, int64_t rb, int np, int64_t b0, int64_t nbk, \
+                                         void *out, int64_t ldw, float *sb, int mode) {             \
+        for (int i = 0; i < np; i++)                                                               \
+            for (int64_t b = 0; b < nbk; b++) {                                                    \
+                const uint8_t *blk = row + i * rb + (b0 + b) * T##_BYTES;                          \
+                float s[16], mn[16];                                                               \
+                scales_##NAME_LC(blk, s, mn);                                                      \
+                for (int j = 0; j < T##_QK / 32; j++) {                                            \
+                    const int64_t at = i * ldw + b * T##_QK + 32 * j;                              \
+                    uint64_t qw[4];                                                                \
+                    int8_t q[32];                                                                  \
+                    float v[32];                                                                   \
+                    q_##NAME_LC(blk, j, qw);                                                       \
+                    memcpy(q, qw, 32);                                                             \
+                    for (int e = 0; e < 32; e++) {                                                 \
+                        v[e] = (float)q[e];                                                        \
+                        if (!T##_FACTORED || mode != PANEL_RAW) v[e] = v[e] * s[SIDX(T, j, e / 16)]; \
+                        if (HAS_MIN) v[e] = v[e] - mn[SIDX(T, j, e / 16)];                         \
+                    }                                                                              \
+                    if (mode == PANEL_BF16)                                                        \
+                        for (int e = 0; e < 32; e++) ((uint16_t *)out)[at + e] = bf16_rne(v[e]);   \
+                    else                                                                           \
+                        memcpy((float *)out + at, v, sizeof v);                                    \
+                    if (T##_FACTORED && mode == PANEL_RAW)                                         \
+                        sb[i * BLK_SUB + b * (T##_QK / 32) + j] = s[SIDX(T, j, 0)];                \
+                }                                                                                  \
+            }                                                                                      \
+    }
+
+/* One row of W by one row of x over a panel's values (the accumulator in acc between panels);
+ * FACTORED types scale each sub-block's sum. */
+static inline void mk_scalar(const float *wf, const float *sf, int fact, const float *xr, int64_t kc, float *acc,
+                             int first, int last, float *y) {
+    float a = first ? 0.0f : *acc;
+    for (int64_t j = 0; j < kc; j += 32) {
+        float p = 0.0f;
+        for (int e = 0; e < 32; e++) p += wf[j + e] * xr[j + e];
+        if (fact) a += sf[j / 32] * p;
+        else a += p;
+    }
+    if (last) *y = a;
+    else *acc = a;
+}
+
+#define SCALAR_TILES(NT)                                                                            \
+    for (int t = 0; t < rt; t++)                                                                   \
+        for (int i = i0; i < i0 + (NT); i++)                                                       \
+            mk_scalar(wb + i * BLK_KC, sb + i * BLK_SUB, fact, xt + t * k, kc, at + (t * BLK_NP + i) * 16, \
+                      first, last, yt + t * n_out + i)
+
+static void blocked_scalar(panel_fn panel, int fact, int64_t qk, int64_t bytes, const uint8_t *w, int64_t n0,
+                           int64_t n1, int64_t n_out, int64_t k, const float *x, int64_t m, float *y,
+                           float *scratch) {
+    BLOCKED_LOOPS(BLK_NP, 1, SCALAR_TILES);
+}
+
+#define DEFINE_SCALAR(T, NAME_LC, HAS_MIN)                                                          \
+    DEFINE_PANEL_SCALAR(T, NAME_LC, HAS_MIN)                                                        \
+    static void NAME_LC##_scalar(const uint8_t *w, int64_t n0, int64_t n1, int64_t n_out, int64_t k, \
+                                 const float *x, int64_t m, float *y, float *scratch) {             \
+        blocked_scalar(panel_##NAME_LC##_scalar, T##_FACTORED, T##_QK, T##_BYTES, w, n0, n1, n_out, k, x, \
+                       m, y, scratch);                                                             \
+    }
+
+/* ---- vector paths --------------------------------------------------------------------------
+ * 16 (AVX-512) or 8 (AVX2) lanes: a sub-block's weights are made once for a tile of W rows and
+ * used by every row of x in the tile; each (x row, W row) pair has one vector accumulator,
+ * summed across its lanes at the end. */
+
+#ifdef K3_X86
+
+/* f16 -> float with F16C (exact, like f16()). */
+__attribute__((target(AVX2_TARGET))) INLINE float f16v(uint16_t h) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
+
+/* The 32 int8 values of sub-block j in a register (the same values as q_T). */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_q8_0(const uint8_t *b, int j) {
+    (void)j;
+    return _mm256_loadu_si256((const __m256i *)(b + 2));
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i nibbles(const uint8_t *p, int high) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_q4_k(const uint8_t *b, int j) {
+    return nibbles(b + 16 + 32 * (j / 2), j & 1);
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_q5_k(const uint8_t *b, int j) {
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(nibbles(b + 48 + 32 * (j / 2), j & 1), _mm256_slli_epi16(hi, 4));
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_q6_k(const uint8_t *b, int j) {
+    const int h = j >> 2, g = j & 3;
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_or_si256(nibbles(b + 64 * h + 32 * (g & 1), g >> 1), _mm256_slli_epi16(hi, 4));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_q2_k(const uint8_t *b, int j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j >> 2)));
+    return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j & 3)), _mm256_set1_epi8(3));
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_q3_k(const uint8_t *b, int j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (j >> 2)));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j & 3)), _mm256_set1_epi8(3));
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+    const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8((char)(1 << j))),
+                                            _mm256_setzero_si256());
+    return _mm256_sub_epi8(low, _mm256_and_si256(clear, _mm256_set1_epi8(4)));
+}
+/* IQ types: grid rows and sign masks looked up per 8 values, the signs applied as (g ^ s) - s. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i apply_signs(__m256i g, __m256i s) {
+    return _mm256_sub_epi8(_mm256_xor_si256(g, s), s);
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_iq2_xxs(const uint8_t *b, int j) {
+    const uint8_t *p = b + 2 + 8 * j;
+    const uint32_t aux = rd32(p + 4);
+    const __m256i g = _mm256_set_epi64x((long long)IQ2XXS_GRID[p[3]], (long long)IQ2XXS_GRID[p[2]],
+                                        (long long)IQ2XXS_GRID[p[1]], (long long)IQ2XXS_GRID[p[0]]);
+    const __m256i s = _mm256_set_epi64x((long long)SIGN_MASK[(aux >> 21) & 127], (long long)SIGN_MASK[(aux >> 14) & 127],
+                                        (long long)SIGN_MASK[(aux >> 7) & 127], (long long)SIGN_MASK[aux & 127]);
+    return apply_signs(g, s);
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_iq2_xs(const uint8_t *b, int j) {
+    const uint8_t *p = b + 2 + 8 * j;
+    const uint16_t v0 = rd16(p), v1 = rd16(p + 2), v2 = rd16(p + 4), v3 = rd16(p + 6);
+    const __m256i g = _mm256_set_epi64x((long long)IQ2XS_GRID[v3 & 511], (long long)IQ2XS_GRID[v2 & 511],
+                                        (long long)IQ2XS_GRID[v1 & 511], (long long)IQ2XS_GRID[v0 & 511]);
+    const __m256i s = _mm256_set_epi64x((long long)SIGN_MASK[v3 >> 9], (long long)SIGN_MASK[v2 >> 9],
+                                        (long long)SIGN_MASK[v1 >> 9], (long long)SIGN_MASK[v0 >> 9]);
+    return apply_signs(g, s);
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_iq3_xxs(const uint8_t *b, int j) {
+    const uint8_t *q = b + 2 + 8 * j;
+    const uint32_t aux = rd32(b + 66 + 4 * j);
+    const __m256i g = _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
+                                       (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
+                                       (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
+    const __m256i s = _mm256_set_epi64x((long long)SIGN_MASK[(aux >> 21) & 127], (long long)SIGN_MASK[(aux >> 14) & 127],
+                                        (long long)SIGN_MASK[(aux >> 7) & 127], (long long)SIGN_MASK[aux & 127]);
+    return apply_signs(g, s);
+}
+/* IQ1: grid rows times 8 plus the delta's sign (+-1) in every byte. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_iq1_s(const uint8_t *b, int j) {
+    const uint16_t qh = rd16(b + 34 + 2 * j);
+    const uint8_t *qs = b + 2 + 4 * j;
+    const __m256i g = _mm256_set_epi64x((long long)IQ1S_GRID8[qs[3] | ((qh >> 1) & 0x700)],
+                                        (long long)IQ1S_GRID8[qs[2] | ((qh << 2) & 0x700)],
+                                        (long long)IQ1S_GRID8[qs[1] | ((qh << 5) & 0x700)],
+                                        (long long)IQ1S_GRID8[qs[0] | ((qh << 8) & 0x700)]);
+    return _mm256_add_epi8(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_iq1_m(const uint8_t *b, int j) {
+    const uint8_t *qs = b + 4 * j;
+    const unsigned h0 = b[32 + 2 * j], h1 = b[33 + 2 * j];
+    const __m256i g = _mm256_set_epi64x((long long)IQ1S_GRID8[qs[3] | ((h1 << 4) & 0x700)],
+                                        (long long)IQ1S_GRID8[qs[2] | ((h1 << 8) & 0x700)],
+                                        (long long)IQ1S_GRID8[qs[1] | ((h0 << 4) & 0x700)],
+                                        (long long)IQ1S_GRID8[qs[0] | ((h0 << 8) & 0x700)]);
+    /* delta sign of group l: bit 3 of its nibble; 0x01 or 0xFF in all its bytes */
+    const uint64_t d0 = L8 | (0 - (uint64_t)((h0 >> 3) & 1)), d1 = L8 | (0 - (uint64_t)((h0 >> 7) & 1));
+    const uint64_t d2 = L8 | (0 - (uint64_t)((h1 >> 3) & 1)), d3 = L8 | (0 - (uint64_t)((h1 >> 7) & 1));
+    return _mm256_add_epi8(g, _mm256_set_epi64x((long long)d3, (long long)d2, (long long)d1, (long long)d0));
+}
+
+/* Q8_0 has a scale per 32 values, so its f16 conversion is on the hot path: F16C there. */
+__attribute__((target(AVX2_TARGET))) INLINE void scales_q8_0_v(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    s[0] = f16v(rd16(b));
+}
+/* Q4_K/Q5_K: the 8 six-bit scales and mins unpacked 4 at a time in 32-bit words (ggml's
+ * get_scale_min_k4), then d * sc and dmin * m for all 8 in one vector each. */
+__attribute__((target(AVX2_TARGET))) INLINE void scales_k4_v(const uint8_t *b, float *s, float *mn) {
+    const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
+    const uint64_t sc = (a & 0x3F3F3F3Fu) | (uint64_t)((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t m = (c & 0x3F3F3F3Fu) | (uint64_t)(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
+    const __m256 d = _mm256_set1_ps(f16v(rd16(b)));
+    const __m256 dmin = _mm256_set1_ps(f16v(rd16(b + 2)));
+    _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)))));
+    _mm256_storeu_ps(mn, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)))));
+}
+#define scales_q4_k_v scales_k4_v
+#define scales_q5_k_v scales_k4_v
+/* d times 16 small integers (bytes, signed or not) into s[0..15]: the same products as the
+ * scalar loops, 8 at a time. */
+__attribute__((target(AVX2_TARGET))) INLINE void scale16(float *s, __m128i v, int is_signed, float d) {
+    const __m256 dv = _mm256_set1_ps(d);
+    const __m128i hi = _mm_srli_si128(v, 8);
+    const __m256i a = is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+    const __m256i b = is_signed ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi);
+    _mm256_storeu_ps(s, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(a)));
+    _mm256_storeu_ps(s + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(b)));
+}
+__attribute__((target(AVX2_TARGET))) INLINE void scales_q6_k_v(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    scale16(s, _mm_loadu_si128((const __m128i *)(b + 192)), 1, f16v(rd16(b + 208)));
+}
+__attribute__((target(AVX2_TARGET))) INLINE void scales_q2_k_v(const uint8_t *b, float *s, float *mn) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(0x0F);
+    scale16(s, _mm_and_si128(v, low4), 0, f16v(rd16(b + 80)));
+    scale16(mn, _mm_and_si128(_mm_srli_epi16(v, 4), low4), 0, f16v(rd16(b + 82)));
+}
+__attribute__((target(AVX2_TARGET))) INLINE void scales_q3_k_v(const uint8_t *b, float *s, float *mn) {
+    (void)mn;
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t aux[4];
+    memcpy(aux, b + 96, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    const __m128i sc = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32));
+    scale16(s, sc, 1, f16v(rd16(b + 108)));
+}
+#define scales_iq2_xxs_v scales_iq2_xxs
+#define scales_iq2_xs_v scales_iq2_xs
+#define scales_iq3_xxs_v scales_iq3_xxs
+#define scales_iq1_s_v scales_iq1_s
+#define scales_iq1_m_v scales_iq1_m
+
+__attribute__((target(AVX2_TARGET))) INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Ask for the blocks PREFETCH_BYTES ahead in each of the NT rows: a block's scales are read
+ * first and everything after waits on them, so a miss there stalls more than the hardware
+ * prefetcher's stream detection hides (measured: a third of Q6_K's decode time). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 768
+#endif
+#define PREFETCH_BLOCKS(T, ROW, RB, NT, B, NB)                                                      \
+    do {                                                                                           \
+        if (((B) + 1) * T##_BYTES / 64 != (B) * T##_BYTES / 64 || (B) == 0)                        \
+            for (int i_ = 0; i_ < (NT); i_++)                                                      \
+                for (int o_ = 0; o_ < T##_BYTES + 63; o_ += 64)                                    \
+                    __builtin_prefetch((ROW) + i_ * (RB) + (B) * T##_BYTES + PREFETCH_BYTES + o_); \
+    } while (0)
+
+/* MXFP4: kv of the low nibbles (values 0-15) then of the high nibbles (16-31). */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i qv_mxfp4(const uint8_t *b, int j) {
+    (void)j;
+    const __m128i kv = _mm_loadu_si128((const __m128i *)KV), low4 = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1));
+    const __m128i lo = _mm_shuffle_epi8(kv, _mm_and_si128(q, low4));
+    const __m128i hi = _mm_shuffle_epi8(kv, _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+    return _mm256_set_m128i(hi, lo);
+}
+#define scales_mxfp4_v scales_mxfp4
+
+/* ---- few rows: per-row tiles ----------------------------------------------------------------
+ * Weights of sub-block j for NT rows of W, exactly ggml's values (a product, then a
+ * difference), then for each of RT rows of x: acc[i][t] += w[i] . x[t] over the 32 values
+ * (lane-wise: products of the first halves, fused with those of the second, then added). */
+#define DEFINE_TILE512(T, NAME_LC, HAS_MIN)                                                          \
+    __attribute__((target(AVX512_TARGET))) INLINE void tile_##NAME_LC##_avx512(                      \
+        const uint8_t *row, int64_t rb, int NT, int64_t nb, const float *x, int64_t k, int RT,       \
+        float *out, int64_t ldo) {                                                                  \
+        __m512 acc[4][4];                                                                           \
+        float s[4][16], mn[4][16];                                                                  \
+        for (int i = 0; i < NT; i++)                                                                \
+            for (int t = 0; t < RT; t++) acc[i][t] = _mm512_setzero_ps();                           \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            PREFETCH_BLOCKS(T, row, rb, NT, b, nb);                                                 \
+            for (int i = 0; i < NT; i++) scales_##NAME_LC##_v(row + i * rb + b * T##_BYTES, s[i], mn[i]); \
+            _Pragma("GCC unroll 8") for (int j = 0; j < T##_QK / 32; j++) {                         \
+                __m512 w0[4], w1[4], sv[4];                                                         \
+                for (int i = 0; i < NT; i++) {                                                      \
+                    const __m256i q = qv_##NAME_LC(row + i * rb + b * T##_BYTES, j);                 \
+                    w0[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));    \
+                    w1[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))); \
+                    sv[i] = _mm512_set1_ps(s[i][SIDX(T, j, 0)]);                                    \
+                    if (!T##_FACTORED) {                                                            \
+                        w0[i] = _mm512_mul_ps(w0[i], sv[i]);                                        \
+                        w1[i] = _mm512_mul_ps(w1[i], _mm512_set1_ps(s[i][SIDX(T, j, 1)]));          \
+                    }                                                                               \
+                    if (HAS_MIN) {                                                                  \
+                        w0[i] = _mm512_sub_ps(w0[i], _mm512_set1_ps(mn[i][SIDX(T, j, 0)]));         \
+                        w1[i] = _mm512_sub_ps(w1[i], _mm512_set1_ps(mn[i][SIDX(T, j, 1)]));         \
+                    }                                                                               \
+                }                                                                                   \
+                for (int t = 0; t < RT; t++) {                                                      \
+                    const float *xb = x + t * k + b * T##_QK + 32 * j;                              \
+                    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);           \
+                    for (int i = 0; i < NT; i++)                                                    \
+                        acc[i][t] = T##_FACTORED                                                    \
+                                        ? _mm512_fmadd_ps(_mm512_fmadd_ps(w1[i], x1, _mm512_mul_ps(w0[i], x0)), sv[i], acc[i][t]) \
+                                        : _mm512_add_ps(acc[i][t], _mm512_fmadd_ps(w1[i], x1, _mm512_mul_ps(w0[i], x0))); \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < NT; i++)                                                                \
+            for (int t = 0; t < RT; t++) out[t * ldo + i] = _mm512_reduce_add_ps(acc[i][t]);        \
+    }
+
+/* The weights of one row's sub-block as four 8-lane vectors (values 0-7, 8-15, 16-23, 24-31):
+ * what the AVX2 tiles multiply, and what the panels hold for both vector paths. */
+#define DECODE256(T, NAME_LC, HAS_MIN, BLK, J, S, MN, W)                                             \
+    do {                                                                                           \
+        const __m256i q_ = qv_##NAME_LC(BLK, J);                                                   \
+        const __m128i lo_ = _mm256_castsi256_si128(q_), hi_ = _mm256_extracti128_si256(q_, 1);     \
+        W[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo_));                                      \
+        W[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo_, 8)));                   \
+        W[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi_));                                      \
+        W[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi_, 8)));                   \
+        if (!T##_FACTORED) {                                                                       \
+            const __m256 s0_ = _mm256_set1_ps((S)[SIDX(T, J, 0)]), s1_ = _mm256_set1_ps((S)[SIDX(T, J, 1)]); \
+            W[0] = _mm256_mul_ps(W[0], s0_);                                                       \
+            W[1] = _mm256_mul_ps(W[1], s0_);                                                       \
+            W[2] = _mm256_mul_ps(W[2], s1_);                                                       \
+            W[3] = _mm256_mul_ps(W[3], s1_);                                                       \
+        }                                                                                          \
+        if (HAS_MIN) {                                                                             \
+            const __m256 m0_ = _mm256_set1_ps((MN)[SIDX(T, J, 0)]), m1_ = _mm256_set1_ps((MN)[SIDX(T, J, 1)]); \
+            W[0] = _mm256_sub_ps(W[0], m0_);                                                       \
+            W[1] = _mm256_sub_ps(W[1], m0_);                                                       \
+            W[2] = _mm256_sub_ps(W[2], m1_);                                                       \
+            W[3] = _mm256_sub_ps(W[3], m1_);                                                       \
+        }                                                                                          \
+    } while (0)
+
+/* The same with 8 lanes: a sub-block is four vectors; per row, (w0 x0 + w1 x1) + (w2 x2 + w3 x3). */
+#define DEFINE_TILE256(T, NAME_LC, HAS_MIN)                                                          \
+    __attribute__((target(AVX2_TARGET))) INLINE void tile_##NAME_LC##_avx2(                          \
+        const uint8_t *row, int64_t rb, int NT, int64_t nb, const float *x, int64_t k, int RT,       \
+        float *out, int64_t ldo) {                                                                  \
+        __m256 acc[4][4];                                                                           \
+        float s[4][16], mn[4][16];                                                                  \
+        for (int i = 0; i < NT; i++)                                                                \
+            for (int t = 0; t < RT; t++) acc[i][t] = _mm256_setzero_ps();                           \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            PREFETCH_BLOCKS(T, row, rb, NT, b, nb);                                                 \
+            for (int i = 0; i < NT; i++) scales_##NAME_LC##_v(row + i * rb + b * T##_BYTES, s[i], mn[i]); \
+            _Pragma("GCC unroll 8") for (int j = 0; j < T##_QK / 32; j++) {                         \
+                __m256 w[4][4], sv[4];                                                              \
+                for (int i = 0; i < NT; i++) {                                                      \
+                    DECODE256(T, NAME_LC, HAS_MIN, row + i * rb + b * T##_BYTES, j, s[i], mn[i], w[i]); \
+                    sv[i] = _mm256_set1_ps(s[i][SIDX(T, j, 0)]);                                    \
+                }                                                                                   \
+                for (int t = 0; t < RT; t++) {                                                      \
+                    const float *xb = x + t * k + b * T##_QK + 32 * j;                              \
+                    for (int i = 0; i < NT; i++) {                                                  \
+                        const __m256 p = _mm256_fmadd_ps(w[i][1], _mm256_loadu_ps(xb + 8),          \
+                                                         _mm256_mul_ps(w[i][0], _mm256_loadu_ps(xb))); \
+                        const __m256 r = _mm256_fmadd_ps(w[i][3], _mm256_loadu_ps(xb + 24),         \
+                                                         _mm256_mul_ps(w[i][2], _mm256_loadu_ps(xb + 16))); \
+                        acc[i][t] = T##_FACTORED ? _mm256_fmadd_ps(_mm256_add_ps(p, r), sv[i], acc[i][t]) \
+                                                 : _mm256_add_ps(acc[i][t], _mm256_add_ps(p, r));   \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int i = 0; i < NT; i++)                                                                \
+            for (int t = 0; t < RT; t++) out[t * ldo + i] = hsum256(acc[i][t]);                     \
+    }
+
+/* The per-row driver over output columns [n0, n1): tiles of NT_MAX rows of W (then single rows)
+ * by 4 rows of x (then 2, 1). */
+#define ROW_TILES(NAME_LC, LVL, NT)                                                                  \
+    do {                                                                                           \
+        const uint8_t *row = w + n * rb;                                                           \
+        int64_t r = 0;                                                                             \
+        for (; r + 4 <= m; r += 4) tile_##NAME_LC##_##LVL(row, rb, NT, nb, x + r * k, k, 4, y + r * n_out + n, n_out); \
+        if (r + 2 <= m) {                                                                          \
+            tile_##NAME_LC##_##LVL(row, rb, NT, nb, x + r * k, k, 2, y + r * n_out + n, n_out);    \
+            r += 2;                                                                                \
+        }                                                                                          \
+        if (r < m) tile_##NAME_LC##_##LVL(row, rb, NT, nb, x + r * k, k, 1, y + r * n_out + n, n_out); \
+    } while (0)
+
+/* ---- many rows on the vector paths: panels (see "many rows" above) -------------------------
+ * Both vector paths share one panel decoder per type (8-lane, the AVX2 tiles' DECODE256: the
+ * same lane-wise operations as the 16-lane tile, so the same floats). Each panel row's next
+ * values are prefetched while it is decoded: they are needed one panel later. */
+/* 8 floats to bfloat16, as bf16_rne. */
+__attribute__((target(AVX2_TARGET))) INLINE __m128i bf16x8(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+#define DEFINE_PANEL(T, NAME_LC, HAS_MIN)                                                           \
+    __attribute__((target(AVX2_TARGET))) static void panel_##NAME_LC##_avx2(                        \
+        const uint8_t *row, int64_t rb, int np, int64_t b0, int64_t nbk, void *out, int64_t ldw, float *sb, \
+        int mode) {                                                                                \
+        for (int i = 0; i < np; i++) {                                                             \
+            const uint8_t *ri = row + i * rb + b0 * T##_BYTES;                                     \
+            for (int64_t o = 0; o < nbk * T##_BYTES; o += 64) __builtin_prefetch(ri + nbk * T##_BYTES + o); \
+            for (int64_t b = 0; b < nbk; b++) {                                                    \
+                const uint8_t *blk = ri + b * T##_BYTES;                                           \
+                float s[16], mn[16];                                                               \
+                scales_##NAME_LC##_v(blk, s, mn);                                                  \
+                _Pragma("GCC unroll 8") for (int j = 0; j < T##_QK / 32; j++) {                    \
+                    const int64_t at = i * ldw + b * T##_QK + 32 * j;                              \
+                    __m256 wv[4];                                                                  \
+                    DECODE256(T, NAME_LC, HAS_MIN, blk, j, s, mn, wv);                             \
+                    if (T##_FACTORED && mode != PANEL_RAW)                                         \
+                        for (int l = 0; l < 4; l++) wv[l] = _mm256_mul_ps(wv[l], _mm256_set1_ps(s[SIDX(T, j, 0)])); \
+                    if (mode == PANEL_BF16)                                                        \
+                        for (int l = 0; l < 4; l++) _mm_storeu_si128((__m128i *)((uint16_t *)out + at + 8 * l), bf16x8(wv[l])); \
+                    else                                                                           \
+                        for (int l = 0; l < 4; l++) _mm256_storeu_ps((float *)out + at + 8 * l, wv[l]); \
+                    if (T##_FACTORED && mode == PANEL_RAW)                                         \
+                        sb[i * BLK_SUB + b * (T##_QK / 32) + j] = s[SIDX(T, j, 0)];                \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* NT rows of a panel by RT rows of x: the per-row tiles' operations, the weights loaded from the
+ * panel instead of decoded. */
+__attribute__((target(AVX512_TARGET))) INLINE void mk512(const float *wb, const float *sb, int NT, const float *x,
+                                                         int64_t k, int RT, int64_t nsub, int FACT, float *acc,
+                                                         int first, int last, float *y, int64_t n_out) {
+    __m512 a[4][4];
+    for (int i = 0; i < NT; i++)
+        for (int t = 0; t < RT; t++)
+            a[i][t] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (t * BLK_NP + i) * 16);
+    for (int64_t j = 0; j < nsub; j++) {
+        __m512 w0[4], w1[4];
+        for (int i = 0; i < NT; i++) {
+            w0[i] = _mm512_load_ps(wb + i * BLK_KC + 32 * j);
+            w1[i] = _mm512_load_ps(wb + i * BLK_KC + 32 * j + 16);
+        }
+        for (int t = 0; t < RT; t++) {
+            const __m512 x0 = _mm512_loadu_ps(x + t * k + 32 * j), x1 = _mm512_loadu_ps(x + t * k + 32 * j + 16);
+            for (int i = 0; i < NT; i++) {
+                const __m512 p = _mm512_fmadd_ps(w1[i], x1, _mm512_mul_ps(w0[i], x0));
+                a[i][t] = FACT ? _mm512_fmadd_ps(p, _mm512_set1_ps(sb[i * BLK_SUB + j]), a[i][t])
+                               : _mm512_add_ps(a[i][t], p);
+            }
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int t = 0; t < RT; t++) {
+            if (last) y[t * n_out + i] = _mm512_reduce_add_ps(a[i][t]);
+            else _mm512_store_ps(acc + (t * BLK_NP + i) * 16, a[i][t]);
+        }
+}
+
+__attribute__((target(AVX2_TARGET))) INLINE void mk256(const float *wb, const float *sb, int NT, const float *x,
+                                                       int64_t k, int RT, int64_t nsub, int FACT, float *acc,
+                                                       int first, int last, float *y, int64_t n_out) {
+    __m256 a[2][4];
+    for (int i = 0; i < NT; i++)
+        for (int t = 0; t < RT; t++)
+            a[i][t] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (t * BLK_NP + i) * 16);
+    for (int64_t j = 0; j < nsub; j++)
+        for (int t = 0; t < RT; t++) {
+            const float *xb = x + t * k + 32 * j;
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+            const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+            for (int i = 0; i < NT; i++) {
+                const float *wf = wb + i * BLK_KC + 32 * j;
+                const __m256 p = _mm256_fmadd_ps(_mm256_load_ps(wf + 8), x1, _mm256_mul_ps(_mm256_load_ps(wf), x0));
+                const __m256 r = _mm256_fmadd_ps(_mm256_load_ps(wf + 24), x3, _mm256_mul_ps(_mm256_load_ps(wf + 16), x2));
+                a[i][t] = FACT ? _mm256_fmadd_ps(_mm256_add_ps(p, r), _mm256_set1_ps(sb[i * BLK_SUB + j]), a[i][t])
+                               : _mm256_add_ps(a[i][t], _mm256_add_ps(p, r));
+            }
+        }
+    for (int i = 0; i < NT; i++)
+        for (int t = 0; t < RT; t++) {
+            if (last) y[t * n_out + i] = hsum256(a[i][t]);
+            else _mm256_store_ps(acc + (t * BLK_NP + i) * 16, a[i][t]);
+        }
+}
+
+/* Tile shapes: AVX-512's 32 registers hold 4 x 4 accumulators and 4 rows' weights; AVX2's 16
+ * hold 2 x 4 accumulators and one row of x (the weights are memory operands). */
+#define MK_CALL(MK, NT, RT, FACT)                                                                   \
+    MK(wb + i0 * BLK_KC, sb + i0 * BLK_SUB, NT, xt, k, RT, kc / 32, FACT, at + i0 * 16, first, last, yt + i0, n_out)
+#define MK_TILES(MK, NT, FACT)                                                                      \
+    switch (rt) {                                                                                  \
+    case 4: MK_CALL(MK, NT, 4, FACT); break;                                                       \
+    case 3: MK_CALL(MK, NT, 3, FACT); break;                                                       \
+    case 2: MK_CALL(MK, NT, 2, FACT); break;                                                       \
+    default: MK_CALL(MK, NT, 1, FACT); break;                                                      \
+    }
+#define TILES512_0(NT) MK_TILES(mk512, NT, 0)
+#define TILES512_1(NT) MK_TILES(mk512, NT, 1)
+#define TILES256_0(NT) MK_TILES(mk256, NT, 0)
+#define TILES256_1(NT) MK_TILES(mk256, NT, 1)
+
+#define DEFINE_BLOCKED(LVL, TARGET, NT_MAX, FACT, TILES)                                            \
+    __attribute__((target(TARGET))) static void blocked_##LVL##_##FACT(                             \
+        panel_fn panel, int64_t qk, int64_t bytes, const uint8_t *w, int64_t n0, int64_t n1, int64_t n_out, \
+        int64_t k, const float *x, int64_t m, float *y, float *scratch) {                          \
+        BLOCKED_LOOPS(NT_MAX, 4, TILES);                                                           \
+    }
+DEFINE_BLOCKED(avx512, AVX512_TARGET, 4, 0, TILES512_0)
+DEFINE_BLOCKED(avx512, AVX512_TARGET, 4, 1, TILES512_1)
+DEFINE_BLOCKED(avx2, AVX2_TARGET, 2, 0, TILES256_0)
+DEFINE_BLOCKED(avx2, AVX2_TARGET, 2, 1, TILES256_1)
+
+/* A type's entry point on a vector path: panels for many rows (the caller passes scratch then),
+ * per-row tiles for few. */
+#define DEFINE_DRIVER(T, NAME_LC, LVL, TARGET, NT_MAX)                                               \
+    __attribute__((target(TARGET))) static void NAME_LC##_##LVL(const uint8_t *w, int64_t n0, int64_t n1, \
+                                                                int64_t n_out, int64_t k, const float *x, \
+                                                                int64_t m, float *y, float *scratch) { \
+        const int64_t nb = k / T##_QK, rb = nb * T##_BYTES;                                          \
+        if (scratch != NULL) {                                                                       \
+            (T##_FACTORED ? blocked_##LVL##_1 : blocked_##LVL##_0)(panel_##NAME_LC##_avx2, T##_QK, T##_BYTES, \
+                                                                   w, n0, n1, n_out, k, x, m, y, scratch); \
+            return;                                                                                  \
+        }                                                                                            \
+        int64_t n = n0;                                                                              \
+        if (NT_MAX > 1 && m >= 4)                                                                    \
+            for (; n + NT_MAX <= n1; n += NT_MAX) ROW_TILES(NAME_LC, LVL, NT_MAX);                   \
+        for (; n < n1; n++) ROW_TILES(NAME_LC, LVL, 1);                                              \
+    }
+
+/* W rows per per-row tile: AVX-512 has 32 registers, room for 4 x 4 accumulators and 4 rows'
+ * weights; AVX2's 16 hold one row's four weight vectors and four accumulators. */
+#define DEFINE_TYPE(T, NAME_LC, HAS_MIN)                                                             \
+    DEFINE_SCALAR(T, NAME_LC, HAS_MIN)                                                               \
+    DEFINE_TILE512(T, NAME_LC, HAS_MIN)                                                              \
+    DEFINE_TILE256(T, NAME_LC, HAS_MIN)                                                              \
+    DEFINE_PANEL(T, NAME_LC, HAS_MIN)                                                                \
+    DEFINE_DRIVER(T, NAME_LC, avx512, AVX512_TARGET, 4)                                              \
+    DEFINE_DRIVER(T, NAME_LC, avx2, AVX2_TARGET, 1)
+#define KERNELS(NAME_LC) {NAME_LC##_scalar, NAME_LC##_avx2, NAME_LC##_avx512}
+#define PANELS(NAME_LC) {panel_##NAME_LC##_scalar, panel_##NAME_LC##_avx2}
+
+#else /* not x86: the scalar path only */
+#define DEFINE_TYPE(T, NAME_LC, HAS_MIN) DEFINE_SCALAR(T, NAME_LC, HAS_MIN)
+#define KERNELS(NAME_LC) {NAME_LC##_scalar, NAME_LC##_scalar, NAME_LC##_scalar}
+#define PANELS(NAME_LC) {panel_##NAME_LC##_scalar, panel_##NAME_LC##_scalar}
+#endif
+
+DEFINE_TYPE(Q8_0, q8_0, 0)
+DEFINE_TYPE(Q4_K, q4_k, 1)
+DEFINE_TYPE(Q5_K, q5_k, 1)
+DEFINE_TYPE(Q6_K, q6_k, 0)
+DEFINE_TYPE(Q2_K, q2_k, 1)
+DEFINE_TYPE(Q3_K, q3_k, 0)
+DEFINE_TYPE(IQ2_XXS, iq2_xxs, 0)
+DEFINE_TYPE(IQ2_XS, iq2_xs, 0)
+DEFINE_TYPE(IQ3_XXS, iq3_xxs, 0)
+DEFINE_TYPE(IQ1_S, iq1_s, 0)
+DEFINE_TYPE(IQ1_M, iq1_m, 0)
+DEFINE_TYPE(MXFP4, mxfp4, 0)
+
+/* ---- the type table ------------------------------------------------------------------------ */
+
+typedef struct {
+    int ggml_type;        /* GGMLQuantizationType value (the file format's type id) */
+    const char *name;
+    int64_t qk, bytes;    /* values and bytes per block */
+    int needs_tables;     /* IQ types: init_tables() must have run */
+    int factored;         /* T_FACTORED */
+    int blocked_from;     /* rows from which the vector paths use panels (T_BLOCKED_FROM) */
+    kernel_fn fn[3];      /* scalar, AVX2, AVX-512 */
+    panel_fn panel[2];    /* scalar, vector: the decoders dequantize() runs */
+} qtype_t;
+
+static const qtype_t QTYPES[] = {
+    {39, "MXFP4", MXFP4_QK, MXFP4_BYTES, 0, MXFP4_FACTORED, MXFP4_BLOCKED_FROM, KERNELS(mxfp4), PANELS(mxfp4)},
+    {8, "Q8_0", Q8_0_QK, Q8_0_BYTES, 0, Q8_0_FACTORED, Q8_0_BLOCKED_FROM, KERNELS(q8_0), PANELS(q8_0)},
+    {10, "Q2_K", Q2_K_QK, Q2_K_BYTES, 0, Q2_K_FACTORED, Q2_K_BLOCKED_FROM, KERNELS(q2_k), PANELS(q2_k)},
+    {11, "Q3_K", Q3_K_QK, Q3_K_BYTES, 0, Q3_K_FACTORED, Q3_K_BLOCKED_FROM, KERNELS(q3_k), PANELS(q3_k)},
+    {12, "Q4_K", Q4_K_QK, Q4_K_BYTES, 0, Q4_K_FACTORED, Q4_K_BLOCKED_FROM, KERNELS(q4_k), PANELS(q4_k)},
+    {13, "Q5_K", Q5_K_QK, Q5_K_BYTES, 0, Q5_K_FACTORED, Q5_K_BLOCKED_FROM, KERNELS(q5_k), PANELS(q5_k)},
+    {14, "Q6_K", Q6_K_QK, Q6_K_BYTES, 0, Q6_K_FACTORED, Q6_K_BLOCKED_FROM, KERNELS(q6_k), PANELS(q6_k)},
+    {16, "IQ2_XXS", IQ2_XXS_QK, IQ2_XXS_BYTES, 1, IQ2_XXS_FACTORED, IQ2_XXS_BLOCKED_FROM, KERNELS(iq2_xxs), PANELS(iq2_xxs)},
+    {17, "IQ2_XS", IQ2_XS_QK, IQ2_XS_BYTES, 1, IQ2_XS_FACTORED, IQ2_XS_BLOCKED_FROM, KERNELS(iq2_xs), PANELS(iq2_xs)},
+    {18, "IQ3_XXS", IQ3_XXS_QK, IQ3_XXS_BYTES, 1, IQ3_XXS_FACTORED, IQ3_XXS_BLOCKED_FROM, KERNELS(iq3_xxs), PANELS(iq3_xxs)},
+    {19, "IQ1_S", IQ1_S_QK, IQ1_S_BYTES, 1, IQ1_S_FACTORED, IQ1_S_BLOCKED_FROM, KERNELS(iq1_s), PANELS(iq1_s)},
+    {29, "IQ1_M", IQ1_M_QK, IQ1_M_BYTES, 1, IQ1_M_FACTORED, IQ1_M_BLOCKED_FROM, KERNELS(iq1_m), PANELS(iq1_m)},
+};
+#define N_QTYPES ((int)(sizeof QTYPES / sizeof QTYPES[0]))
+
+static const qtype_t *find_qtype(int ggml_type) {
+    for (int i = 0; i < N_QTYPES; i++)
+        if (QTYPES[i].ggml_type == ggml_type) return &QTYPES[i];
+    return NULL;
+}
+
+/* 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512F: the best this CPU runs, set at import. */
+static int use_simd = 0;
+
+typedef struct {
+    kernel_fn fn;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+    float *scratch;       /* SCRATCH_FLOATS per thread, or NULL */
+    int64_t n0, n1, n_out, k, m;
+} job_t;
+
+#define MAX_THREADS 256
+/* Below this many weights per thread a call is over before threads would have started. */
+#define MIN_WEIGHTS_PER_THREAD (1 << 19)
+
+/* How many threads a product of n_out x k weights is split over, asked for `threads`. */
+static int split_threads(int64_t n_out, int64_t k, int threads) {
+    const int64_t work = n_out * k;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > 1 && work / threads < MIN_WEIGHTS_PER_THREAD) threads = (int)(work / MIN_WEIGHTS_PER_THREAD);
+    if (threads > n_out) threads = (int)n_out;
+    return threads < 1 ? 1 : threads;
+}
+
+/* Split the output columns over `threads` OpenMP threads (split_threads' count). Built against
+ * libgomp, this resolves to the libgomp torch has already loaded (same soname), so the split runs
+ * on torch's own worker threads: no second pool competing for the cores with torch's spinning
+ * one. Each column is computed by one thread with the same arithmetic, so the split does not
+ * change results. */
+static void run_split(job_t base, int threads) {
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int t = 0; t < threads; t++) {
+            const int64_t n0 = base.n_out * t / threads, n1 = base.n_out * (t + 1) / threads;
+            base.fn(base.w, n0, n1, base.n_out, base.k, base.x, base.m, base.y,
+                    base.scratch ? base.scratch + (int64_t)t * SCRATCH_FLOATS : NULL);
+        }
+        return;
+    }
+#endif
+    (void)threads;
+    base.fn(base.w, 0, base.n_out, base.n_out, base.k, base.x, base.m, base.y, base.scratch);
+}
+
+/* matmul(qtype, w, x, y, n_out, k, m, simd=-1, threads=1, path=-1): y[m, n_out] = x[m, k] @ W.T
+ * for a ggml matrix W[n_out, k] of type qtype (a GGMLQuantizationType value). w, x and y are
+ * contiguous buffers (uint8, float32, float32); sizes are checked here. simd: -1 the best path,
+ * else 0 scalar, 1 AVX2, 2 AVX-512 (capped at what the CPU has). threads: split the output
+ * columns over this many threads (small products use fewer). path: -1 per-row tiles below the
+ * type's blocked_from rows and panels from there, 0 tiles, 1 panels (the same bits either way;
+ * for tests and benchmarks). Panels get SCRATCH_FLOATS floats of scratch per thread. */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    Py_buffer w, x, y;
+    Py_ssize_t n_out, k, m;
+    int qtype, simd = -1, threads = 1, path = -1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*w*nnn|iii", &qtype, &w, &x, &y, &n_out, &k, &m, &simd, &threads, &path))
+        return NULL;
+    PyObject *ret = NULL;
+    const qtype_t *qt = find_qtype(qtype);
+    if (qt == NULL) {
+        PyErr_Format(PyExc_ValueError, "matmul: no native kernel for ggml type %d", qtype);
+    } else if (qt->needs_tables && !tables_ready) {
+        PyErr_Format(PyExc_RuntimeError, "matmul: %s needs the IQ grids (init_tables was not called)", qt->name);
+    } else if (n_out < 0 || k < 0 || m < 0 || k % qt->qk) {
+        PyErr_Format(PyExc_ValueError, "matmul: bad dimensions (k must be a multiple of %d for %s)",
+                     (int)qt->qk, qt->name);
+    } else if (w.len != n_out * (k / qt->qk) * qt->bytes) {
+        PyErr_Format(PyExc_ValueError, "matmul: %s weight buffer is %zd bytes, expected %zd", qt->name, w.len,
+                     (Py_ssize_t)(n_out * (k / qt->qk) * qt->bytes));
+    } else if (x.len != m * k * (Py_ssize_t)sizeof(float) || y.len != m * n_out * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "matmul: activation or output buffer has the wrong size");
+    } else {
+        const int level = simd < 0 || simd > use_simd ? use_simd : simd;
+        const int nthreads = split_threads(n_out, k, threads);
+        /* the scalar path always uses panels; the vector paths from the type's blocked_from rows
+         * (path: -1 so, 0 per-row tiles, 1 panels) */
+        const int blocked = level == 0 || (path < 0 ? m >= qt->blocked_from : path > 0);
+        float *scratch = NULL;
+        if (blocked && m > 0 && n_out > 0 && k > 0)
+            scratch = aligned_alloc(64, (size_t)nthreads * SCRATCH_FLOATS * sizeof(float));
+        if (blocked && m > 0 && n_out > 0 && k > 0 && scratch == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        const job_t job = {qt->fn[level], w.buf, x.buf, y.buf, scratch, 0, n_out, n_out, k, m};
+        Py_BEGIN_ALLOW_THREADS
+        if (k == 0) memset(y.buf, 0, (size_t)y.len);   /* empty sums (the drivers walk k) */
+        else run_split(job, nthreads);
+        Py_END_ALLOW_THREADS
+        free(scratch);
+        ret = Py_NewRef(Py_None);
+    }
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return ret;
+}
+
+/* ---- dequantize: rows of W as float32 or bfloat16 ------------------------------------------
+ * The panel decoders' PANEL_F32 / PANEL_BF16 modes over whole rows. QuantizedMatrix uses this
+ * for products with many rows and a 16-bit compute dtype: a chunk of W's rows dequantized into a
+ * bounded buffer, multiplied by torch's GEMM, the next chunk into the same buffer. */
+static void dequant_rows(const qtype_t *qt, int level, const uint8_t *w, int64_t n0, int64_t n1, int64_t k,
+                         void *out, int bf16) {
+    const panel_fn panel = qt->panel[level > 0];
+    const int64_t nb = k / qt->qk, rb = nb * qt->bytes;
+    for (int64_t p0 = n0; p0 < n1; p0 += BLK_NP) {
+        const int np = n1 - p0 < BLK_NP ? (int)(n1 - p0) : BLK_NP;
+        void *dst = bf16 ? (void *)((uint16_t *)out + p0 * k) : (void *)((float *)out + p0 * k);
+        panel(w + p0 * rb, rb, np, 0, nb, dst, k, NULL, bf16 ? PANEL_BF16 : PANEL_F32);
+    }
+}
+
+/* dequantize(qtype, w, out, n_rows, k, bf16=0, simd=-1, threads=1): the n_rows x k matrix W held
+ * as its bytes in w into out (contiguous float32, or bfloat16 bits as 2-byte items with bf16=1),
+ * rows split over threads. */
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    Py_buffer w, out;
+    Py_ssize_t n_rows, k;
+    int qtype, bf16 = 0, simd = -1, threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*w*nn|iii", &qtype, &w, &out, &n_rows, &k, &bf16, &simd, &threads)) return NULL;
+    PyObject *ret = NULL;
+    const qtype_t *qt = find_qtype(qtype);
+    const Py_ssize_t item = bf16 ? 2 : 4;
+    if (qt == NULL) {
+        PyErr_Format(PyExc_ValueError, "dequantize: no native kernel for ggml type %d", qtype);
+    } else if (qt->needs_tables && !tables_ready) {
+        PyErr_Format(PyExc_RuntimeError, "dequantize: %s needs the IQ grids (init_tables was not called)",
+                     qt->name);
+    } else if (n_rows < 0 || k < 0 || k % qt->qk) {
+        PyErr_Format(PyExc_ValueError, "dequantize: bad dimensions (k must be a multiple of %d for %s)",
+                     (int)qt->qk, qt->name);
+    } else if (w.len != n_rows * (k / qt->qk) * qt->bytes) {
+        PyErr_Format(PyExc_ValueError, "dequantize: %s weight buffer is %zd bytes, expected %zd", qt->name, w.len,
+                     (Py_ssize_t)(n_rows * (k / qt->qk) * qt->bytes));
+    } else if (out.len != n_rows * k * item) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: output buffer has the wrong size");
+    } else {
+        const int level = simd < 0 || simd > use_simd ? use_simd : simd;
+        const int nthreads = split_threads(n_rows, k, threads);
+        (void)nthreads;
+        Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+        if (nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+            for (int t = 0; t < nthreads; t++)
+                dequant_rows(qt, level, w.buf, n_rows * t / nthreads, n_rows * (t + 1) / nthreads, k, out.buf, bf16);
+        } else
+#endif
+            dequant_rows(qt, level, w.buf, 0, n_rows, k, out.buf, bf16);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* Check one table argument, `entries` rows of `width` int8 values each in [lo, hi], and pack
+ * it (times `mul`) into 64- or 32-bit words at dst. */
+static int load_table(const char *name, Py_buffer *buf, Py_ssize_t entries, int width, int lo, int hi, int mul,
+                      void *dst) {
+    if (buf->len != entries * width) {
+        PyErr_Format(PyExc_ValueError, "init_tables: %s has %zd bytes, expected %zd", name, buf->len,
+                     entries * width);
+        return -1;
+    }
+    const int8_t *src = buf->buf;
+    for (Py_ssize_t e = 0; e < entries; e++) {
+        uint64_t word = 0;
+        for (int j = 0; j < width; j++) {
+            const int v = src[e * width + j];
+            if (v < lo || v > hi) {
+                PyErr_Format(PyExc_ValueError, "init_tables: %s entry %zd has value %d outside [%d, %d]", name,
+                             e, v, lo, hi);
+                return -1;
+            }
+            word |= (uint64_t)(uint8_t)(int8_t)(v * mul) << (8 * j);
+        }
+        if (width == 8) ((uint64_t *)dst)[e] = word;
+        else ((uint32_t *)dst)[e] = (uint32_t)word;
+    }
+    return 0;
+}
+
+/* init_tables(iq2xxs, iq2xs, iq3xxs, iq1s, ksigns): ggml's iq2xxs_grid [256 x 8], iq2xs_grid
+ * [512 x 8], iq3xxs_grid [256 x 4] (uint8 values), iq1s_grid [2048 x 8] (int8 -1/0/1) and
+ * ksigns_iq2xs [128] as contiguous byte buffers. The grid values must stay int8 after a sign
+ * (and, for IQ1, after the factor 8), which the checks enforce. Everything is checked before
+ * anything is replaced: a rejected call leaves the tables as they were. */
+static PyObject *py_init_tables(PyObject *self, PyObject *args) {
+    static uint64_t g2xxs[256], g2xs[512], g1[2048], signs[128];
+    static uint32_t g3xxs[256];
+    Py_buffer b[5];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &b[0], &b[1], &b[2], &b[3], &b[4])) return NULL;
+    int ok = load_table("iq2xxs", &b[0], 256, 8, 1, 127, 1, g2xxs) == 0 &&
+             load_table("iq2xs", &b[1], 512, 8, 1, 127, 1, g2xs) == 0 &&
+             load_table("iq3xxs", &b[2], 256, 4, 1, 127, 1, g3xxs) == 0 &&
+             load_table("iq1s", &b[3], 2048, 8, -1, 1, 8, g1) == 0;
+    if (ok && b[4].len != 128) {
+        PyErr_Format(PyExc_ValueError, "init_tables: ksigns has %zd bytes, expected 128", b[4].len);
+        ok = 0;
+    }
+    if (ok) {
+        const uint8_t *ks = b[4].buf;
+        for (int i = 0; i < 128; i++) {
+            uint64_t mask = 0;
+            for (int j = 0; j < 8; j++)
+                if (ks[i] >> j & 1) mask |= 0xFFULL << (8 * j);
+            signs[i] = mask;
+        }
+        memcpy(IQ2XXS_GRID, g2xxs, sizeof g2xxs);
+        memcpy(IQ2XS_GRID, g2xs, sizeof g2xs);
+        memcpy(IQ3XXS_GRID, g3xxs, sizeof g3xxs);
+        memcpy(IQ1S_GRID8, g1, sizeof g1);
+        memcpy(SIGN_MASK, signs, sizeof signs);
+        tables_ready = 1;
+    }
+    for (int i = 0; i < 5; i++) PyBuffer_Release(&b[i]);
+    return ok ? Py_NewRef(Py_None) : NULL;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    static const char *names[] = {"scalar", "avx2", "avx512"};
+    return PyUnicode_FromString(names[use_simd]);
+}
+
+static PyObject *py_types(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    PyObject *t = PyTuple_New(N_QTYPES);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < N_QTYPES; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(QTYPES[i].ggml_type));
+    return t;
+}
+
+/* tiling(qtype): the many-row drivers' geometry, so tests and benchmarks can size products that
+ * cross every edge. */
+static PyObject *py_tiling(PyObject *self, PyObject *args) {
+    int qtype;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &qtype)) return NULL;
+    const qtype_t *qt = find_qtype(qtype);
+    if (qt == NULL) return PyErr_Format(PyExc_ValueError, "tiling: no native kernel for ggml type %d", qtype);
+    return Py_BuildValue("{sisisisisi}", "blocked_from", qt->blocked_from, "panel_rows", BLK_NP, "panel_values",
+                         BLK_KC, "row_block", BLK_MB, "factored", qt->factored);
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, "y = x @ W.T for a quantized ggml W (see the module source)."},
+    {"dequantize", py_dequantize, METH_VARARGS, "W's rows as float32 or bfloat16 (see the module source)."},
+    {"init_tables", py_init_tables, METH_VARARGS, "Load the IQ grids and ksigns (gguf-py's data)."},
+    {"simd", py_simd, METH_NOARGS, "The best path the CPU runs: 'avx512', 'avx2' or 'scalar'."},
+    {"types", py_types, METH_NOARGS, "The ggml type ids with a native kernel."},
+    {"tiling", py_tiling, METH_VARARGS, "The many-row drivers' geometry (rows, panel sizes)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__qmatmul(void) {
+    init_e8m0();
+#ifdef K3_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        use_simd = 1;
+    if (use_simd && __builtin_cpu_supports("avx512f")) use_simd = 2;
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,27 @@
+"""Types of the native extension built from _qmatmul.c (optional: it may not be built)."""
+
+from typing import Any
+
+def matmul(qtype: int, w: Any, x: Any, y: Any, n_out: int, k: int, m: int, simd: int = -1,
+           threads: int = 1, path: int = -1, /) -> None:
+    """y[m, n_out] = x[m, k] @ W.T for a ggml matrix W of type `qtype` held as its bytes in `w`
+    (x, y contiguous float32 buffers). simd: -1 best, 0 scalar, 1 AVX2, 2 AVX-512. path: -1 by the
+    row count (tiling(qtype)['blocked_from']), 0 per-row tiles, 1 panels (same results)."""
+
+def dequantize(qtype: int, w: Any, out: Any, n_rows: int, k: int, bf16: int = 0, simd: int = -1,
+               threads: int = 1, /) -> None:
+    """out[n_rows, k] = W dequantized (ggml's float32 values, or with bf16=1 their bfloat16 bits as
+    2-byte items), bit-identical to k3kit's torch dequantizers."""
+
+def init_tables(iq2xxs: Any, iq2xs: Any, iq3xxs: Any, iq1s: Any, ksigns: Any, /) -> None:
+    """Load the IQ grids and ksigns_iq2xs (byte buffers of gguf-py's data)."""
+
+def simd() -> str:
+    """The best path this CPU runs: 'avx512', 'avx2' or 'scalar'."""
+
+def tiling(qtype: int, /) -> dict[str, int]:
+    """The many-row driver's geometry for `qtype`: blocked_from, panel_rows, panel_values,
+    row_block, factored."""
+
+def types() -> tuple[int, ...]:
+    """The ggml type ids with a native kernel."""

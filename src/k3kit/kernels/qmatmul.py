@@ -1,0 +1,201 @@
+"""Quantized weights that multiply themselves: `x @ W.T` straight from ggml blocks.
+
+A routed expert is used by one row per decode step and a handful per verify pass, and a trunk
+matrix by one row per decode step and hundreds per prefill chunk. Turning a K3 expert's 11M
+values into a bf16 matrix for that costs 20-40 ms on a CPU core; multiplying the blocks directly
+(the `_qmatmul` extension, built from `_qmatmul.c` at install) costs about one pass over the
+quantized bytes. So weights can stay as their file bytes (a quantized trunk, an expert cache of
+quantized bytes, 2-8x as many per MiB as bf16), and each use picks the cheaper way to multiply:
+
+* the native kernel (float32 weights exactly as ggml dequantizes them, float32 sums), its output
+  columns split over torch's thread count (each column's sum is the same for any split, and a
+  row's result the same for any number of rows: few rows run per-row tiles, many rows decode
+  each block once into a panel that every row reuses, with the same arithmetic per row);
+* dequantize + torch's GEMM beyond `native_max_rows(qtype, dtype)` rows: with a 16-bit compute
+  dtype from ~16 rows (`NATIVE_MAX_ROWS`: bf16 GEMM outruns float32 FMAs), with float32 only
+  for the types whose kernels scale partial sums, from 64 rows (`NATIVE_MAX_ROWS_F32`). W's rows
+  are dequantized chunk by chunk (natively where the extension has the type) into a buffer of
+  at most `GEMM_CHUNK_BYTES`, each chunk multiplied as it is made, so a product never holds W
+  whole in the compute dtype.
+
+`NATIVE_TYPES` are the ggml types the extension multiplies (MXFP4, Q8_0, Q2_K..Q6_K, IQ1_S,
+IQ1_M, IQ2_XXS, IQ2_XS, IQ3_XXS); without the extension (no C compiler at install) it is empty
+and every call takes the second way. `native_available()` says which build is in use.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from k3kit.gguf.quants import gguf_py
+from k3kit.kernels.dequant import block_size, dequantize, nbytes_for
+
+try:
+    from k3kit.kernels import _qmatmul
+except ImportError:  # built without a C compiler: torch dequant only
+    _qmatmul = None  # type: ignore[assignment]
+
+T = GGMLQuantizationType
+
+
+def _grid_bytes(qtype: GGMLQuantizationType, dtype: type) -> np.ndarray:
+    """gguf-py's IQ grid of `qtype` as the integer bytes ggml multiplies by."""
+    g = gguf_py.grid(qtype)
+    q: np.ndarray = g.astype(dtype)
+    if not np.array_equal(q.astype(np.float32), g):
+        raise ValueError(f"{qtype.name} grid is not integral in {np.dtype(dtype).name}")
+    return np.ascontiguousarray(q).view(np.uint8)
+
+
+def _init_tables(ext: ModuleType) -> None:
+    """Hand the extension its IQ grids and sign table: data from gguf-py, not typed in C."""
+    ext.init_tables(_grid_bytes(T.IQ2_XXS, np.uint8), _grid_bytes(T.IQ2_XS, np.uint8),
+                    _grid_bytes(T.IQ3_XXS, np.uint8), _grid_bytes(T.IQ1_S, np.int8),
+                    np.ascontiguousarray(gguf_py.KSIGNS, dtype=np.uint8))
+
+
+if _qmatmul is not None:
+    _init_tables(_qmatmul)
+
+NATIVE_TYPES: frozenset[GGMLQuantizationType] = (
+    frozenset(T(t) for t in _qmatmul.types()) if _qmatmul is not None else frozenset())
+# Rows up to which the native kernel multiplies; beyond, dequantize (natively, GEMM_CHUNK_BYTES
+# at a time) + torch's GEMM in the compute dtype is faster. Measured with
+# benchmarks/bench_qmatmul.py (1 thread, CPU time; 7168 x 2048 and 7168 x 16384; 4-512 rows) on an
+# AMD EPYC (Zen 4, AVX-512 and AVX512_BF16; torch's GEMM is MKL): the native kernels run 55-90
+# GFLOP/s in float32 from ~16 rows, bf16 GEMM 80-210 GFLOP/s, float32 GEMM 20-85.
+# With a 16-bit compute dtype (bf16/f16):
+NATIVE_MAX_ROWS: dict[GGMLQuantizationType, int] = {
+    T.Q8_0: 16, T.Q4_K: 20, T.Q5_K: 16, T.Q6_K: 16, T.Q2_K: 16, T.Q3_K: 20, T.IQ2_XXS: 12,
+    T.IQ2_XS: 20, T.IQ3_XXS: 16, T.IQ1_S: 16, T.IQ1_M: 24, T.MXFP4: 16,
+}
+# With float32 compute: the types whose kernels scale each 32-value partial sum (3 FMA-unit
+# operations per 32 products instead of 2: ~65 GFLOP/s) lose to float32 GEMM beyond 64 rows; the
+# others match it at 256-512 rows and win below, so they have no limit.
+NATIVE_MAX_ROWS_F32: dict[GGMLQuantizationType, int] = {
+    T.MXFP4: 64, T.IQ2_XXS: 64, T.IQ3_XXS: 64, T.IQ1_S: 64}
+# The most bytes of dequantized weights a product beyond NATIVE_MAX_ROWS holds at once (a chunk
+# of W's rows in the compute dtype; 8 MiB measured as fast as the whole matrix, and stays in L3).
+GEMM_CHUNK_BYTES = 8 << 20
+
+
+def native_max_rows(qtype: GGMLQuantizationType, dtype: torch.dtype) -> int:
+    """Rows up to which `QuantizedMatrix.matmul` runs the native kernel for this compute dtype
+    (0: never, the type has no kernel or the extension is not built)."""
+    if _qmatmul is None or qtype not in NATIVE_TYPES:
+        return 0
+    if dtype.itemsize >= 4:
+        return NATIVE_MAX_ROWS_F32.get(T(qtype), sys.maxsize)
+    return NATIVE_MAX_ROWS.get(T(qtype), 0)
+
+
+def native_available() -> bool:
+    return _qmatmul is not None
+
+
+def native_simd() -> str:
+    """'avx512', 'avx2', 'scalar', or 'none' (extension not built)."""
+    return _qmatmul.simd() if _qmatmul is not None else "none"
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedMatrix:
+    """A ggml matrix of ggml shape (n_in, n_out) kept as its bytes; multiplies as [n_out, n_in].
+
+    `dtype` is the compute dtype its dequantized form and products come out in.
+    """
+
+    raw: torch.Tensor            # uint8, contiguous, exactly the tensor's bytes
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]       # ggml order: (n_in, n_out)
+    dtype: torch.dtype = torch.float32
+    _raw_np: np.ndarray = field(init=False, repr=False)   # the kernel's view of `raw`, made once
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 2:
+            raise ValueError(f"QuantizedMatrix needs a 2-D ggml shape, got {self.shape}")
+        if self.raw.dtype != torch.uint8 or not self.raw.is_contiguous():
+            raise ValueError("QuantizedMatrix bytes must be a contiguous uint8 tensor")
+        if self.shape[0] % block_size(self.qtype)[0]:
+            raise ValueError(f"{T(self.qtype).name} matrix {self.shape}: rows of {self.shape[0]} values are "
+                             f"not whole blocks")
+        need = nbytes_for(self.qtype, self.shape[0] * self.shape[1])
+        if self.raw.numel() != need:
+            raise ValueError(f"{T(self.qtype).name} matrix {self.shape} needs {need} bytes, "
+                             f"got {self.raw.numel()}")
+        object.__setattr__(self, "_raw_np", self.raw.numpy())
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def native(self) -> bool:
+        return _qmatmul is not None and self.qtype in NATIVE_TYPES
+
+    def dequantize(self) -> torch.Tensor:
+        """[n_out, n_in] in the compute dtype (a fresh tensor each call)."""
+        return self._dequantize_rows(0, self.out_features)
+
+    def _dequantize_rows(self, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows r0 .. r1 - 1 of W ([r1 - r0, n_in], compute dtype), bit-identical to dequantize():
+        natively (threads as torch's) for float32 and bfloat16 where the extension has the type,
+        else with the torch dequantizers. `out` (contiguous, that shape and dtype) is filled if given."""
+        n, k = r1 - r0, self.in_features
+        row_bytes = self.nbytes // self.out_features
+        if self.native and self.dtype in (torch.float32, torch.bfloat16):
+            if out is None:
+                out = torch.empty(n, k, dtype=self.dtype)
+            bf16 = self.dtype == torch.bfloat16
+            _qmatmul.dequantize(int(self.qtype), self._raw_np[r0 * row_bytes:r1 * row_bytes],
+                                (out.view(torch.int16) if bf16 else out).numpy(), n, k, int(bf16), -1,
+                                torch.get_num_threads())
+            return out
+        w = dequantize(self.raw[r0 * row_bytes:r1 * row_bytes], self.qtype, (k, n), self.dtype)
+        return w if out is None else out.copy_(w)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, n_in] -> x @ W.T [m, n_out], in x's dtype."""
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"matmul: x {tuple(x.shape)} does not fit a [{self.out_features}, "
+                             f"{self.in_features}] weight")
+        m = x.shape[0]
+        if 0 < m <= native_max_rows(self.qtype, self.dtype) and x.device.type == "cpu":
+            xf = x.detach().to(torch.float32).contiguous()
+            y = torch.empty(m, self.out_features, dtype=torch.float32)
+            _qmatmul.matmul(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), self.out_features,
+                            self.in_features, m, -1, torch.get_num_threads())
+            return y.to(x.dtype)
+        return self._gemm(x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T through torch in the compute dtype, W dequantized GEMM_CHUNK_BYTES at a time."""
+        n_out, k = self.out_features, self.in_features
+        rows = max(1, min(n_out, GEMM_CHUNK_BYTES // (k * self.dtype.itemsize)))
+        xc = x.to(self.dtype)
+        one_row = x.shape[0] == 1 and not torch.is_grad_enabled()
+        if rows == n_out:
+            w = self._dequantize_rows(0, n_out).to(x.device)
+            y = torch.mv(w, xc[0]).unsqueeze(0) if one_row else xc @ w.t()
+            return y.to(x.dtype)
+        y = torch.empty(x.shape[0], n_out, dtype=self.dtype, device=x.device)
+        buf = torch.empty(rows, k, dtype=self.dtype)
+        for r0 in range(0, n_out, rows):
+            r1 = min(n_out, r0 + rows)
+            w = self._dequantize_rows(r0, r1, buf[:r1 - r0]).to(x.device)
+            y[:, r0:r1] = torch.mv(w, xc[0]).unsqueeze(0) if one_row else xc @ w.t()
+        return y.to(x.dtype)

@@ -1,0 +1,232 @@
+"""RoutedMoE: the one way routed experts are run, for every architecture and every caller.
+
+A batch of N rows with top-k routing names N*k (row, slot) pairs but usually far fewer
+distinct experts; for experts streamed from a file the distinct set is the cost (bytes read
+and matrices multiplied). So every MoE runs its experts the same way:
+
+  route    the architecture's router gives ids [N, k] and weights [N, k] (routers differ:
+           softmax or sigmoid, bias, groups; they stay with the model)
+  group    one stable sort of the N*k pairs by expert (`group_routes`): each expert's pairs
+           come out in row-major order, as nonzero(ids == e) would give them
+  plan     the distinct experts, in the order they will be fetched, go to the provider's
+           optional `plan(layer, experts)` first: a store can read the next miss while the
+           current expert computes
+  run      each distinct expert is fetched once (`ExpertProvider.get`) and runs all its rows
+           as one matrix
+  scatter  each pair's weighted output lands in its own slot of [N, k, d] and the k slots
+           are added left to right (top-k order, as ggml adds them); `exact_order=False`
+           index_adds into [N, d] instead (k times less scratch, expert-id summation order)
+
+The rows of a pass may come from any number of sequences: grouping does not care where a row
+came from, which is what lets one pass serve several users with one read per expert. The
+per-row result equals a per-row loop up to the BLAS blocking of an n-row matmul vs a 1-row
+one (bitwise for row-independent experts, see tests/layers/test_moe.py).
+
+Training (`batched = True`, experts held by the module, no provider): the same grouping feeds
+a zero-padded [E, capacity, d] batch (capacity = the busiest expert's load, nothing dropped)
+run with three bmm; slots are summed as above. Same function, fewer kernels.
+
+An architecture subclasses RoutedMoE (the expert tensors `gate_exps`/`up_exps`/`down_exps`
+[E, ff, d] / [E, d, ff], torch Linear layout, keep their names in its state dict), writes its
+own `forward` (router, projections, shared experts around `run_experts`) and overrides the
+hooks that differ: `act` (SwiGLU by default), `expert_weights` / `stacked_weights` (e.g.
+fake quantization), `expert` (the whole per-expert function).
+
+Layers never import the runtime: an engine's expert store reaches `run_experts` through the
+`ExpertProvider` protocol below (its `plan(layer, ids)` has the store's signature), and a
+store's quantized weights through `MatmulWeight`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class MatmulWeight(Protocol):
+    """A weight that multiplies itself (e.g. one kept quantized by an engine's expert store)."""
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [n, in] -> x @ W.T [n, out] in x's dtype."""
+        ...
+
+
+class ExpertWeights(NamedTuple):
+    """One routed expert in torch Linear layout ([out, in]): float tensors or MatmulWeights."""
+
+    gate: Tensor | MatmulWeight   # [ff, d_in]  (HF w1)
+    up: Tensor | MatmulWeight     # [ff, d_in]  (HF w3)
+    down: Tensor | MatmulWeight   # [d_in, ff]  (HF w2)
+
+
+class ExpertProvider(Protocol):
+    """Source of routed-expert weights. `run_experts` asks once per distinct expert per call.
+
+    A provider may also have `plan(layer, experts: Sequence[int])`: it is then told, before
+    the first `get` of a call, which experts will be asked for and in what order (a store can
+    read the next one while the current one computes)."""
+
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+
+@dataclass
+class RouteGroups:
+    """The (row, slot) pairs of a routing, grouped by expert with one stable sort."""
+
+    order: Tensor        # [N*k] pair indices n*k + j, grouped by expert, row-major within one
+    sorted_ids: Tensor   # [N*k] ids.reshape(-1)[order]
+    rows: Tensor         # [N*k] order // k
+    cols: Tensor         # [N*k] order % k
+    experts: list[int]   # the distinct experts, ascending (the fetch order)
+    counts: list[int]    # pairs per expert, same order
+
+
+def group_routes(ids: Tensor) -> RouteGroups:
+    """Group the pairs of `ids` [N, k] by expert."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    return RouteGroups(order, sorted_ids, order // k, order % k, uniq.tolist(), counts.tolist())
+
+
+class ModuleExperts:
+    """The default provider: a RoutedMoE's own parameters, through its `expert_weights`."""
+
+    def __init__(self, moe: RoutedMoE):
+        self.moe = moe
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.moe.expert_weights(expert)
+
+
+class RoutedMoE(nn.Module):
+    """The routed experts of one MoE layer and the one way they are run (module docstring)."""
+
+    def __init__(self, n_experts: int, d_in: int, d_ff: int, layer: int, with_experts: bool = True):
+        """`with_experts=False` leaves the expert tensors out: `run_experts` then needs a provider
+        (a 2.8T model's experts never live in module parameters)."""
+        super().__init__()
+        self.layer = layer
+        self.n_experts = n_experts
+        self.has_experts = with_experts
+        if with_experts:
+            self.gate_exps = nn.Parameter(torch.zeros(n_experts, d_ff, d_in))
+            self.up_exps = nn.Parameter(torch.zeros(n_experts, d_ff, d_in))
+            self.down_exps = nn.Parameter(torch.zeros(n_experts, d_in, d_ff))
+        # training speed: own experts run as three bmm over all experts (use when no provider)
+        self.batched = False
+        self.exact_order = True
+        # rounding applied to every expert matmul's input, as ggml-cpu does for quantized weights
+        # (llama.cpp parity checks only); while set, the per-expert path runs even when batched
+        self.input_round: Callable[[Tensor], Tensor] | None = None
+
+    # -- hooks an architecture overrides ---------------------------------------------------
+    def act(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The gated activation between the two halves of an expert: SwiGLU."""
+        return F.silu(gate) * up
+
+    def expert(self, x: Tensor, w: ExpertWeights) -> Tensor:
+        """One expert on its rows x [n, d]: down(act(gate x, up x)) -> [n, d]."""
+        r = self.input_round
+        z = r(x) if r is not None else x
+        h = self.act(_matmul(z, w.gate), _matmul(z, w.up))
+        if r is not None:
+            h = r(h)
+        return _matmul(h, w.down)
+
+    def expert_weights(self, expert: int) -> ExpertWeights:
+        """Expert `expert` from the module's own tensors (the default provider's answer)."""
+        return ExpertWeights(self.gate_exps[expert], self.up_exps[expert], self.down_exps[expert])
+
+    def stacked_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        """All own experts at once, gate/up [E, ff, d] and down [E, d, ff] (the batched path)."""
+        return self.gate_exps, self.up_exps, self.down_exps
+
+    # -- the one implementation ---------------------------------------------------------------
+    def batched_for(self, experts: ExpertProvider | None) -> bool:
+        """Whether `run_experts(..., experts)` takes the batched training path."""
+        return experts is None and self.batched and self.has_experts and self.input_round is None
+
+    def run_experts(self, x: Tensor, ids: Tensor, weights: Tensor,
+                    experts: ExpertProvider | None = None) -> Tensor:
+        """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) for x [N, d], ids and weights [N, k] -> [N, d].
+
+        `experts` None: the module's own experts (an error if it was built without them)."""
+        if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+            shapes = f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, x {tuple(x.shape)}"
+            raise ValueError(f"layer {self.layer}: {shapes} disagree")
+        groups = group_routes(ids)
+        if experts is None:
+            if not self.has_experts:
+                raise ValueError(f"layer {self.layer}: built without routed experts; pass an ExpertProvider")
+            if self.batched_for(None):
+                return self._run_batched(x, groups, weights)
+            experts = ModuleExperts(self)
+        return self._run_each(x, groups, weights, experts)
+
+    def _run_each(self, x: Tensor, groups: RouteGroups, weights: Tensor, experts: ExpertProvider) -> Tensor:
+        """Fetch each distinct expert once, in plan order, and run all its rows together."""
+        N, k = weights.shape
+        plan = getattr(experts, "plan", None)
+        if plan is not None:
+            plan(self.layer, groups.experts)
+        if self.exact_order:
+            slots = x.new_zeros(N, k, x.shape[-1])
+        else:
+            out = x.new_zeros(N, x.shape[-1])
+        start = 0
+        for e, c in zip(groups.experts, groups.counts, strict=True):
+            rows, cols = groups.rows[start:start + c], groups.cols[start:start + c]
+            start += c
+            y = self.expert(x[rows], experts.get(self.layer, e)) * weights[rows, cols, None]
+            if self.exact_order:
+                slots.index_put_((rows, cols), y)      # every pair owns its slot: no accumulation
+            else:
+                out.index_add_(0, rows, y)
+        if not self.exact_order:
+            return out
+        return _sum_slots(slots)
+
+    def _run_batched(self, x: Tensor, groups: RouteGroups, weights: Tensor) -> Tensor:
+        """All own experts as three bmm over a zero-padded [E, capacity, d] batch."""
+        N, k = weights.shape
+        gate, up, down = self.stacked_weights()
+        E, d = gate.shape[0], x.shape[-1]
+        order, sorted_e = groups.order, groups.sorted_ids
+        counts = torch.bincount(sorted_e, minlength=E)
+        cap = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(order.numel(), device=x.device) - starts[sorted_e]
+        xin = x.new_zeros(E, cap, d)
+        xin[sorted_e, pos] = x[groups.rows]
+        h = self.act(torch.bmm(xin, gate.transpose(1, 2)), torch.bmm(xin, up.transpose(1, 2)))
+        yout = torch.bmm(h, down.transpose(1, 2))                # [E, cap, d]
+        slots = x.new_zeros(N * k, d)
+        slots = slots.index_copy(0, order, yout[sorted_e, pos]) * weights.reshape(-1, 1)
+        return _sum_slots(slots.view(N, k, d))
+
+
+def _sum_slots(slots: Tensor) -> Tensor:
+    """[N, k, d] -> [N, d], the k slots added one after another as ggml adds them."""
+    y = slots[:, 0]
+    for j in range(1, slots.shape[1]):
+        y = y + slots[:, j]
+    return y
+
+
+def _matmul(x: Tensor, weight: Tensor | MatmulWeight) -> Tensor:
+    """x [n, in] @ weight[out, in].T. One row (decode: each expert sees one token) goes through
+    a matrix-vector product, ~30% faster than the 1-row matmul for K3-sized bf16 experts."""
+    if not isinstance(weight, Tensor):
+        return weight.matmul(x)
+    if x.shape[0] == 1 and not torch.is_grad_enabled():
+        return torch.mv(weight, x[0]).unsqueeze(0)
+    return x @ weight.t()
+

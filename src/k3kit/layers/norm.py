@@ -1,0 +1,39 @@
+"""RMSNorm over the last dimension, in the two operation orders k3kit's references use.
+
+Both compute x / sqrt(mean(x^2) + eps) * weight, but they round differently in float32, and
+each architecture is tested bit for bit against its own reference, so both orders are kept:
+
+  "ggml": x * (1 / sqrt(mean(x^2) + eps)), then * weight   (llama.cpp's ggml_rms_norm; K3)
+  "hf":   x * rsqrt(mean(x^2) + eps) * weight              (transformers' Qwen3-style RMSNorm;
+                                                            the DFlash / DSpark draft)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+Style = Literal["ggml", "hf"]
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, style: Style = "ggml") -> Tensor:
+    """RMS-normalise the last dim of `x`, then scale by `weight` (None: no weight)."""
+    var = x.pow(2).mean(dim=-1, keepdim=True)
+    scale = torch.rsqrt(var + eps) if style == "hf" else 1.0 / torch.sqrt(var + eps)
+    y = x * scale
+    return y if weight is None else y * weight
+
+
+class RMSNorm(nn.Module):
+    """rms_norm with its weight as a parameter (initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float, style: Style = "ggml"):
+        super().__init__()
+        self.eps = eps
+        self.style: Style = style
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps, self.style)

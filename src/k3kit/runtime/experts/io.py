@@ -1,0 +1,201 @@
+"""The file side of reading model weights: one open file, its mapping and the ways to read it.
+
+Both readers of a model file use this: the loader's `GGUFSource` (trunk tensors, read once
+through the mapping) and the `ExpertStore` (expert slices, read on every cache miss). What
+they share is here, once:
+
+* a `MappedFile` remembers size and mtime at open, so a file changed or truncated under a
+  mapping is a FormatError naming it instead of a SIGBUS or garbage;
+* the mapping is plain mmap (Python never passes MAP_POPULATE): nothing is read until a
+  slice is touched. `advise_random`, `advise_slice` (WILLNEED + POPULATE_READ on exactly a
+  slice) and `release` (MADV_DONTNEED: unmapped from this process, kept in the page cache)
+  steer what the kernel reads and what stays in our resident set;
+* `pread_into` copies a slice with the GIL released and maps nothing; `read_uncached` and
+  `read_direct` read around the page cache (POSIX_FADV_DONTNEED, O_DIRECT) so that bytes
+  counted as read are bytes that came from storage.
+
+Nothing here counts bytes: the caller's ledger does (k3kit.runtime.experts.cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from k3kit.errors import FormatError
+
+PAGE = mmap.PAGESIZE
+PAGE_TABLE_SPAN = max(PAGE, 1 << 21)  # bytes one x86-64/arm64 (4 KiB page) page table maps
+DIRECT_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every common block device accepts
+# Linux 5.14+: fault a range in with one call instead of one fault per page (not in Python 3.11's mmap).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
+
+
+class MappedFile:
+    """An open model file: fd, optional whole-file mapping and O_DIRECT fd, what it looked like at open."""
+
+    def __init__(self, path: str | os.PathLike, use_mmap: bool = True, direct: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot open: {e.strerror}") from None
+        st = os.fstat(self.fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        # Python's mmap never passes MAP_POPULATE: nothing is read until a slice is touched.
+        self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if use_mmap and self.size else None
+        self.direct_fd: int | None = None
+        if direct:
+            try:
+                self.direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except (OSError, AttributeError):
+                self.direct_fd = None  # e.g. tmpfs: the caller falls back to fadvise
+
+    def check(self, by_path: bool = False) -> None:
+        """Raise if the file was changed or truncated since open (a mapping would SIGBUS).
+
+        The open file (fstat) is what a read touches; by_path also catches a file replaced at
+        its path while we hold the old one (what a model loaded from `path` now is).
+        """
+        st = os.stat(self.path) if by_path else os.fstat(self.fd)
+        if st.st_size == self.size and st.st_mtime_ns == self.mtime_ns:
+            return
+        if by_path:
+            raise FormatError(f"{self.path}: file changed while the model was loaded "
+                              f"(size {self.size} -> {st.st_size})")
+        raise FormatError(
+            f"{self.path}: file changed since it was opened (size {self.size} -> {st.st_size}, "
+            f"mtime {self.mtime_ns} -> {st.st_mtime_ns})"
+        )
+
+    # -- the mapping --------------------------------------------------------------------------
+
+    def view(self, start: int, n: int) -> np.ndarray:
+        """The n mapped bytes at `start`, zero-copy (pages fault in as they are touched)."""
+        assert self.mm is not None, "file opened without a mapping"
+        return np.frombuffer(self.mm, np.uint8, n, start)
+
+    def advise_random(self, start: int, n: int) -> None:
+        """MADV_RANDOM on a range: a fault there does not read ahead into its neighbours."""
+        if self.mm is not None and hasattr(mmap, "MADV_RANDOM"):
+            lo = start // PAGE * PAGE
+            self.mm.madvise(mmap.MADV_RANDOM, lo, start + n - lo)
+
+    def advise_slice(self, start: int, n: int, populate: bool) -> None:
+        """WILLNEED (asynchronous read of the slice), then optionally POPULATE_READ (wait for it
+        and map it in one call). MADV_RANDOM alone turns a cold multi-MB slice into one 4 KiB
+        read per page fault; this asks for the slice in large requests without reading a byte
+        outside it. No-op without a mapping."""
+        global MADV_POPULATE_READ
+        if self.mm is None:
+            return
+        lo = start // PAGE * PAGE
+        try:
+            self.mm.madvise(mmap.MADV_WILLNEED, lo, start + n - lo)
+        except OSError:  # advice only; a changed file is reported by the read that follows
+            return
+        if populate and MADV_POPULATE_READ is not None:
+            try:
+                self.mm.madvise(MADV_POPULATE_READ, lo, start + n - lo)
+            except OSError:  # kernel older than 5.14: the copy faults the pages in
+                MADV_POPULATE_READ = None
+
+    def release(self, start: int, n: int) -> None:
+        """MADV_DONTNEED on bytes [start, start + n) of the mapping, widened to the enclosing
+        PAGE_TABLE_SPAN windows: unmapped from this process, still in the page cache.
+
+        Faulting a page of a file mapping also maps cached neighbours (the kernel's fault-around,
+        and whole large folios), so pages outside the slice get mapped too: measured here, a
+        136 KiB slice left 192 KiB mapped after dropping exactly its 64 KiB-aligned windows.
+        Neither reaches past the 2 MiB one page table spans. Dropping a neighbour's mapping is
+        harmless: the next touch maps it again from the page cache. Advice only: errors ignored.
+        """
+        mm = self.mm
+        if mm is None:
+            return
+        lo = start // PAGE_TABLE_SPAN * PAGE_TABLE_SPAN
+        hi = min(len(mm), -(-(start + n) // PAGE_TABLE_SPAN) * PAGE_TABLE_SPAN)
+        with contextlib.suppress(OSError, ValueError):     # best effort: the kernel may refuse
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    # -- reads that map nothing ---------------------------------------------------------------
+
+    def pread_into(self, out: np.ndarray, offset: int) -> None:
+        """Fill `out` with the bytes at `offset`: the kernel copies straight from the page cache,
+        with the GIL released for each call, and nothing gets mapped into this process."""
+        view = out.data.cast("B")
+        got, n = 0, view.nbytes
+        try:
+            while got < n:
+                k = os.preadv(self.fd, [view[got:]], offset + got)
+                if k <= 0:
+                    raise FormatError(f"{self.path}: unexpected end of file at byte {offset + got}")
+                got += k
+        finally:
+            view.release()
+
+    def read_uncached(self, out: np.ndarray, offset: int) -> None:
+        """pread with the range dropped from the page cache before (so the read goes to storage)
+        and after (so it leaves nothing behind)."""
+        n = out.nbytes
+        os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
+        self.pread_into(out, offset)
+        os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
+
+    def read_direct(self, out: np.ndarray, offset: int, scratch: AlignedScratch) -> int:
+        """Fill `out` through the O_DIRECT fd: aligned reads into `scratch`, then a copy.
+        Returns the bytes asked of the OS (the aligned span, >= out.nbytes)."""
+        assert self.direct_fd is not None, "file opened without O_DIRECT"
+        n = out.nbytes
+        lo = offset // DIRECT_ALIGN * DIRECT_ALIGN
+        hi = -(-(offset + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        view = scratch.view(hi - lo)
+        got = 0
+        try:
+            while got < offset + n - lo:
+                k = os.preadv(self.direct_fd, [view[got:]], lo + got)
+                if k <= 0:
+                    raise FormatError(f"{self.path}: unexpected end of file at byte {lo + got}")
+                got += k
+                if got % DIRECT_ALIGN:  # a short read not on a block boundary can only be EOF
+                    break
+            if got < offset + n - lo:
+                raise FormatError(f"{self.path}: unexpected end of file at byte {lo + got}")
+            out[:] = np.frombuffer(view, np.uint8, n, offset - lo)
+            return got
+        finally:
+            view.release()
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self.direct_fd = None
+
+
+class AlignedScratch:
+    """A page-aligned buffer for O_DIRECT reads, grown on demand and reused (anonymous maps
+    are page aligned)."""
+
+    def __init__(self) -> None:
+        self._buf: mmap.mmap | None = None
+
+    def view(self, n: int) -> memoryview:
+        if self._buf is None or len(self._buf) < n:
+            if self._buf is not None:
+                self._buf.close()
+            self._buf = mmap.mmap(-1, n)
+        return memoryview(self._buf)[:n]
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.close()
+            self._buf = None

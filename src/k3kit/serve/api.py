@@ -1,0 +1,258 @@
+"""The OpenAI request bodies `k3kit serve` accepts, and their checks.
+
+Bodies are parsed by pydantic in STRICT mode: a field of the wrong JSON type is an error (no
+"5" for 5, no true for 1), which the app answers with HTTP 400 in OpenAI's error shape
+(FastAPI's default would be 422). Unknown fields are ignored, as OpenAI-compatible servers do:
+clients send `user`, `metadata`, `store`... Fields k3kit cannot honour are refused when they ask
+for something (a non-zero penalty, tools, a JSON response format, n > 1) rather than silently
+ignored. Values are then checked here (`APIError`, 400, with the offending `param`), and
+`generation_request` builds the scheduler's GenerationRequest, checking the context length.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from k3kit.runtime.sampling import make_sampling
+from k3kit.serve.scheduler import GenerationRequest
+
+MAX_STOP = 16                # stop strings per request
+MAX_TOP_LOGPROBS = 20        # chat top_logprobs (OpenAI's limit)
+MAX_LEGACY_LOGPROBS = 5      # completions logprobs (OpenAI's limit)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampled(_Body):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatRequest(_Sampled):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TokenizeRequest(_Body):
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+
+
+Kind = Literal["chat", "completion"]
+
+
+def _unsupported(body: _Sampled) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(body, name)
+        if value is not None and value != 0:
+            raise bad(f"{name} is not supported by k3kit (only 0)", name)
+    if body.logit_bias:
+        raise bad("logit_bias is not supported by k3kit", "logit_bias")
+    if isinstance(body, ChatRequest):
+        if body.tools:
+            raise bad("tools are not supported by k3kit yet", "tools")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise bad("tool_choice is not supported by k3kit yet", "tool_choice")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise bad("echo is not supported by k3kit", "echo")
+        if body.best_of not in (None, 1):
+            raise bad("best_of must be 1", "best_of")
+        if body.suffix:
+            raise bad("suffix is not supported by k3kit", "suffix")
+
+
+def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
+    """The conversation as the chat template sees it: role and text content (text parts joined)."""
+    if not body.messages:
+        raise bad("messages must not be empty", "messages")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(body.messages):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role {m.role!r} is not one of system, developer, user, assistant, tool",
+                      f"messages[{i}].role")
+        if isinstance(m.content, list):
+            parts = []
+            for j, p in enumerate(m.content):
+                if p.type != "text" or p.text is None:
+                    raise bad(f"messages[{i}].content[{j}]: only text parts are supported",
+                              f"messages[{i}].content[{j}]")
+                parts.append(p.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions request: text, or token ids."""
+    p = body.prompt
+    if isinstance(p, str):
+        return p
+    if not p:
+        raise bad("prompt must not be empty", "prompt")
+    ids = [x for x in p if isinstance(x, int)]
+    if len(ids) == len(p):
+        return ids
+    if len(p) != 1:
+        raise bad("one prompt per request (a list of several prompts is n > 1)", "prompt")
+    first = p[0]
+    if isinstance(first, str):
+        return first
+    assert isinstance(first, list)
+    return [int(x) for x in first]
+
+
+def _check_sampling(body: _Sampled) -> None:
+    if body.n is not None and body.n != 1:
+        raise bad(f"n = {body.n}: only n = 1 is supported", "n")
+    t = body.temperature
+    if t is not None and not 0.0 <= t <= 2.0:
+        raise bad(f"temperature {t} is not in [0, 2]", "temperature")
+    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+        raise bad(f"top_p {body.top_p} is not in (0, 1]", "top_p")
+    if body.top_k is not None and body.top_k < 0:
+        raise bad(f"top_k {body.top_k} must be >= 0 (0 = off)", "top_k")
+    if body.seed is not None and not 0 <= body.seed < (1 << 63):
+        raise bad(f"seed {body.seed} is not in [0, 2**63)", "seed")
+
+
+def _stops(body: _Sampled) -> tuple[str, ...]:
+    stop = body.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad(f"at most {MAX_STOP} stop strings", "stop")
+    if any(not s for s in stops):
+        raise bad("stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _max_tokens(body: _Sampled) -> tuple[int | None, str]:
+    value, param = body.max_tokens, "max_tokens"
+    if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+        value, param = body.max_completion_tokens, "max_completion_tokens"
+    if value is not None and value < 1:
+        raise bad(f"{param} {value} must be >= 1", param)
+    return value, param
+
+
+def _logprobs(body: _Sampled) -> int | None:
+    if isinstance(body, ChatRequest):
+        if body.top_logprobs is not None:
+            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad(f"top_logprobs {body.top_logprobs} is not in [0, {MAX_TOP_LOGPROBS}]",
+                          "top_logprobs")
+            if not body.logprobs:
+                raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if isinstance(body, CompletionRequest) and body.logprobs is not None:
+        if not 0 <= body.logprobs <= MAX_LEGACY_LOGPROBS:
+            raise bad(f"logprobs {body.logprobs} is not in [0, {MAX_LEGACY_LOGPROBS}]", "logprobs")
+        return body.logprobs
+    return None
+
+
+def check_body(body: _Sampled) -> None:
+    """Every value check that needs no model (run before the prompt is rendered/tokenized)."""
+    _unsupported(body)
+    _check_sampling(body)
+    _stops(body)
+    _max_tokens(body)
+    _logprobs(body)
+
+
+def generation_request(body: _Sampled, prompt_ids: list[int], context_length: int) -> GenerationRequest:
+    """The scheduler's request; 400 context_length_exceeded when prompt + max_tokens does not fit."""
+    check_body(body)
+    prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
+    if not prompt_ids:
+        raise bad("the prompt encodes to no tokens", prompt_param)
+    max_tokens, param = _max_tokens(body)
+    n = len(prompt_ids)
+    if max_tokens is None:
+        if n >= context_length:
+            raise bad(f"the prompt has {n} tokens; the context holds {context_length}", prompt_param,
+                      "context_length_exceeded")
+        max_tokens = context_length - n
+    elif n + max_tokens > context_length:
+        raise bad(f"the prompt has {n} tokens and {param} is {max_tokens}: {n + max_tokens} > the "
+                  f"context of {context_length} tokens", param, "context_length_exceeded")
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    sampling = make_sampling(temperature, 1.0 if body.top_p is None else float(body.top_p),
+                             body.top_k or 0, seed)
+    return GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
+                             stop=_stops(body), logprobs=_logprobs(body))

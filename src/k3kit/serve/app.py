@@ -1,0 +1,429 @@
+"""The FastAPI application of `k3kit serve`: OpenAI's routes and shapes over a Scheduler.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (both streamed as server-sent events
+ending with `data: [DONE]`, or one JSON object), GET /v1/models, GET /health (503 until the
+model is loaded), GET /metrics (Prometheus text), POST /tokenize and POST /detokenize
+(llama-server's shapes: {"content"} -> {"tokens"}, {"tokens"} -> {"content"}).
+
+Every error is OpenAI's shape {"error": {"message", "type", "param", "code"}} and never takes the
+server down: malformed JSON, wrong types and bad values are 400 (FastAPI's 422 is remapped), an
+unknown model 404, a missing or wrong API key 401, a prompt that does not fit 400
+context_length_exceeded, a full queue 429, a body over the limit 413, not loaded yet 503.
+
+Two pure ASGI layers sit in front of the routes, so they run before any body is parsed: the API
+key check (every route but /health) and the body size limit (the body is read up to the limit
+and replayed to the app). The route handlers are `async` and run on the event loop thread, which
+is the only thread that tokenizes and renders chat templates (the tokenizer is not thread-safe);
+the model runs on the scheduler's thread(s).
+
+A client that disconnects cancels its request: streamed responses are cancelled by Starlette
+when the disconnect arrives, non-streamed ones watch for it while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from k3kit.errors import K3Error
+from k3kit.serve.api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad,
+    chat_messages,
+    check_body,
+    completion_prompt,
+    generation_request,
+)
+from k3kit.serve.scheduler import (
+    FinishEvent,
+    GenerationRequest,
+    QueueFull,
+    RequestStream,
+    Scheduler,
+    SchedulerClosed,
+    TokenEvent,
+    TokenLogprob,
+)
+from k3kit.tokenizer.codec import TextCodec
+
+PUBLIC_PATHS = frozenset({"/health"})
+DEFAULT_MAX_BODY = 8 << 20
+
+
+@dataclass
+class ServerState:
+    """What the routes read. `scheduler`/`codec` are None while the model loads (503)."""
+
+    model_id: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    context_length: int = 0
+    scheduler: Scheduler | None = None
+    codec: TextCodec | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: Callable[[], tuple[bytes, str]] | None = None     # -> (body, content type)
+
+    def ready(self, scheduler: Scheduler, codec: TextCodec, context_length: int) -> None:
+        """Called once the model is loaded (from any thread): the routes start serving."""
+        self.codec, self.context_length = codec, context_length
+        self.scheduler = scheduler
+
+    @property
+    def loaded(self) -> bool:
+        return self.scheduler is not None
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _send_error(send: Send, e: APIError) -> None:
+    body = json.dumps(e.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if e.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gate:
+    """ASGI middleware: the API key, then the body size limit, before anything parses the body."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        key = self.state.api_key
+        if key is not None and scope.get("path") not in PUBLIC_PATHS:
+            given = headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                what = "no API key given" if not given else "the API key is not valid"
+                await _send_error(send, APIError(401, f"{what} (send Authorization: Bearer KEY)",
+                                                 code="invalid_api_key"))
+                return
+        limit = self.state.max_body_bytes
+        too_large = APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        declared = headers.get("content-length")
+        if declared is not None:
+            try:
+                if int(declared) > limit:
+                    await _send_error(send, too_large)
+                    return
+            except ValueError:
+                await _send_error(send, bad("invalid Content-Length header"))
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":     # the client left before sending its body
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _send_error(send, too_large)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()        # after the body: waits for http.disconnect
+
+        await self.app(scope, replay, send)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})   # pydantic's union branch names
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """A pydantic error location as OpenAI names a parameter: messages[0].content."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.isidentifier() and p not in _TYPE_TAGS:
+            out += f".{p}" if out else p
+        else:
+            break
+    return out or None
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    errors = list(e.errors())
+    if not errors:
+        return bad("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return bad(f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}", code="invalid_json")
+    param = _param(tuple(first.get("loc", ())))
+    if first.get("type") == "missing":
+        return bad(f"{param or 'a field'} is required", param, "missing_required_parameter")
+    if param is None:
+        return bad(f"the body must be a JSON object: {first.get('msg')}", code="invalid_type")
+    return bad(f"{param}: {first.get('msg')}", param, "invalid_type")
+
+
+def _token_text(codec: TextCodec, token: int) -> str:
+    return codec.token_bytes[token].decode("utf-8", errors="replace")
+
+
+def _chat_logprobs(codec: TextCodec, lps: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        return {"token": _token_text(codec, t), "logprob": lp, "bytes": list(codec.token_bytes[t])}
+    return [entry(x.token, x.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in x.top]} for x in lps]
+
+
+def _legacy_logprobs(codec: TextCodec, lps: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
+    tokens = [_token_text(codec, x.token) for x in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_token_text(codec, t): lp for t, lp in x.top} for x in lps],
+            "text_offset": offsets}
+
+
+def _usage(f: FinishEvent) -> dict[str, int]:
+    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+            "total_tokens": f.prompt_tokens + f.completion_tokens}
+
+
+def _finish_reason(f: FinishEvent) -> str:
+    return "length" if f.reason == "length" else "stop"
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Wait for the client to go away (after its body was read, receive() waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+def build_app(state: ServerState) -> ASGIApp:
+    """The routes behind the Gate (API key, body limit); serve it with uvicorn."""
+    app = FastAPI(title="k3kit", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        path = request.url.path
+        msg = {404: f"no route {path}",
+               405: f"{request.method} is not allowed on {path}"}.get(e.status_code, str(e.detail))
+        return error_response(APIError(e.status_code, msg, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    def loaded() -> tuple[Scheduler, TextCodec]:
+        if state.scheduler is None or state.codec is None:
+            raise APIError(503, "the model is still loading", type="unavailable_error", code="model_loading")
+        return state.scheduler, state.codec
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_id:
+            raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_id!r})",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not state.loaded:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
+                                            "owned_by": "k3kit"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            return Response(b"", media_type="text/plain")
+        body, ctype = state.metrics()
+        return Response(body, headers={"Content-Type": ctype})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _, codec = loaded()
+        ids = codec.encode(body.content, add_bos=body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": _token_text(codec, t)} for t in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _, codec = loaded()
+        if any(not 0 <= t < codec.n_vocab for t in body.tokens):
+            raise bad(f"token ids must be in [0, {codec.n_vocab})", "tokens")
+        return {"content": codec.decode_bytes(body.tokens).decode("utf-8", errors="replace")}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        scheduler, codec = loaded()
+        check_model(body.model)
+        check_body(body)
+        try:
+            text = codec.chat.render(chat_messages(body), add_generation_prompt=True)
+        except K3Error as e:
+            raise bad(str(e), "messages") from None
+        gen = generation_request(body, codec.encode(text), state.context_length)
+        return await respond(scheduler, codec, gen, request, chat=True, stream=bool(body.stream),
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        scheduler, codec = loaded()
+        check_model(body.model)
+        check_body(body)
+        prompt = completion_prompt(body)
+        if isinstance(prompt, str):
+            ids = codec.encode(prompt)
+        else:
+            if any(not 0 <= t < codec.n_vocab for t in prompt):
+                raise bad(f"prompt token ids must be in [0, {codec.n_vocab})", "prompt")
+            ids = prompt
+        gen = generation_request(body, ids, state.context_length)
+        return await respond(scheduler, codec, gen, request, chat=False, stream=bool(body.stream),
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
+
+    async def respond(scheduler: Scheduler, codec: TextCodec, gen: GenerationRequest, request: Request, *,
+                      chat: bool, stream: bool, include_usage: bool) -> Response:
+        try:
+            events = scheduler.submit(gen)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except SchedulerClosed as e:
+            raise APIError(503, str(e), type="unavailable_error", code="shutting_down") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if stream:
+            return StreamingResponse(_stream(events, codec, rid, created, chat, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_watch_disconnect(request, lambda: scheduler.cancel(gen.id)))
+        text: list[str] = []
+        lps: list[TokenLogprob] = []
+        finish: FinishEvent | None = None
+        try:
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    text.append(ev.text)
+                    lps.extend(ev.logprobs or ())
+                else:
+                    finish = ev
+        finally:
+            watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await watcher
+            await events.aclose()
+        assert finish is not None
+        if finish.reason == "error":
+            raise APIError(500, f"generation failed: {finish.error}", type="server_error")
+        if finish.reason == "cancelled":     # nobody is listening any more (or the server is closing)
+            raise APIError(503, "the request was cancelled", type="unavailable_error", code="cancelled")
+        content = "".join(text)
+        logprobs: Any = None
+        if gen.logprobs is not None:
+            logprobs = ({"content": _chat_logprobs(codec, tuple(lps))} if chat
+                        else _legacy_logprobs(codec, tuple(lps), 0))
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": _finish_reason(finish)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_id,
+                             "choices": [choice], "usage": _usage(finish)})
+
+    async def _stream(events: RequestStream, codec: TextCodec, rid: str, created: int, chat: bool,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        offset = 0
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            c = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return c
+
+        try:
+            if chat:
+                yield _sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}))
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    if not ev.text and not ev.logprobs:
+                        continue
+                    logprobs: Any = None
+                    if ev.logprobs:
+                        logprobs = ({"content": _chat_logprobs(codec, ev.logprobs)} if chat
+                                    else _legacy_logprobs(codec, ev.logprobs, offset))
+                    offset += len(ev.text)
+                    body: dict[str, Any] = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                    yield _sse(chunk({"index": 0, **body, "logprobs": logprobs, "finish_reason": None}))
+                    continue
+                if ev.reason in ("error", "cancelled"):
+                    err = APIError(500 if ev.reason == "error" else 503,
+                                   f"generation failed: {ev.error}" if ev.reason == "error"
+                                   else "the request was cancelled",
+                                   type="server_error" if ev.reason == "error" else "unavailable_error")
+                    yield _sse(err.body())
+                    break
+                end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
+                yield _sse(chunk({"index": 0, **end, "logprobs": None, "finish_reason": _finish_reason(ev)}))
+                if include_usage:
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
+                                "choices": [], "usage": _usage(ev)})
+            yield _sse("[DONE]")
+        finally:
+            await events.aclose()      # a client that went away: the scheduler drops the sequence
+
+    return Gate(app, state)

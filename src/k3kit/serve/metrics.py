@@ -1,0 +1,78 @@
+"""GET /metrics: the scheduler's counters in Prometheus' text format (prometheus-client).
+
+Every figure is read from one `Scheduler.stats()` snapshot when the page is scraped (a custom
+collector on a registry of its own, so several servers in one process never share series).
+Counters are totals since start (`rate()` them); gauges are now or the last request's figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from k3kit.serve.scheduler import SchedulerStats
+
+PREFIX = "k3kit"
+
+
+class SchedulerCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:       # still loading: no series yet
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        requests = CounterMetricFamily(f"{PREFIX}_requests", "finished requests by finish reason "
+                                       "(stop, length, cancelled, error)", labels=["reason"])
+        for reason in sorted(set(s.requests) | {"stop", "length", "cancelled", "error"}):
+            requests.add_metric([reason], s.requests.get(reason, 0))
+        yield requests
+        yield counter("requests_rejected", "requests refused: the queue was full (HTTP 429)", s.rejected)
+        yield gauge("sequences_active", "sequences holding model state now", s.active)
+        yield gauge("queue_depth", "requests waiting for the model", s.queued)
+        yield gauge("queue_capacity", "requests that may wait (--max-queue)", s.max_queue)
+        yield counter("prompt_tokens", "prompt tokens prefilled", s.prompt_tokens)
+        yield counter("generated_tokens", "tokens generated", s.generated_tokens)
+        yield counter("prefill_seconds", "seconds spent in prefill", s.prefill_seconds)
+        yield counter("decode_seconds", "seconds spent decoding", s.decode_seconds)
+        yield gauge("prefill_tokens_per_second", "prefill speed of the last request", s.last_prefill_tok_s)
+        yield gauge("decode_tokens_per_second", "decode speed of the last request", s.last_decode_tok_s)
+        yield gauge("batch_rows", "rows in the last target pass", s.batch_rows)
+        yield gauge("batch_sequences", "sequences in the last target pass (phase 1: at most 1)",
+                    s.batch_sequences)
+        yield gauge("batch_rows_max", "rows per target pass at most (--max-batch)", s.max_batch)
+        looked = s.expert_hits + s.expert_misses
+        yield counter("expert_cache_hits", "routed-expert lookups served by the cache", s.expert_hits)
+        yield counter("expert_cache_misses", "routed-expert lookups read from the file", s.expert_misses)
+        yield gauge("expert_cache_hit_rate", "hits / lookups since start",
+                    s.expert_hits / looked if looked else 0)
+        yield counter("expert_payload_bytes", "expert bytes read from the model file", s.expert_payload_bytes)
+        yield counter("speculative_passes", "target passes verifying a draft block", s.spec_passes)
+        yield counter("speculative_committed_tokens", "tokens those passes committed", s.spec_committed)
+        yield counter("speculative_proposals", "draft proposals verified", s.spec_proposed)
+        yield counter("speculative_accepted", "draft proposals accepted", s.spec_accepted)
+        yield gauge("speculative_committed_per_pass", "tokens committed per target pass since start",
+                    s.spec_committed / s.spec_passes if s.spec_passes else 0)
+        yield gauge("speculative_acceptance", "accepted / verified draft proposals since start",
+                    s.spec_accepted / s.spec_proposed if s.spec_proposed else 0)
+
+
+def metrics_page(stats: Callable[[], SchedulerStats | None]) -> Callable[[], tuple[bytes, str]]:
+    """A function that renders the metrics page: (body, content type)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SchedulerCollector(stats))
+
+    def render() -> tuple[bytes, str]:
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return render

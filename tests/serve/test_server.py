@@ -1,0 +1,402 @@
+"""`k3kit serve` driven by the real `openai` client over loopback, on the shipped mini K3.
+
+Two servers run for the module, each a `python -m k3kit serve --port 0` subprocess: plain AR
+(API key from K3KIT_API_KEY, a small body limit and queue) and one with `--draft default` (API key
+from --api-key). The references are `k3kit generate --temperature 0 --json` runs of the same
+prompts, started in parallel with the servers. Token budgets are small: the module is meant to
+take well under a minute on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from serving import (  # noqa: E402
+    Server,
+    finish_generate,
+    metrics,
+    raw,
+    start_generate,
+    wait_active,
+    wait_idle,
+)
+
+KEY = "k3-test-key"
+PROMPT = "import os"
+CHAT = "def add(a, b):"
+N = 6                   # tokens of the greedy comparisons
+MAX_QUEUE = 16
+MAX_BODY = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def world():
+    refs = start_generate([(PROMPT, N, False), (CHAT, N, True)])
+    ar = Server(["--max-queue", str(MAX_QUEUE), "--max-body-mib", str(MAX_BODY / (1 << 20))],
+                env={"K3KIT_API_KEY": KEY})
+    draft = Server(["--draft", "default", "--api-key", KEY])
+    try:
+        ar.wait_ready()
+        draft.wait_ready()
+        completion, chat = finish_generate(refs)
+        yield {"ar": ar, "draft": draft, "ref": {"completion": completion, "chat": chat}}
+    finally:
+        if refs.poll() is None:
+            refs.kill()
+            refs.communicate()
+        codes = [ar.stop(), draft.stop()]
+    for server, code in zip((ar, draft), codes, strict=True):
+        assert code in (0, -signal.SIGTERM) and "Traceback" not in server.stderr_text, \
+            f"unclean shutdown: exit {code}, stderr {server.stderr_text[-2000:]}"
+
+
+def general_name() -> str:
+    from k3kit.gguf.shards import Model
+    from k3kit.mini.paths import shipped_gguf
+
+    model = Model.open(shipped_gguf())
+    try:
+        return model.kv["general.name"].value
+    finally:
+        model.close()
+
+
+def client(server: Server, key: str = KEY):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def detokenize(server: Server, ids: list[int]) -> str:
+    status, body = raw(server.url, "POST", "/detokenize", {"tokens": ids}, {"Authorization": f"Bearer {KEY}"})
+    assert status == 200, body
+    return body["content"]
+
+
+def expected(world, kind: str, server: Server) -> tuple[str, list[int], str]:
+    """(text, token ids, finish reason) of the reference run: text without an end token."""
+    ids = world["ref"][kind]["token_ids"]
+    stop = world["ref"][kind]["stats"]["stop_reason"]
+    shown = ids[:-1] if stop == "stop" else ids
+    return detokenize(server, shown), ids, stop
+
+
+def stream_text(stream) -> tuple[str, str | None, dict | None]:
+    """Concatenated text, the finish reason and the usage of a streamed response."""
+    text, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            text.append(piece or "")
+            finish = c.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+# ---- the basics ---------------------------------------------------------------------------------
+
+def test_ready_line_models_and_health(world):
+    for server in (world["ar"], world["draft"]):
+        assert server.lines == [f"k3kit: serving {server.model_id} on {server.url}"]
+        assert server.model_id == general_name()          # the shipped mini's general.name
+        models = client(server).models.list()
+        assert [m.id for m in models.data] == [server.model_id]
+        assert raw(server.url, "GET", "/health") == (200, {"status": "ok"})   # no key needed
+
+
+def test_tokenize_detokenize(world):
+    s, auth = world["ar"], {"Authorization": f"Bearer {KEY}"}
+    status, body = raw(s.url, "POST", "/tokenize", {"content": PROMPT, "add_special": True}, auth)
+    assert status == 200 and len(body["tokens"]) == world["ref"]["completion"]["stats"]["prompt_tokens"]
+    assert detokenize(s, body["tokens"]) == PROMPT
+    status, body = raw(s.url, "POST", "/tokenize", {"content": PROMPT, "with_pieces": True}, auth)
+    assert "".join(p["piece"] for p in body["tokens"]) == PROMPT
+
+
+# ---- greedy output = `k3kit generate --temperature 0`, token for token ------------------------------
+
+def test_completion_greedy_matches_generate(world):
+    s = world["ar"]
+    text, ids, stop = expected(world, "completion", s)
+    r = client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=2)
+    c = r.choices[0]
+    assert c.text == text
+    assert c.finish_reason == ("stop" if stop == "stop" else "length")
+    assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == \
+        world["ref"]["completion"]["stats"]["prompt_tokens"]
+    # token for token: each logprob entry is one generated token (the end token is never shown)
+    shown = ids[:-1] if stop == "stop" else ids
+    assert c.logprobs.tokens == [detokenize(s, [t]) for t in shown]
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(lp)    # greedy: the best token
+
+    st = client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=N, temperature=0,
+                                      stream=True, stream_options={"include_usage": True})
+    got, finish, usage = stream_text(st)
+    assert (got, finish, usage["completion_tokens"]) == (text, c.finish_reason, len(ids))
+
+
+def test_chat_greedy_matches_generate_chat(world):
+    s = world["ar"]
+    text, ids, stop = expected(world, "chat", s)
+    messages = [{"role": "user", "content": CHAT}]
+    r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N, temperature=0,
+                                          logprobs=True, top_logprobs=1)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == text
+    assert r.usage.completion_tokens == len(ids)
+    assert r.usage.prompt_tokens == world["ref"]["chat"]["stats"]["prompt_tokens"]
+    shown = ids[:-1] if stop == "stop" else ids
+    assert [bytes(e.bytes) for e in c.logprobs.content] == [detokenize(s, [t]).encode() for t in shown]
+    st = client(s).chat.completions.create(model=s.model_id, messages=messages, max_completion_tokens=N,
+                                           temperature=0, stream=True)
+    got, finish, usage = stream_text(st)
+    assert (got, finish, usage) == (text, c.finish_reason, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_draft_greedy_matches_generate(world, stream):
+    s = world["draft"]
+    text, ids, _ = expected(world, "completion", s)
+    if stream:
+        got, _, usage = stream_text(client(s).completions.create(
+            model=s.model_id, prompt=PROMPT, max_tokens=N, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert (got, usage["completion_tokens"]) == (text, len(ids))
+    else:
+        r = client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=N, temperature=0)
+        assert (r.choices[0].text, r.usage.completion_tokens) == (text, len(ids))
+    chat_text, chat_ids, _ = expected(world, "chat", s)
+    messages = [{"role": "user", "content": CHAT}]
+    if stream:
+        got, _, usage = stream_text(client(s).chat.completions.create(
+            model=s.model_id, messages=messages, max_tokens=N, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert (got, usage["completion_tokens"]) == (chat_text, len(chat_ids))
+    else:
+        r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N,
+                                              temperature=0)
+        assert (r.choices[0].message.content, r.usage.completion_tokens) == (chat_text, len(chat_ids))
+    m = metrics(s.url, KEY)
+    assert m["k3kit_speculative_passes_total"] > 0          # the draft really ran
+
+
+def test_stop_string_cuts_the_text(world):
+    s = world["ar"]
+    text, _, _ = expected(world, "completion", s)
+    cut = text[2:4]
+    assert cut and text.find(cut) >= 0
+    r = client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=N, temperature=0, stop=[cut])
+    assert r.choices[0].text == text[:text.find(cut)] and r.choices[0].finish_reason == "stop"
+    got, finish, _ = stream_text(client(s).completions.create(
+        model=s.model_id, prompt=PROMPT, max_tokens=N, temperature=0, stop=cut, stream=True))
+    assert (got, finish) == (text[:text.find(cut)], "stop")
+
+
+@pytest.mark.parametrize("server", ["ar", "draft"])
+def test_seeded_sampling_repeats(world, server):
+    s = world[server]
+    texts = [client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=5, temperature=1.0,
+                                          top_p=0.95, seed=1234).choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+# ---- bad requests: OpenAI's error shape, and the server stays up ------------------------------------
+
+def _error(status: int, body: dict, want_status: int, code: str | None = None, param: str | None = None):
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_bad_requests(world):
+    s = world["ar"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": s.model_id, "prompt": PROMPT, "max_tokens": 1}
+    _error(*raw(s.url, "POST", "/v1/completions", b'{"prompt": "x", ', auth), 400, "invalid_json")
+    _error(*raw(s.url, "POST", "/v1/completions", b"[1, 2]", auth), 400)
+    _error(*raw(s.url, "POST", "/v1/chat/completions", {"model": s.model_id}, auth), 400, param="messages")
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"max_tokens": "5"}, auth), 400, param="max_tokens")
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"stream": "yes"}, auth), 400, param="stream")
+    _error(*raw(s.url, "POST", "/v1/chat/completions",
+                {"model": s.model_id, "messages": [{"role": "user", "content": 5}]}, auth), 400)
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"temperature": 2.5}, auth), 400, param="temperature")
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"max_tokens": -3}, auth), 400, param="max_tokens")
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"top_p": 0}, auth), 400, param="top_p")
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"seed": -1}, auth), 400, param="seed")
+    _error(*raw(s.url, "POST", "/v1/chat/completions",
+                {"model": s.model_id, "messages": [{"role": "robot", "content": "x"}]}, auth), 400)
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"prompt": [1, 10 ** 9]}, auth), 400, param="prompt")
+    _error(*raw(s.url, "POST", "/detokenize", {"tokens": [-1]}, auth), 400, param="tokens")
+    _error(*raw(s.url, "GET", "/v1/nothing-here", None, auth), 404)
+    # 413: a body over the limit, with and without Content-Length
+    _error(*raw(s.url, "POST", "/v1/completions", ok | {"prompt": "x" * MAX_BODY}, auth), 413,
+           "request_too_large")
+
+    c = client(s)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=2, n=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=5000)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=s.model_id, messages=[{"role": "user", "content": "x " * 2000}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=1)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(s, key="wrong").completions.create(model=s.model_id, prompt=PROMPT, max_tokens=1)
+    assert e.value.code == "invalid_api_key"
+    _error(*raw(s.url, "POST", "/v1/completions", ok), 401, "invalid_api_key")       # no key at all
+    _error(*raw(s.url, "GET", "/metrics"), 401)
+    # the other server takes its key from --api-key
+    with pytest.raises(openai.AuthenticationError):
+        client(world["draft"], key="wrong").models.list()
+
+    # still up and serving
+    r = c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1
+    assert raw(s.url, "GET", "/health") == (200, {"status": "ok"})
+
+
+def test_body_limit_without_content_length(world):
+    s = world["ar"]
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(s.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Authorization", f"Bearer {KEY}")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        piece = b"x" * 8192
+        for _ in range(MAX_BODY // len(piece) + 2):
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        conn.send(b"0\r\n\r\n")
+        resp = conn.getresponse()
+        assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
+
+
+def test_full_queue_is_429_and_cancel_frees_everything(world):
+    """One long sequence runs, MAX_QUEUE wait, the next is refused; closing every stream (queued ones
+    and the running one) empties the server at once instead of after 400 tokens."""
+    s = world["ar"]
+    c = client(s)
+    before = metrics(s.url, KEY)
+    streams = [c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=400, temperature=0,
+                                    stream=True)]
+    try:
+        wait_active(s.url, KEY)
+        for _ in range(MAX_QUEUE):
+            streams.append(c.chat.completions.create(model=s.model_id, max_tokens=400, stream=True,
+                                                     messages=[{"role": "user", "content": "x"}]))
+        assert metrics(s.url, KEY)["k3kit_queue_depth"] == MAX_QUEUE
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=1)
+        assert e.value.status_code == 429 and e.value.code == "queue_full"
+    finally:
+        for st in streams:
+            st.close()
+    after = wait_idle(s.url, KEY, timeout=30)
+    assert after["k3kit_requests_total{reason=\"cancelled\"}"] - \
+        before["k3kit_requests_total{reason=\"cancelled\"}"] == MAX_QUEUE + 1
+    assert after["k3kit_requests_rejected_total"] - before["k3kit_requests_rejected_total"] == 1
+
+
+def test_disconnect_cancels_a_non_streamed_request(world):
+    import http.client
+    from urllib.parse import urlparse
+
+    s = world["ar"]
+    u = urlparse(s.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 500, "temperature": 0})
+    conn.request("POST", "/v1/completions", body=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                 "Content-Type": "application/json"})
+    wait_active(s.url, KEY)
+    conn.close()
+    t0 = time.monotonic()
+    wait_idle(s.url, KEY, timeout=30)
+    assert time.monotonic() - t0 < 30
+
+
+# ---- a small load test --------------------------------------------------------------------------
+
+def test_load_16_clients(world):
+    """16 concurrent clients x 2 requests, mixed streamed / non-streamed, chat / completions, some
+    cancelled mid-stream: every completed response is the greedy reference, nothing is lost, and the
+    server ends with no active sequence and an empty queue."""
+    s = world["ar"]
+    want_completion = expected(world, "completion", s)
+    want_chat = expected(world, "chat", s)
+    before = metrics(s.url, KEY)
+    budget = 2
+
+    def prefix(kind_want) -> str:
+        _, ids, _ = kind_want
+        return detokenize(s, ids[:budget])
+
+    want = {"completion": prefix(want_completion), "chat": prefix(want_chat)}
+
+    def one(i: int, j: int) -> tuple[str, str, bool]:
+        c = client(s)
+        chat, streamed = (i + j) % 2 == 0, (i % 3) != 0
+        cancel = streamed and j == 1 and i % 4 == 1          # clients 1, 5 and 13 hang up mid-stream
+        kind = "chat" if chat else "completion"
+        kw = dict(model=s.model_id, max_tokens=budget if not cancel else 200, temperature=0)
+
+        def call(**k):
+            if chat:
+                return c.chat.completions.create(messages=[{"role": "user", "content": CHAT}], **kw, **k)
+            return c.completions.create(prompt=PROMPT, **kw, **k)
+
+        if cancel:
+            st = call(stream=True)
+            for chunk in st:                   # read until the first generated text, then hang up
+                if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
+                    break
+            st.close()
+            return kind, "", True
+        if streamed:
+            text, _, _ = stream_text(call(stream=True))
+        else:
+            r = call()
+            text = r.choices[0].message.content if chat else r.choices[0].text
+        return kind, text, False
+
+    def client_run(i: int) -> list[tuple[str, str, bool]]:
+        return [one(i, j) for j in range(2)]
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = [r for f in [pool.submit(client_run, i) for i in range(16)] for r in f.result(timeout=300)]
+    assert len(results) == 32
+    cancelled = sum(1 for _, _, c in results if c)
+    assert cancelled >= 2
+    for kind, text, was_cancelled in results:
+        if not was_cancelled:
+            assert text == want[kind]
+    after = wait_idle(s.url, KEY, timeout=30)
+    finished = sum(after[k] - before[k] for k in after if k.startswith("k3kit_requests_total{"))
+    assert finished == 32                              # every request accounted for, none lost
+    assert after["k3kit_requests_rejected_total"] == before["k3kit_requests_rejected_total"]
