@@ -26,11 +26,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass (1 = off)")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K best tokens (0 = off)")
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible)")
+    add_model_arguments(parser)
+    parser.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt rows per pass")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as one user turn with the file's chat template "
+                        "(the Kimi format when the file has none)")
+    parser.add_argument("--cold", action="store_true",
+                        help="read experts around the page cache, so payload = storage traffic")
+    parser.add_argument("--stats", action="store_true", help="print speed, cache and memory figures")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_draft_arguments(parser)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a model is placed and run: the flags `generate`, `serve` and `perplexity` share."""
     parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
                         help="LRU budget for routed experts, MiB of what is cached (256)")
     parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
-                        help="native: cache experts as MXFP4 bytes and multiply them directly (CPU); "
-                        "torch: dequantize each miss to the compute dtype; auto: native when built (auto)")
+                        help="native: cache experts as their quantized bytes and multiply them "
+                        "directly (CPU); torch: dequantize each miss to the compute dtype; "
+                        "auto: native when built (auto)")
     parser.add_argument("--device", default="cpu", metavar="D",
                         help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
     parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
@@ -40,13 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float: dequantize the trunk matrices to --dtype at load; quantized: keep "
                         "them as the file's bytes (mapped) and multiply them directly, CPU only (float)")
     parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
-    parser.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt rows per pass")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn (Kimi format)")
-    parser.add_argument("--cold", action="store_true",
-                        help="read experts around the page cache, so payload = storage traffic")
-    parser.add_argument("--stats", action="store_true", help="print speed, cache and memory figures")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    add_draft_arguments(parser)
 
 
 def add_draft_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,8 @@ HELP = "perplexity of a GGUF model over a text, its logits, and KL-divergence fr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3kit.commands.generate import add_model_arguments
+
     parser.add_argument("model", metavar="MODEL", help="GGUF file or any shard")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("-f", "--file", metavar="FILE", help="the text, a UTF-8 file")
@@ -35,15 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the text may then be omitted)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--batch", type=int, default=256, metavar="N", help="rows per forward pass (256)")
-    parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
-    parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
-                        help="LRU budget for routed experts, MiB (256)")
-    parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
-                        help="how routed experts are multiplied (auto: native when built)")
-    parser.add_argument("--device", default="cpu", metavar="D", help="cpu, cuda, cuda:N or a comma list")
-    parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"), help="compute dtype (f32)")
-    parser.add_argument("--trunk", default="float", choices=("float", "quantized"),
-                        help="float: trunk dequantized at load; quantized: the file's bytes (CPU)")
+    add_model_arguments(parser)
     parser.add_argument("--ggml-parity", action="store_true",
                         help="round matmul inputs as ggml-cpu does (closest numbers to llama.cpp's)")
 

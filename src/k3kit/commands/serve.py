@@ -15,7 +15,7 @@ API_KEY_ENV = "K3KIT_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from k3kit.commands.generate import add_draft_arguments
+    from k3kit.commands.generate import add_draft_arguments, add_model_arguments
 
     parser.add_argument("model", nargs="?", metavar="MODEL",
                         help="GGUF file or any shard (default: the shipped mini K3)")
@@ -32,18 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context per sequence, prompt + completion (default: the model's)")
     parser.add_argument("--max-body-mib", type=float, default=8.0, metavar="M",
                         help="largest request body, MiB (8); larger is answered 413")
-    parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
-                        help="LRU budget for routed experts, MiB of what is cached (256)")
-    parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
-                        help="native: cache experts as MXFP4 bytes and multiply them directly (CPU); "
-                        "torch: dequantize each miss; auto: native when built (auto)")
-    parser.add_argument("--device", default="cpu", metavar="D",
-                        help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
-    parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"), help="compute dtype (f32)")
-    parser.add_argument("--trunk", default="float", choices=("float", "quantized"),
-                        help="float: dequantize the trunk to --dtype at load; quantized: multiply the file's "
-                        "bytes directly, CPU only (float)")
-    parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
+    add_model_arguments(parser)
     add_draft_arguments(parser)
 
 
