@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from k3kit.layers.moe import ExpertWeights, RoutedMoE
-from k3kit.runtime.cost import unique_experts
+from k3kit.runtime.cost import expected_new_bytes, expected_unique, unique_experts
 from k3kit.runtime.experts import ExpertStore, ExpertTensor
 
 H, FF, E, K = 64, 96, 16, 4
@@ -147,3 +147,22 @@ def test_unique_experts_and_empty_batch():
         with pytest.raises(ValueError, match="disagree"):
             route_batch(torch.zeros(2, H), no_ids[:0].new_zeros(2, K), torch.zeros(3, K), store, 0, swiglu)
 
+
+# runtime.cost's payload estimates use the same in-memory store
+def test_expected_new_bytes():
+    with make_store(cache_mib=1) as store:
+        per = store.expert_nbytes(0)
+        ids = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]])
+        assert expected_new_bytes(store, 0, ids) == 6 * per
+        store.get(0, unique_experts(ids))        # what a routed batch fetches: its distinct experts
+        assert expected_new_bytes(store, 0, ids) == 0
+        assert expected_new_bytes(store, 0, torch.tensor([[5, 6, 7, 6]])) == 2 * per
+        assert expected_new_bytes(store, 1, ids) == 6 * per  # layer 1 untouched
+        # uniform estimate: the unique-expert formula, scaled by the uncached fraction (10/16 here)
+        assert expected_unique(1, K, E) == pytest.approx(K)
+        assert expected_unique(8, 16, 896) == pytest.approx(896 * (1 - (1 - 16 / 896) ** 8))
+        assert expected_new_bytes(store, 1, 8, top_k=K) == pytest.approx(expected_unique(8, K, E) * per)
+        want = expected_unique(8, K, E) * per * 10 / 16
+        assert expected_new_bytes(store, 0, 8, top_k=K) == pytest.approx(want)
+        with pytest.raises(ValueError, match="top_k"):
+            expected_new_bytes(store, 0, 8)
