@@ -50,6 +50,12 @@ def llama_speed(path: Path, prompt: list[int], n: int, threads: int, requests: i
     llama_cpp.llama_cpp.llama_model_default_params = params
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+
+    def last_token() -> int:
+        """Greedy pick from the last evaluated row (without logits_all, `llm.scores` has no rows)."""
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
+
     out = []
     try:
         for _ in range(requests):
@@ -57,10 +63,10 @@ def llama_speed(path: Path, prompt: list[int], n: int, threads: int, requests: i
             t0 = time.perf_counter()
             llm.eval(prompt)
             t1 = time.perf_counter()
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = last_token()
             for _ in range(n):
                 llm.eval([tok])
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                tok = last_token()
             t2 = time.perf_counter()
             out.append((len(prompt) / (t1 - t0), n / (t2 - t1)))
     finally:

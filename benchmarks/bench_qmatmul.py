@@ -2,7 +2,7 @@
 
     python benchmarks/bench_qmatmul.py [--types Q8_0,Q4_K,...] [--shapes 7168x2048,7168x16384]
                                        [--rows 1,8,32,64,128] [--threads 1] [--reps 3] [--clock wall|cpu]
-                                       [--levels avx512,avx2,scalar] [--paths] [--no-torch]
+                                       [--levels avx512,avx2,scalar] [--paths] [--no-torch] [--no-int8]
 
 Shapes are ggml order, n_in x n_out (7168 x 2048: a K3 expert; 7168 x 16384: a trunk-sized
 matrix); random valid blocks with realistic scales. Per type, shape and row count, in one run:
@@ -14,8 +14,14 @@ matrix); random valid blocks with realistic scales. Per type, shape and row coun
             GEMM_CHUNK_BYTES chunks (natively), each multiplied by torch's bf16 GEMM;
   deq+f32   the same in float32 (which QuantizedMatrix never picks: see NATIVE_MAX_ROWS);
   bf16      torch's GEMM on an already dequantized bf16 matrix (a bf16 trunk's cost);
+  int8      the "ggml" mode (matmul_q8): x rounded to ggml's Q8_0/Q8_K blocks, integer dot
+            products (AVX512-VNNI where present), with its GB/s of weight bytes; then the ratios
+            native / int8 and deq+bf16 / int8 (> 1: int8 is faster);
 and checks the native product against the float64 product of the dequantized matrix (max error
-relative to the largest output). --clock cpu times the calling thread's CPU time (only with
+relative to the largest output). Before the tables it measures this machine's memory bandwidth
+(a numpy sum over a 512 MiB array, which one thread streams) so that one-row GB/s can be read
+against it (the "of bw" column: a one-row product is a stream over the weight bytes).
+--clock cpu times the calling thread's CPU time (only with
 --threads 1): steadier than wall time on a machine shared with other work.
 """
 
@@ -81,6 +87,20 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def memory_bandwidth(reps: int = 5) -> float:
+    """GB/s of a numpy sum over a 512 MiB array (far beyond the caches): what one thread streams."""
+    a = np.ones(128 << 20, dtype=np.float32)
+    a.sum()
+    t = min(_timed(a.sum) for _ in range(reps))
+    return a.nbytes / t / 1e9
+
+
+def _timed(f: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(t.name for t in (
@@ -94,6 +114,7 @@ def main() -> None:
     ap.add_argument("--levels", default="avx512", help="SIMD levels to time (capped at what the CPU has)")
     ap.add_argument("--paths", action="store_true", help="also time the per-row tiles and the panels forced")
     ap.add_argument("--no-torch", action="store_true", help="skip the dequantize + GEMM and bf16 columns")
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation (ggml mode) columns")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not qmatmul.native_available():
@@ -103,14 +124,18 @@ def main() -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     kernel = qmatmul._qmatmul
     levels = [lv for lv in args.levels.split(",") if LEVELS[lv] <= LEVELS[kernel.simd()]]
+    bw = memory_bandwidth()
     print(f"{cpu_model()}; threads {args.threads}; best of {args.reps} ({args.clock} clock); "
-          f"CPU paths: {kernel.simd()} and below")
+          f"CPU paths: {kernel.simd()} and below; int8 path: {kernel.simd_i8()}; "
+          f"memory bandwidth (numpy sum, 1 thread): {bw:.1f} GB/s")
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         k, n_out = (int(v) for v in shape.split("x"))
         print(f"\n{k} x {n_out} (n_in x n_out)\n| type | rows | " + " | ".join(
             [f"native {lv}" for lv in levels] + (["tiles", "panels"] if args.paths else [])
             + ([] if args.no_torch else ["deq+bf16 GEMM", "deq+f32 GEMM", "bf16 GEMM (pre-dequantized)"])
+            + ([] if args.no_int8 else ["int8 (ggml)", "GB/s", "of bw", "native/int8"]
+               + ([] if args.no_torch else ["deq+bf16/int8"]))
             + ["err"]) + " |")
         for name in args.types.split(","):
             qtype = T[name]
@@ -131,18 +156,29 @@ def main() -> None:
                     return best(lambda: kernel.matmul(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, lvl,  # noqa: B023
                                                       args.threads, path), args.reps, clock)
 
+                t_native = native(-1)
                 cells = [cell(native(LEVELS[lv])) if lv != "scalar" or m <= 4 else "" for lv in levels]
                 if args.paths:
                     cells += [cell(native(-1, 0)), cell(native(-1, 1))]
                 kernel.matmul(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, -1, args.threads)
                 ref = x.double() @ w.double().t()
                 err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                t_deq = 0.0
                 if not args.no_torch:
                     xb = x.bfloat16()
-                    cells += [cell(best(lambda: q_bf16._gemm(xb), args.reps, clock)),  # noqa: B023
+                    t_deq = best(lambda: q_bf16._gemm(xb), args.reps, clock)  # noqa: B023
+                    cells += [cell(t_deq),
                               cell(best(lambda: q_f32._gemm(x), args.reps, clock)),  # noqa: B023
                               cell(best(lambda: torch.mv(w_bf16, xb[0]) if m == 1 else xb @ w_bf16.t(),  # noqa: B023
                                         args.reps, clock))]
+                if not args.no_int8:
+                    t8 = best(lambda: kernel.matmul_q8(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m,  # noqa: B023
+                                                       -1, args.threads), args.reps, clock)
+                    gbs = raw.nbytes / t8 / 1e9
+                    cells += [cell(t8), f"{gbs:.1f}", f"{gbs / bw:.2f}" if m == 1 else "",
+                              f"{t_native / t8:.2f}"]
+                    if not args.no_torch:
+                        cells.append(f"{t_deq / t8:.2f}")
                 print(f"| {name} | {m} | " + " | ".join(cells) + f" | {err:.1e} |", flush=True)
 
 

@@ -26,7 +26,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # `import k3kit` alone (the root package holds only __version__) is allowed everywhere.
 _BASE = ("errors", "_io", "progress")
 _LIBRARY = ("gguf", "tokenizer", "convert", "kernels", "layers", "models", "runtime", "adapters", "mini",
-            "serve", "plan")
+            "serve", "plan", "bench")
 MAY_IMPORT: dict[str, frozenset[str]] = {
     name: frozenset(deps)
     for name, deps in {
@@ -51,6 +51,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         "serve": ("adapters", "runtime", "tokenizer", "gguf", "errors", "_io", "progress"),
         # `k3kit plan`: placement and speed from GGUF headers alone, so it runs anywhere in < 1 s
         "plan": ("gguf", "errors", "_io", "progress"),
+        # `k3kit bench`: measures loaded models (adapters, runtime); `k3kit serve` only through its HTTP
+        # API (a child process), so never serve; never commands or mini (the CLI hands workloads in)
+        "bench": ("adapters", "runtime", "plan", "tokenizer", "gguf", "errors", "_io", "progress"),
         # one module per CLI command: anything below the command line
         "commands": _BASE + _LIBRARY,
         "cli": ("commands", "errors"),

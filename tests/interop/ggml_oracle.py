@@ -111,3 +111,76 @@ class Ggml:
 def load() -> Ggml | None:
     path = find_libggml_base()
     return Ggml(path) if path is not None and path.exists() else None
+
+
+# ggml-cpu: the row quantizers and dot products llama.cpp's CPU backend runs (this CPU's SIMD build).
+_FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+_VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                            ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class _CpuTraits(ctypes.Structure):
+    _fields_ = [
+        ("from_float", ctypes.c_void_p),
+        ("vec_dot", ctypes.c_void_p),
+        ("vec_dot_type", ctypes.c_int),
+        ("nrows", ctypes.c_int64),
+    ]
+
+
+class GgmlCpu:
+    """libggml-cpu's `from_float` (e.g. x86 quantize_row_q8_0) and `vec_dot` per type."""
+
+    def __init__(self, path: Path, base: Ggml) -> None:
+        self.base = base
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.ggml_cpu_init.restype = None
+        self.lib.ggml_cpu_init()
+        g = self.lib.ggml_get_type_traits_cpu
+        g.restype = ctypes.POINTER(_CpuTraits)
+        g.argtypes = [ctypes.c_int]
+
+    def traits(self, qtype: int) -> _CpuTraits:
+        return self.lib.ggml_get_type_traits_cpu(int(qtype)).contents
+
+    def vec_dot_type(self, qtype: int) -> int:
+        return int(self.traits(qtype).vec_dot_type)
+
+    def from_float(self, x: np.ndarray, qtype: int) -> np.ndarray:
+        """float32 [rows, n] -> uint8 [rows, row_bytes] through the CPU backend's row quantizer."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        t = self.base.traits(qtype)
+        row = x2.shape[1] // t.blck_size * t.type_size
+        out = np.zeros((x2.shape[0], row), dtype=np.uint8)
+        fn = _FROM_FLOAT(self.traits(qtype).from_float)
+        for r in range(x2.shape[0]):
+            fn(x2[r].ctypes.data, out[r].ctypes.data, x2.shape[1])
+        return out
+
+    def vec_dot(self, w_row: np.ndarray, x_row: np.ndarray, qtype: int, n: int) -> float:
+        """One row of W (type `qtype`, bytes) dotted with one quantized activation row."""
+        s = np.zeros(1, dtype=np.float32)
+        w_row, x_row = np.ascontiguousarray(w_row), np.ascontiguousarray(x_row)
+        dot = _VEC_DOT(self.traits(qtype).vec_dot)
+        dot(n, s.ctypes.data, 0, w_row.ctypes.data, 0, x_row.ctypes.data, 0, 1)
+        return float(s[0])
+
+
+def load_cpu() -> GgmlCpu | None:
+    base = load()
+    path = find_libggml_base()
+    if base is None or path is None:
+        return None
+    cpu = sorted(path.parent.glob("libggml-cpu.so*"))
+    return GgmlCpu(cpu[0], base) if cpu else None
+
+
+def quantize_row_ref(base: Ggml, x: np.ndarray, name: str, row_bytes: int) -> np.ndarray:
+    """libggml-base's exported `quantize_row_<name>_ref` (e.g. q8_K, which ggml_quantize_chunk lacks)
+    over each row of float32 x; out starts zeroed (q8_K leaves an all-zero block's bsums unwritten)."""
+    fn = _FROM_FLOAT(ctypes.cast(getattr(base.lib, f"quantize_row_{name}_ref"), ctypes.c_void_p).value)
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.zeros((x2.shape[0], row_bytes), dtype=np.uint8)
+    for r in range(x2.shape[0]):
+        fn(x2[r].ctypes.data, out[r].ctypes.data, x2.shape[1])
+    return out

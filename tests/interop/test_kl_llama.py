@@ -42,6 +42,7 @@ import torch
 
 from k3kit.adapters import load_model
 from k3kit.gguf.synth import K3, synthesize
+from k3kit.kernels import qmatmul
 from k3kit.models.kimi_k3.moe import Router
 from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.perplexity import NpyBase, PerplexityResult, evaluate, plan_chunks
@@ -92,13 +93,17 @@ class RouterGaps:
         return torch.stack(per_layer).amin(0).numpy() < NEAR_TIE
 
 
-def kl_vs_llama(path: Path, n_pos: int, tmp: Path,
-                trunk: str = "float") -> tuple[PerplexityResult, np.ndarray, str]:
+def kl_vs_llama(path: Path, n_pos: int, tmp: Path, trunk: str = "float",
+                mode: str = "float") -> tuple[PerplexityResult, np.ndarray, str]:
     """k3kit's perplexity run over the text's first n_pos tokens with llama.cpp's logits as the base:
     (result, router near-tie per position, which kernels ran).
 
     k3kit runs BATCH rows per forward, so the native kernels (<= NATIVE_MAX_ROWS rows) multiply
-    the quantized experts (and a quantized trunk) as they do in decoding and short prefills."""
+    the quantized experts (and a quantized trunk) as they do in decoding and short prefills.
+    `mode` is QuantizedMatrix's arith for every quantized matrix made during the run
+    ("ggml": int8 activation blocks and integer dot products, as ggml-cpu)."""
+    default_arith = qmatmul.DEFAULT_ARITH
+    qmatmul.DEFAULT_ARITH = mode        # read as each matrix is made: the trunk at load, experts when cached
     loaded = load_model(path, LoadOptions(expert_cache_mib=512, ggml_parity=True, trunk=trunk))
     try:
         codec = loaded.codec
@@ -117,9 +122,11 @@ def kl_vs_llama(path: Path, n_pos: int, tmp: Path,
         gaps = RouterGaps(loaded.model.model)
         with torch.no_grad():
             result = evaluate(loaded.model, ids, plan, base=NpyBase(tmp / "llama.npy"), batch=BATCH)
-        return result, gaps.near_ties(n_pos), f"experts {loaded.expert_kernel}, trunk {loaded.memory().trunk}"
+        kernels = f"experts {loaded.expert_kernel}, trunk {loaded.memory().trunk}, {mode} mode"
+        return result, gaps.near_ties(n_pos), kernels
     finally:
         loaded.close()
+        qmatmul.DEFAULT_ARITH = default_arith
 
 
 def report(name: str, r: PerplexityResult, ties: np.ndarray, kernels: str) -> str:
@@ -153,10 +160,12 @@ def slices(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,trunk", [(c, "float") for c in CASES] + [("q4_k-trunk", "quantized")])
-def test_k3_slice_kl_from_llama_cpp(case, trunk, slices, tmp_path):
-    r, ties, kernels = kl_vs_llama(slices(case), N_POS_SLICE, tmp_path, trunk=trunk)
-    line = report(f"{case}, {trunk} trunk", r, ties, kernels)
+@pytest.mark.parametrize("case,trunk,mode", [(c, "float", "float") for c in CASES]
+                         + [("q4_k-trunk", "quantized", "float"), ("q4_k-trunk", "quantized", "ggml"),
+                            ("iq1_s-iq3_xxs", "quantized", "ggml")])
+def test_k3_slice_kl_from_llama_cpp(case, trunk, mode, slices, tmp_path):
+    r, ties, kernels = kl_vs_llama(slices(case), N_POS_SLICE, tmp_path, trunk=trunk, mode=mode)
+    line = report(f"{case}, {trunk} trunk, {mode} mode", r, ties, kernels)
     assert not ties.any()          # every expert is routed: nothing to flip
     assert r.compared >= 64
     assert r.kl_mean is not None and r.top1_agreement is not None

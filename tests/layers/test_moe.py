@@ -166,3 +166,34 @@ def test_expected_new_bytes():
         assert expected_new_bytes(store, 0, 8, top_k=K) == pytest.approx(want)
         with pytest.raises(ValueError, match="top_k"):
             expected_new_bytes(store, 0, 8)
+
+
+def test_route_counts_add_the_rows_routed_to_each_expert():
+    x, ids, w = routing(23, 3)
+    moe = FnMoE(0, swiglu, exact_order=True)
+    assert moe.route_counts is None
+    with make_store() as store:
+        route_batch(x, ids, w, store, 0, swiglu)       # a fresh module: nothing counted
+        moe.count_routes()
+        assert moe.route_counts is not None and moe.route_counts.dtype == torch.int64
+        assert torch.equal(moe.route_counts, torch.zeros(E, dtype=torch.int64))
+        moe.run_experts(x, ids, w, StoreProvider(store))
+        moe.run_experts(x[:5], ids[:5], w[:5], StoreProvider(store))
+        want = torch.zeros(E, dtype=torch.int64)
+        for e in ids.reshape(-1).tolist() + ids[:5].reshape(-1).tolist():
+            want[e] += 1
+        assert torch.equal(moe.route_counts, want) and int(want.sum()) == (23 + 5) * K
+        moe.count_routes()                              # restart: zeros again
+        assert int(moe.route_counts.sum()) == 0
+        moe.count_routes(False)
+        moe.run_experts(x, ids, w, StoreProvider(store))
+        assert moe.route_counts is None
+
+
+def test_route_counts_on_the_batched_training_path():
+    moe = RoutedMoE(E, H, FF, layer=0)
+    moe.batched = True
+    moe.count_routes()
+    x, ids, w = routing(11, 4)
+    moe.run_experts(x, ids, w)
+    assert torch.equal(moe.route_counts, torch.bincount(ids.reshape(-1), minlength=E))

@@ -17,6 +17,7 @@ from k3kit.adapters import ADAPTERS, adapter_for, load_model  # noqa: E402
 from k3kit.adapters.kimi_k3 import K3Adapter, _install_layer_split  # noqa: E402
 from k3kit.adapters.session import open_session  # noqa: E402
 from k3kit.errors import K3Error  # noqa: E402
+from k3kit.layers.quantized_linear import quantized_modules  # noqa: E402
 from k3kit.mini.paths import shipped_draft, shipped_gguf  # noqa: E402
 from k3kit.runtime.loader import LoadOptions  # noqa: E402
 from k3kit.runtime.protocols import AttachableDraft, CausalModel, ExpertBacked, MemoryFigures, Target  # noqa: E402
@@ -45,6 +46,11 @@ def test_registry_finds_the_k3_adapter_and_rejects_others(tiny):
         ref = dict(model.named_parameters())
         for name, p in adapter.model.named_parameters():   # F32 trunk: bit for bit
             assert torch.equal(p, ref[name]), name
+        held = {n: m for n, m in adapter.model.named_modules() if m in quantized_modules(adapter.model)}
+        assert held                                         # ... and so are the matrices held as bytes
+        for name, m in held.items():
+            w = m.dense if hasattr(m, "dense") else m(torch.arange(m.num_embeddings))
+            assert torch.equal(w, ref[name + ".weight"]), name
         assert not any("_exps" in n for n, _ in adapter.model.named_parameters())   # experts stay in the file
     finally:
         adapter.close()
@@ -131,7 +137,10 @@ def test_layer_split_hooks_leave_results_unchanged(tiny):
 
 
 def test_registry_is_an_explicit_table_imported_lazily():
-    assert ADAPTERS == {"kimi-k3": "k3kit.adapters.kimi_k3", "dflash": "k3kit.adapters.dflash"}
+    assert ADAPTERS == {"kimi-k3": "k3kit.adapters.kimi_k3", "dflash": "k3kit.adapters.dflash",
+                        # legacy draft architectures, read as dflash
+                        "dflash-draft": "k3kit.adapters.dflash",
+                        "qwen35-dflash-draft": "k3kit.adapters.dflash"}
     for arch in ADAPTERS:
         assert callable(adapter_for(arch))
 
@@ -145,7 +154,10 @@ def test_loaded_model_carries_codec_ledger_and_memory(tiny):
         assert isinstance(a, CausalModel) and isinstance(a, Target) and isinstance(a, ExpertBacked)
         assert loaded.expert_kernel == "torch"
         m = loaded.memory()
-        assert m.trunk_bytes == sum(p.numel() * p.element_size() for p in a.model.parameters())
+        held = quantized_modules(a.model)                         # the default trunk: file bytes
+        assert m.trunk == "quantized" and held
+        assert m.trunk_bytes == (sum(p.numel() * p.element_size() for p in a.model.parameters())
+                                 + sum(q.nbytes for q in held))
         assert m.trunk_file_bytes == m.trunk_bytes > 0             # an F32 trunk is held as stored
         assert (m.expert_cache_bytes, m.expert_cache_budget) == (0, 2 << 20)
         assert m.experts_per_token == a.cfg.num_experts_per_tok
@@ -179,3 +191,20 @@ def test_session_attaches_the_draft_and_refuses_swapped_roles():
         open_session(shipped_draft())
     with pytest.raises(K3Error, match=r"mini-k3\.gguf: architecture 'kimi-k3' is not a draft"):
         open_session(shipped_gguf(), LoadOptions(expert_cache_mib=0), draft=shipped_gguf())
+
+
+def test_kernels_say_which_path_multiplies_each_type():
+    """`generate --stats/--json` shows the kernel per ggml type; it must follow the load options."""
+    from k3kit.kernels.qmatmul import native_available, native_simd
+    if not native_available():
+        pytest.skip("the native extension is not built")
+    with load_model(shipped_gguf(), LoadOptions(arith="ggml")) as lm:
+        k = lm.kernels
+    assert k["trunk"]["Q8_0"] == f"native-{native_simd()} ggml"
+    assert k["experts"] == {"MXFP4": f"native-{native_simd()} ggml"}
+    with load_model(shipped_gguf(), LoadOptions(trunk="float", expert_kernel="torch")) as lm:
+        k = lm.kernels
+    assert list(k["trunk"]) == ["all"] and k["trunk"]["all"].startswith("torch")
+    assert k["experts"] == {"MXFP4": "torch (dequantized on a miss)"}
+    with pytest.raises(K3Error, match="--arith"):
+        load_model(shipped_gguf(), LoadOptions(arith="int4"))

@@ -184,12 +184,15 @@ def test_profile_changes_hit_rate_and_distinct_experts(k3_q8, tmp_path, capsys):
     assert skew["speed"]["ar"]["storage_bytes_per_token"] < uni["speed"]["ar"]["storage_bytes_per_token"]
     assert (skew["speed"]["speculative"]["distinct_experts_per_layer"]
             < uni["speed"]["speculative"]["distinct_experts_per_layer"])
-    other = json.loads(prof.read_text())
-    other["model"]["experts"] = 384
-    prof.write_text(json.dumps(other))
-    assert main(["plan", str(k3_q8), "--hardware", "2x3090", "--profile", str(prof)]) == 2
-    err = capsys.readouterr().err
-    assert "profile is for another model" in err and err.count("\n") == 1
+    good = json.loads(prof.read_text())
+    for key, value, what in (("experts", 384, "experts 384"), ("layers", 61, "layers 61"),
+                             ("name", "Kimi-K2", "name 'Kimi-K2'")):
+        other = json.loads(json.dumps(good))
+        other["model"][key] = value
+        prof.write_text(json.dumps(other))
+        assert main(["plan", str(k3_q8), "--hardware", "2x3090", "--profile", str(prof)]) == 2
+        err = capsys.readouterr().err
+        assert "profile is for another model" in err and what in err and err.count("\n") == 1, err
 
 
 BAD = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
@@ -376,7 +377,7 @@ def test_planned_fetches_read_ahead_with_the_same_bytes_and_ledger(tmp_path):
             got = store.get(0, [e])[e][0]
             assert bytes(got.raw.numpy()) == w
             assert len(store._pending) <= 1
-        assert not store._pending and store._plan is None
+        assert not store._pending and not store._queue and store._cache.in_flight == 0
         s = store.stats()
         assert (s.misses, s.hits, s.bytes_read, s.io_bytes) == \
             (want_stats.misses, want_stats.hits, want_stats.bytes_read, want_stats.io_bytes)
@@ -397,9 +398,69 @@ def test_read_ahead_of_a_changed_file_raises_on_fetch(tmp_path):
 
 
 def test_plan_is_ignored_where_read_ahead_does_not_apply(model_file):
-    """Dequantizing stores and cold reads fetch on the caller's thread only."""
+    """Dequantizing stores, in-memory buffers and read_ahead=False fetch on the caller's thread."""
     _, spec, _ = model_file
-    for kwargs in ({}, {"keep": "quantized", "cold": "fadvise"}):
-        with ExpertStore(spec, cache_mib=1, **kwargs) as store:
+    buffers = {3: [ExpertTensor(np.zeros(t.nbytes, np.uint8), 0, t.ggml_type, t.shape, t.n_experts, t.name)
+                   for t in spec[3]]}
+    for layers, kwargs in ((spec, {}), (spec, {"keep": "quantized", "read_ahead": False}),
+                           (buffers, {"keep": "quantized"})):
+        with ExpertStore(layers, cache_mib=1, **kwargs) as store:
             store.plan(3, [0, 1])
-            assert not store._pending
+            store.prefetch(3, [2])
+            assert not store._pending and not store._queue
+
+
+@pytest.mark.parametrize("cold", [False, "fadvise", "direct"])
+def test_deep_read_ahead_stays_within_the_budget(tmp_path, cold):
+    """Several reads in flight (every read mode), same bytes and payload ledger as no read-ahead;
+    what the cache holds plus what is in flight never exceeds the budget."""
+    path, spec = _big_expert_file(tmp_path, n_experts=8)
+    per = spec[0][0].expert_nbytes                     # 2.1 MiB
+    order = [7, 1, 2, 5, 0, 3]
+    with ExpertStore(spec, cache_mib=0, keep="quantized", read_ahead=False, cold=cold) as plain:
+        want = [bytes(plain.get(0, [e])[e][0].raw.numpy()) for e in order]
+        want_stats = plain.stats()
+    with ExpertStore(spec, cache_mib=12, keep="quantized", cold=cold, read_threads=2) as store:
+        budget = store.cache_bytes
+        store.plan(0, order)
+        assert len(store._pending) == (budget // 2) // per == 2     # half the budget ahead
+        for e, w in zip(order, want, strict=True):
+            assert bytes(store.get(0, [e])[e][0].raw.numpy()) == w
+            s = store.stats()
+            assert s.resident_bytes + store._cache.in_flight <= budget
+        s = store.stats()
+        assert (s.misses, s.bytes_read, s.io_bytes) == (want_stats.misses, want_stats.bytes_read,
+                                                       want_stats.io_bytes)
+        assert s.ahead_reads == len(order) and s.wasted_bytes == 0 and s.prefetched == 0
+
+
+def test_prefetch_reads_the_guess_and_only_fetches_change_the_cache(tmp_path):
+    """prefetch(layer + 1, guess) while layer runs: right guesses become misses served by the
+    background read, wrong ones are dropped when the real plan comes (wasted_bytes), and the
+    cache holds only what was fetched: the same contents and results as without prefetch."""
+    path, spec1 = _big_expert_file(tmp_path, n_experts=8)
+    spec = {0: spec1[0], 1: spec1[0]}      # two layers over the same bytes
+    per = spec1[0][0].expert_nbytes
+
+    def run(store: ExpertStore, guess: list[int] | None) -> list[bytes]:
+        got = []
+        store.plan(0, [1, 2])
+        if guess is not None:
+            store.prefetch(1, guess)
+            wait(list(store._pending.values()))    # every guess read: the counts below are exact
+        got += [bytes(store.get(0, [e])[e][0].raw.numpy()) for e in (1, 2)]
+        store.plan(1, [3, 4, 5])
+        got += [bytes(store.get(1, [e])[e][0].raw.numpy()) for e in (3, 4, 5)]
+        return got
+
+    with ExpertStore(spec, cache_mib=64, keep="quantized") as plain:
+        want = run(plain, None)
+        want_cached = sorted(k for k in plain._cache._entries)
+    with ExpertStore(spec, cache_mib=64, keep="quantized") as store:
+        assert run(store, [4, 5, 6, 7]) == want
+        s = store.stats()
+        assert sorted(store._cache._entries) == want_cached
+        assert (s.prefetched, s.prefetch_used) == (4, 2)
+        assert s.wasted_bytes == 2 * per and s.bytes_read == 5 * per
+        assert s.io_bytes == s.bytes_read + s.wasted_bytes
+        assert not store.is_cached(1, 6) and store._cache.in_flight == 0

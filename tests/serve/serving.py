@@ -128,9 +128,9 @@ def wait_idle(url: str, key: str | None, timeout: float = 30.0) -> dict[str, flo
         time.sleep(0.05)
 
 
-def wait_active(url: str, key: str | None, timeout: float = 30.0) -> None:
+def wait_active(url: str, key: str | None, timeout: float = 30.0, want: int = 1) -> None:
     deadline = time.monotonic() + timeout
-    while metrics(url, key)["k3kit_sequences_active"] < 1:
+    while metrics(url, key)["k3kit_sequences_active"] < want:
         if time.monotonic() > deadline:
             raise AssertionError("no sequence became active")
         time.sleep(0.02)

@@ -1,10 +1,11 @@
 """`k3kit serve` driven by the real `openai` client over loopback, on the shipped mini K3.
 
 Two servers run for the module, each a `python -m k3kit serve --port 0` subprocess: plain AR
-(API key from K3KIT_API_KEY, a small body limit and queue) and one with `--draft default` (API key
-from --api-key). The references are `k3kit generate --temperature 0 --json` runs of the same
-prompts, started in parallel with the servers. Token budgets are small: the module is meant to
-take well under a minute on 2 idle cores.
+(continuous batching, `--max-batch 8`; API key from K3KIT_API_KEY, a small body limit and queue)
+and one with `--draft default` (serial speculative decoding; API key from --api-key). The
+references are `k3kit generate --temperature 0 --json` runs of the same prompts, started in
+parallel with the servers. Token budgets are small: the module is meant to take well under a
+minute on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ PROMPT = "import os"
 CHAT = "def add(a, b):"
 N = 6                   # tokens of the greedy comparisons
 MAX_QUEUE = 16
+MAX_BATCH = 8           # sequences served at once by the AR server (and rows per pass)
 MAX_BODY = 64 << 10
 
 
 @pytest.fixture(scope="module")
 def world():
     refs = start_generate([(PROMPT, N, False), (CHAT, N, True)])
-    ar = Server(["--max-queue", str(MAX_QUEUE), "--max-body-mib", str(MAX_BODY / (1 << 20))],
+    ar = Server(["--max-queue", str(MAX_QUEUE), "--max-batch", str(MAX_BATCH),
+                 "--max-body-mib", str(MAX_BODY / (1 << 20))],
                 env={"K3KIT_API_KEY": KEY})
     draft = Server(["--draft", "default", "--api-key", KEY])
     try:
@@ -191,6 +194,42 @@ def test_draft_greedy_matches_generate(world, stream):
     assert m["k3kit_speculative_passes_total"] > 0          # the draft really ran
 
 
+def test_draft_server_batches_concurrent_requests(world):
+    """With a draft, a request alone decodes speculatively; once others arrive it is handed to the
+    shared passes (its state as it stands) and the newcomers are batched. Greedy output stays the
+    reference's either way."""
+    s = world["draft"]
+    text, _, _ = expected(world, "completion", s)
+    chat_text, _, _ = expected(world, "chat", s)
+    before = metrics(s.url, KEY)
+    first = client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=60, temperature=0,
+                                         stream=True)
+    pieces = []
+    for chunk in first:                       # speculating alone until the first text arrives
+        pieces.append(chunk.choices[0].text or "")
+        if "".join(pieces):
+            break
+    messages = [{"role": "user", "content": CHAT}]
+
+    def one(i: int) -> str:
+        if i % 2:
+            r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N,
+                                                  temperature=0)
+            return r.choices[0].message.content
+        return client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=N,
+                                            temperature=0).choices[0].text
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(one, range(3)))
+        rest, _, _ = stream_text(first)
+    assert got == [text, chat_text, text]
+    assert ("".join(pieces) + rest).startswith(text)          # the first N tokens of a longer run
+    after = wait_idle(s.url, KEY)
+    assert after["k3kit_speculative_handoffs_total"] - before["k3kit_speculative_handoffs_total"] == 1
+    assert after["k3kit_speculative_passes_total"] > before["k3kit_speculative_passes_total"]
+    assert after["k3kit_sequences_active"] == 0
+
+
 def test_stop_string_cuts_the_text(world):
     s = world["ar"]
     text, _, _ = expected(world, "completion", s)
@@ -299,19 +338,22 @@ def test_body_limit_without_content_length(world):
 
 
 def test_full_queue_is_429_and_cancel_frees_everything(world):
-    """One long sequence runs, MAX_QUEUE wait, the next is refused; closing every stream (queued ones
-    and the running one) empties the server at once instead of after 400 tokens."""
+    """MAX_BATCH long sequences run, MAX_QUEUE wait, the next is refused; closing every stream (queued
+    ones and the running ones) empties the server at once instead of after 400 tokens."""
     s = world["ar"]
     c = client(s)
     before = metrics(s.url, KEY)
-    streams = [c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=400, temperature=0,
-                                    stream=True)]
+    streams = []
     try:
-        wait_active(s.url, KEY)
+        for _ in range(MAX_BATCH):
+            streams.append(c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=400,
+                                                temperature=0, stream=True))
+        wait_active(s.url, KEY, want=MAX_BATCH)
         for _ in range(MAX_QUEUE):
             streams.append(c.chat.completions.create(model=s.model_id, max_tokens=400, stream=True,
                                                      messages=[{"role": "user", "content": "x"}]))
-        assert metrics(s.url, KEY)["k3kit_queue_depth"] == MAX_QUEUE
+        m = metrics(s.url, KEY)
+        assert (m["k3kit_queue_depth"], m["k3kit_sequences_active"]) == (MAX_QUEUE, MAX_BATCH)
         with pytest.raises(openai.RateLimitError) as e:
             c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=1)
         assert e.value.status_code == 429 and e.value.code == "queue_full"
@@ -320,7 +362,7 @@ def test_full_queue_is_429_and_cancel_frees_everything(world):
             st.close()
     after = wait_idle(s.url, KEY, timeout=30)
     assert after["k3kit_requests_total{reason=\"cancelled\"}"] - \
-        before["k3kit_requests_total{reason=\"cancelled\"}"] == MAX_QUEUE + 1
+        before["k3kit_requests_total{reason=\"cancelled\"}"] == MAX_QUEUE + MAX_BATCH
     assert after["k3kit_requests_rejected_total"] - before["k3kit_requests_rejected_total"] == 1
 
 
@@ -341,17 +383,78 @@ def test_disconnect_cancels_a_non_streamed_request(world):
     assert time.monotonic() - t0 < 30
 
 
-# ---- a small load test --------------------------------------------------------------------------
+# ---- continuous batching: invariance, load --------------------------------------------------------
+
+# token-id prompts of different lengths (9 and 12 > MAX_BATCH: prefilled in chunks of 8) and budgets
+BATCH_PROMPTS = [[5, 17, 300, 41], [7] * 12, [1000, 2000, 3000], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19],
+                 [400, 401], [77] * 6, [3, 1, 4, 1, 5]]
+BATCH_BUDGETS = [10, 3, 7, 12, 4, 6, 9, 5]
+
+
+def _completion(s: Server, prompt: list[int], budget: int, delay: float, stream: bool) -> tuple:
+    """(text, finish reason, the chosen tokens' log-probs and their top-2): floats from the logits rows
+    that chose each token, so a row that changed in its last bit is seen."""
+    time.sleep(delay)
+    kw = dict(model=s.model_id, prompt=prompt, max_tokens=budget, temperature=0, logprobs=2)
+    if not stream:
+        r = client(s).completions.create(**kw)
+        c = r.choices[0]
+        return c.text, c.finish_reason, c.logprobs.token_logprobs, c.logprobs.top_logprobs
+    text, finish, lps, tops = [], None, [], []
+    for chunk in client(s).completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            text.append(c.text or "")
+            finish = c.finish_reason or finish
+            if c.logprobs is not None:
+                lps += c.logprobs.token_logprobs
+                tops += c.logprobs.top_logprobs
+    return "".join(text), finish, lps, tops
+
+
+def test_greedy_output_is_batch_invariant(world):
+    """Each request's output, log-probs included (bit for bit), is the same alone and among 1, 3 and 7
+    other requests of different lengths arriving at different times, streamed or not."""
+    s = world["ar"]
+    alone = [_completion(s, p, b, 0, False) for p, b in zip(BATCH_PROMPTS, BATCH_BUDGETS, strict=True)]
+    for others in (1, 3, 7):
+        n = others + 1
+        with cf.ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(_completion, s, BATCH_PROMPTS[i], BATCH_BUDGETS[i], 0.03 * ((5 * i) % n),
+                                   i % 2 == 1) for i in range(n)]
+            got = [f.result(timeout=120) for f in futures]
+        for i in range(n):
+            assert got[i] == alone[i], f"request {i} among {others} others differs from its run alone"
+    m = wait_idle(s.url, KEY)
+    assert m["k3kit_batch_rows_max"] == MAX_BATCH and m["k3kit_sequences_active"] == 0
+
+
+def test_seeded_sampling_repeats_when_batched(world):
+    s = world["ar"]
+    kw = dict(model=s.model_id, prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.95, seed=4321)
+    alone = client(s).completions.create(**kw).choices[0].text
+
+    def noise(i: int) -> str:
+        return _completion(s, BATCH_PROMPTS[i], BATCH_BUDGETS[i], 0, False)[0]
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(noise, i) for i in range(3)]
+        time.sleep(0.05)
+        batched = client(s).completions.create(**kw).choices[0].text
+        for f in others:
+            f.result(timeout=120)
+    assert batched == alone
+
 
 def test_load_16_clients(world):
-    """16 concurrent clients x 2 requests, mixed streamed / non-streamed, chat / completions, some
-    cancelled mid-stream: every completed response is the greedy reference, nothing is lost, and the
-    server ends with no active sequence and an empty queue."""
+    """16 concurrent clients x 4 requests, mixed streamed / non-streamed, chat / completions, some
+    cancelled mid-stream: every completed response is its greedy output alone, nothing is lost, and
+    the server ends with no sequence state held and an empty queue."""
     s = world["ar"]
     want_completion = expected(world, "completion", s)
     want_chat = expected(world, "chat", s)
     before = metrics(s.url, KEY)
-    budget = 2
+    budget = 3
+    per_client = 4
 
     def prefix(kind_want) -> str:
         _, ids, _ = kind_want
@@ -361,8 +464,8 @@ def test_load_16_clients(world):
 
     def one(i: int, j: int) -> tuple[str, str, bool]:
         c = client(s)
-        chat, streamed = (i + j) % 2 == 0, (i % 3) != 0
-        cancel = streamed and j == 1 and i % 4 == 1          # clients 1, 5 and 13 hang up mid-stream
+        cancel = j == 1 and i % 4 == 1                       # clients 1, 5, 9 and 13 hang up mid-stream
+        chat, streamed = (i + j) % 2 == 0, cancel or (i + j) % 3 != 0
         kind = "chat" if chat else "completion"
         kw = dict(model=s.model_id, max_tokens=budget if not cancel else 200, temperature=0)
 
@@ -386,17 +489,20 @@ def test_load_16_clients(world):
         return kind, text, False
 
     def client_run(i: int) -> list[tuple[str, str, bool]]:
-        return [one(i, j) for j in range(2)]
+        return [one(i, j) for j in range(per_client)]
 
     with cf.ThreadPoolExecutor(16) as pool:
         results = [r for f in [pool.submit(client_run, i) for i in range(16)] for r in f.result(timeout=300)]
-    assert len(results) == 32
+    assert len(results) == 16 * per_client
     cancelled = sum(1 for _, _, c in results if c)
-    assert cancelled >= 2
+    assert cancelled == 4
     for kind, text, was_cancelled in results:
         if not was_cancelled:
             assert text == want[kind]
-    after = wait_idle(s.url, KEY, timeout=30)
+    after = wait_idle(s.url, KEY, timeout=30)         # sequences_active is the model's open states
     finished = sum(after[k] - before[k] for k in after if k.startswith("k3kit_requests_total{"))
-    assert finished == 32                              # every request accounted for, none lost
+    assert finished == 16 * per_client                 # every request accounted for, none lost
+    assert after["k3kit_requests_total{reason=\"cancelled\"}"] - \
+        before["k3kit_requests_total{reason=\"cancelled\"}"] == cancelled
     assert after["k3kit_requests_rejected_total"] == before["k3kit_requests_rejected_total"]
+    assert after["k3kit_batch_sequences"] >= 1

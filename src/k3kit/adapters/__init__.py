@@ -30,6 +30,9 @@ from k3kit.tokenizer.codec import TextCodec
 ADAPTERS: dict[str, str] = {
     ARCH_KIMI_K3: "k3kit.adapters.kimi_k3",
     ARCH_DFLASH: "k3kit.adapters.dflash",
+    # legacy drafts (Lucebox's converter), read as dflash like the seed's llama.cpp alias does
+    "dflash-draft": "k3kit.adapters.dflash",
+    "qwen35-dflash-draft": "k3kit.adapters.dflash",
 }
 
 Loader = Callable[[GGUFSource, LoadOptions], Any]
@@ -69,6 +72,12 @@ class Loaded:
     @property
     def expert_kernel(self) -> str:
         return self.model.expert_kernel if isinstance(self.model, ExpertBacked) else "none"
+
+    @property
+    def kernels(self) -> dict[str, dict[str, str]]:
+        """{"trunk": {ggml type: kernel}, "experts": {...}} where the adapter says (else empty)."""
+        fn = getattr(self.model, "kernels", None)
+        return fn() if callable(fn) else {}
 
     def stats(self) -> ExpertStats:
         return self.model.expert_stats() if isinstance(self.model, ExpertLedger) else ExpertStats()

@@ -8,22 +8,37 @@ A draft cannot run alone: it borrows the target's token embedding and LM head an
 target's tapped hidden states, so `attach(target)` checks that the two fit (tap layers exist,
 feature widths and vocabularies agree, the mask token is in the target's vocabulary) and tells
 the target which layer inputs to capture. The draft's weights are dequantized once, like a target trunk.
+
+The draft may run on another device than the target (`--draft-device`, `place`): the target's
+tap features move to the draft's device when the context K/V is built, and everything the
+drafter hands back (block logits and hidden rows, Markov rows, confidences) moves to the
+target's device (`home`, where its embedding rows land).
+
+A legacy `dflash-draft` file (the Lucebox converter's; the seed's llama.cpp aliases the arch)
+loads as is: `legacy_view` reads it the way `k3kit draft fix` would rewrite it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
-from gguf import Keys
+from gguf import GGUFValueType, Keys
 from torch import Tensor
 
+from k3kit.convert.draft_fix import LEGACY_ARCHES, LEGACY_TENSORS, plan_fix
 from k3kit.errors import FormatError, K3Error
-from k3kit.gguf.format import ARCH_DFLASH, CONF_PROJ, FC, KEY_TARGET_LAYERS, LLM, MARKOV_W1
+from k3kit.gguf.format import ARCH_DFLASH, CONF_PROJ, FC, KEY_MASK_TOKEN_ID, KEY_TARGET_LAYERS, LLM, MARKOV_W1
+from k3kit.gguf.reader import TensorInfo
+from k3kit.gguf.rewrite import apply_kv_rules, rename_tensors
+from k3kit.gguf.shards import Model
+from k3kit.gguf.writer import kv
 from k3kit.models.dflash.config import DraftConfig
 from k3kit.models.dflash.names import BORROWED
 from k3kit.models.dflash.network import DSparkDraft
-from k3kit.runtime.loader import GGUFSource, LoadOptions
+from k3kit.runtime.loader import GGUFSource, LoadOptions, kv_value
 from k3kit.runtime.protocols import DraftBlock
 from k3kit.runtime.speculative.feature_ring import FeatureRing
 
@@ -72,6 +87,8 @@ class DSparkDrafter:
     def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256,
                  block_size: int | None = None):
         self.draft = draft
+        self.device = draft.fc.weight.device     # where the weights and the context K/V live
+        self.home = self.device                  # where what this returns goes (the target's side)
         self.chunk = chunk
         self.cfg = draft.cfg
         self.max_context = max_context
@@ -86,6 +103,12 @@ class DSparkDrafter:
         self._rows: list[tuple[_Rows, _Rows]] = []
         self._begin = self._end = 0
         self._ring_version: tuple[int, int] | None = None
+
+    def place(self, device: torch.device) -> None:
+        """Run the draft on `device`; its context K/V is rebuilt there from the ring at the next sync."""
+        self.draft.place(device)
+        self.device = device
+        self._rows, self._begin, self._end, self._ring_version = [], 0, 0, None
 
     @property
     def n_proposals(self) -> int:
@@ -122,7 +145,8 @@ class DSparkDrafter:
             self._begin = begin
         while ring.length > self._end:          # chunked: a long prompt's taps are wide
             end = min(ring.length, self._end + self.chunk)
-            new = self.draft.context_kv(ring.get(self._end, end), torch.arange(self._end, end))
+            feats = ring.get(self._end, end).to(self.device)       # the target's taps cross here
+            new = self.draft.context_kv(feats, torch.arange(self._end, end, device=self.device))
             for (k, v), (nk, nv) in zip(self._rows, new, strict=True):
                 k.append(nk)
                 v.append(nv)
@@ -131,26 +155,29 @@ class DSparkDrafter:
     @torch.no_grad()
     def draft_block(self, anchor: int, position: int) -> DraftBlock:
         b = self.block_size
-        ids = torch.full((b,), self.cfg.mask_token_id, dtype=torch.long)
+        # ids on the target's side (its embedding looks them up), positions on the draft's
+        ids = torch.full((b,), self.cfg.mask_token_id, dtype=torch.long, device=self.home)
         ids[0] = anchor
-        pos = torch.arange(position, position + b)
+        pos = torch.arange(position, position + b, device=self.device)
         hidden = self.draft(ids, pos, self.context())
         logits = self.draft.logits(hidden)
         if not self.cfg.sample_from_anchor:      # DFlash: row 0 only re-reads the anchor
             hidden, logits = hidden[1:], logits[1:]
-        return DraftBlock(logits=logits, hidden=hidden)
+        return DraftBlock(logits=logits.to(self.home), hidden=hidden.to(self.home))
 
+    # The Markov and confidence heads are the draft's own: inputs go to its device, results come home.
     @torch.no_grad()
     def markov_embed(self, prev: Tensor) -> Tensor:
-        return self.draft.markov_embed(prev)
+        return self.draft.markov_embed(prev.to(self.device)).to(self.home)
 
     @torch.no_grad()
     def markov_bias(self, w1_prev: Tensor) -> Tensor:
-        return self.draft.markov_bias(w1_prev)
+        return self.draft.markov_bias(w1_prev.to(self.device)).to(self.home)
 
     @torch.no_grad()
     def confidence(self, hidden: Tensor, w1_prev: Tensor | None) -> Tensor:
-        return self.draft.confidence(hidden, w1_prev)
+        w1 = None if w1_prev is None else w1_prev.to(self.device)
+        return self.draft.confidence(hidden.to(self.device), w1).to(self.home)
 
 
 class DraftAdapter(DSparkDrafter):
@@ -194,31 +221,85 @@ class DraftAdapter(DSparkDrafter):
         if not 0 <= self.cfg.mask_token_id < target.vocab_size:
             raise FormatError(f"{self.where}: mask token {self.cfg.mask_token_id} is outside the "
                               f"target vocabulary ({target.vocab_size})")
-        self.draft.set_target(target.embed, target.head)
+        # The target's embedding and head run where the target is (its embedding rows say where);
+        # the draft may sit on another device, so the rows cross at these two calls.
+        home = target.embed(torch.zeros(1, dtype=torch.long)).device
+        self.home = home
+        self.draft.set_target(lambda ids: target.embed(ids.to(home)), lambda h: target.head(h.to(home)))
         target.set_taps(self.tap_inputs)
 
     def close(self) -> None:
         self.source.close()
 
 
-def _vocab_size(source: GGUFSource) -> int:
+def _vocab_size(where: str, kv: dict[str, Any], tensors: dict[str, TensorInfo]) -> int:
     """From markov_w1 {r, V} (DSpark) or the tokenizer's token list (plain DFlash)."""
-    info = source.tensors.get(W1_WEIGHT)
+    info = tensors.get(W1_WEIGHT)
     if info is not None:
         return int(info.shape[1])
-    tokens = source.kv.get(Keys.Tokenizer.LIST)
+    tokens = kv.get(Keys.Tokenizer.LIST)
     if tokens is not None:
         return len(tokens)
-    raise FormatError(f"{source.where}: no markov_w1 tensor and no tokenizer.ggml.tokens: "
+    raise FormatError(f"{where}: no markov_w1 tensor and no tokenizer.ggml.tokens: "
                       "cannot tell the draft's vocabulary size")
 
 
+def _legacy_vocab(source: GGUFSource) -> int:
+    """A legacy draft's vocabulary: its Markov table's width, else its vocab_size key or token list."""
+    for old, new in LEGACY_TENSORS.items():
+        if new == W1_WEIGHT and old in source.tensors:
+            return int(source.tensors[old].shape[1])
+    n = source.kv.get(f"{source.arch}.vocab_size")
+    if isinstance(n, int) and n > 0:
+        return n
+    if source.kv.get(Keys.Tokenizer.LIST):
+        return len(source.kv[Keys.Tokenizer.LIST])
+    raise FormatError(f"{source.where}: legacy draft without a Markov table or {source.arch}.vocab_size: "
+                      "cannot tell its vocabulary size (fix it with `k3kit draft fix`, which takes the "
+                      "target's tokenizer)")
+
+
+def legacy_view(source: GGUFSource) -> tuple[dict[str, Any], dict[str, str]]:
+    """A legacy `dflash-draft` file read as the dflash file `k3kit draft fix` makes of it:
+    -> (its KVs as plain values, dflash tensor name -> the name stored in the file).
+
+    The same plan as the fixer (k3kit.convert.draft_fix), so the two cannot disagree: arch
+    `dflash`, legacy keys moved (the mask id from `dflash-draft.dflash.mask_token_id`), tensors
+    renamed. The fixer copies the target's tokenizer in; loading needs only its size, since the
+    session encodes and decodes with the target's own codec, so a vocabulary-sized stand-in does.
+    """
+    vocab = _legacy_vocab(source)
+    tokenizer = {Keys.Tokenizer.MODEL: kv(Keys.Tokenizer.MODEL, GGUFValueType.STRING, "none"),
+                 Keys.Tokenizer.LIST: kv(Keys.Tokenizer.LIST, GGUFValueType.ARRAY, [""] * vocab,
+                                         GGUFValueType.STRING)}
+    stand_in = SimpleNamespace(kv=tokenizer, paths=[source.path])
+    path = Path(source.where)
+    rules, _ = plan_fix(path, source.model, cast(Model, stand_in))
+    kvs = apply_kv_rules(path, source.model.kv, rules)
+    renames = rename_tensors(path, list(source.tensors), rules)
+    return {k: kv_value(v) for k, v in kvs.items()}, {new: old for old, new in renames.items()}
+
+
+def is_legacy(source: GGUFSource) -> bool:
+    """A legacy arch, or the seed's half-fixed state: arch `dflash` with the mask id still under a
+    legacy key and no tokenizer.ggml.mask_token_id."""
+    if source.arch in LEGACY_ARCHES:
+        return True
+    return KEY_MASK_TOKEN_ID not in source.kv and any(
+        k in source.kv for k in (f"{ARCH_DFLASH}.mask_token_id", f"{ARCH_DFLASH}.dflash.mask_token_id"))
+
+
 def load(source: GGUFSource, options: LoadOptions) -> DraftAdapter:
-    """The registry entry: config from the KVs and tensor shapes, weights dequantized once."""
-    t = source.tensors
+    """The registry entry: config from the KVs and tensor shapes, weights dequantized once.
+    A legacy `dflash-draft` file is read through `legacy_view`, its bytes as stored."""
+    if is_legacy(source):
+        kvs, stored = legacy_view(source)
+    else:
+        kvs, stored = source.kv, {n: n for n in source.tensors}
+    t = {n: source.tensors[old] for n, old in stored.items()}
     if FC_WEIGHT not in t:
         raise FormatError(f"{source.where}: no {FC_WEIGHT}: not a DFlash/DSpark draft")
-    n_taps = len(source.kv.get(TARGET_LAYERS) or ())
+    n_taps = len(kvs.get(TARGET_LAYERS) or ())
     if n_taps == 0:
         raise FormatError(f"{source.where}: {TARGET_LAYERS} is missing or empty")
     fc_in = int(t[FC_WEIGHT].shape[0])            # ggml order: {n_taps * H_target, H}
@@ -226,18 +307,19 @@ def load(source: GGUFSource, options: LoadOptions) -> DraftAdapter:
         raise FormatError(f"{source.where}: {FC_WEIGHT} input width {fc_in} is not a multiple of "
                           f"{n_taps} taps")
     w1, conf = t.get(W1_WEIGHT), t.get(CONF_WEIGHT)
-    hidden = int(source.kv.get(LLM.EMBEDDING_LENGTH.format(arch=ARCH_DFLASH)) or 0)
+    hidden = int(kvs.get(LLM.EMBEDDING_LENGTH.format(arch=ARCH_DFLASH)) or 0)
     cfg = DraftConfig.from_gguf_kv(
-        source.kv, vocab_size=_vocab_size(source), markov_rank=int(w1.shape[0]) if w1 is not None else 0,
+        kvs, vocab_size=_vocab_size(source.where, kvs, t),
+        markov_rank=int(w1.shape[0]) if w1 is not None else 0,
         target_hidden_size=fc_in // n_taps, source=source.where,
         confidence_with_markov=conf is None or int(conf.shape[0]) != hidden)
     draft = DSparkDraft(cfg)
     names = set(t) - BORROWED
-    draft.load_gguf_tensors({n: source.tensor(n, torch.float32) for n in names}, source.where)
+    draft.load_gguf_tensors({n: source.tensor(stored[n], torch.float32) for n in names}, source.where)
     draft.eval()
     if options.dtype != torch.float32:
         draft.to(options.dtype)
     dev = options.devices[0]
     if dev.type != "cpu":
-        draft.to(dev)
+        draft.place(dev)
     return DraftAdapter(source, draft)

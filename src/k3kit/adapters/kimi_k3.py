@@ -31,13 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-from torch import Tensor
+from gguf import GGMLQuantizationType
+from torch import Tensor, nn
 
-from k3kit.kernels.qmatmul import native_simd
+from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, native_max_rows, native_simd
 from k3kit.layers.moe import ExpertWeights
-from k3kit.layers.quantized_linear import quantized_modules
+from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
 from k3kit.models.kimi_k3.gguf_load import (
     build_trunk,
@@ -46,9 +48,18 @@ from k3kit.models.kimi_k3.gguf_load import (
     ggml_input_kinds,
 )
 from k3kit.models.kimi_k3.model import Captured, K3Model, commit_rows
+from k3kit.models.kimi_k3.moe import set_expert_prefetch
 from k3kit.models.kimi_k3.state import K3State, KDAState
 from k3kit.runtime.experts import ExpertStats, ExpertStore
-from k3kit.runtime.loader import GGUFSource, LoadOptions, check_trunk, expert_keep, layer_devices
+from k3kit.runtime.loader import (
+    GGUFSource,
+    LoadOptions,
+    check_arith,
+    check_trunk,
+    expert_keep,
+    expert_prefetch,
+    layer_devices,
+)
 from k3kit.runtime.protocols import MemoryFigures, RoutedExperts, VerifyOutput
 from k3kit.runtime.row_linear import use_row_linear
 from k3kit.runtime.speculative.schedule import ExpertLayer, verify_seconds
@@ -64,6 +75,9 @@ class StoreExperts:
 
     def plan(self, layer: int, experts: list[int]) -> None:
         self.store.plan(layer, experts)      # the store reads each planned miss one expert ahead
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.store.prefetch(layer, experts)  # a guess: read in the background, cached only if asked
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         weights = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
@@ -115,6 +129,9 @@ class K3Adapter:
         self._cost_geometry: tuple | None = None   # cost(): per-layer expert geometry, once
         self._cost_cached: tuple | None = None     # cost(): cached-expert counts per cache state
         self._pending: _Pending | None = None
+        self._seqs: dict[int, K3State] = {}       # open_sequence's states, by handle
+        self._next_seq = 1
+        self._invariant_rows: int | None = None
         if len(set(self.layer_dev)) > 1:
             _install_layer_split(model, self.layer_dev)
         self.state = self.new_state()
@@ -230,6 +247,88 @@ class K3Adapter:
     def rollback(self) -> None:
         self.commit(0)
 
+    # -- several sequences (runtime.protocols.BatchedModel) --------------------------------------
+    # Each open sequence holds its own K3State (MLA latents, KDA recurrent + conv state); the
+    # single-sequence API above keeps using `self.state` and never touches these.
+    def open_sequence(self) -> int:
+        """A new empty sequence; its handle for forward_batch / close_sequence."""
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = self.new_state()
+        return sid
+
+    def close_sequence(self, seq: int) -> None:
+        """Free a sequence's state (unknown handles are ignored: closing twice is harmless)."""
+        self._seqs.pop(seq, None)
+
+    @property
+    def sequences(self) -> int:
+        return len(self._seqs)
+
+    def adopt_sequence(self) -> int:
+        """The single-sequence state (forward/verify/commit's) becomes an open sequence, as it
+        stands; the single-sequence API starts over empty. A server hands a request that began
+        speculatively (alone) over to batched passes this way when others arrive. Any pending
+        verify is dropped first (its rows were never committed)."""
+        for c in self.state.mla_caches():
+            c.truncate(self.state.pos)
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = self.state
+        self.reset()
+        return sid
+
+    def sequence_position(self, seq: int) -> int:
+        return self._state_of(seq).pos
+
+    def _state_of(self, seq: int) -> K3State:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise ValueError(f"no open sequence {seq}") from None
+
+    @property
+    def batch_invariant_rows(self) -> int:
+        """Rows per pass up to which each row's logits do not depend on the other rows (0: not
+        guaranteed at any count): the least of every trunk matrix's `invariant_rows` (the native
+        kernel's row limit; beyond it a product is dequantize + torch GEMM, whose per-row sums
+        depend on the row count) and, with a quantized expert cache, the experts' native limits.
+        A float trunk (nn.Linear) or float experts multiply through torch's GEMM: no guarantee.
+        The rest of a batched pass is row-invariant by construction (model.forward_batch)."""
+        if self._invariant_rows is None:
+            limits = []
+            for m in quantized_modules(self.model):
+                if isinstance(m, QuantizedLinear):
+                    limits.append(int(m.invariant_rows))
+            # a float Linear left in the row-wise part (MLA's kv_b is only read per sequence)
+            if any(isinstance(m, nn.Linear) and not name.endswith("kv_b_proj")
+                   for name, m in self.model.named_modules()):
+                limits.append(0)
+            if self.store.keep != "quantized":
+                limits.append(0)
+            else:
+                limits += [native_max_rows(t.ggml_type, self.dtype)
+                           for ts in self.store.layers.values() for t in ts]
+            self._invariant_rows = max(min(limits, default=0), 0)
+        return self._invariant_rows
+
+    @torch.no_grad()
+    def forward_batch(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Tensor:
+        """Run (sequence, token ids) entries in one pass, each committed to its sequence; float32
+        logits [len(rows), V] of each entry's last row. A sequence appears at most once."""
+        seqs = [sid for sid, _ in rows]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("a sequence appears twice in one pass")
+        segments = []
+        for sid, ids in rows:
+            state = self._state_of(sid)
+            t = self._ids(ids)[0]
+            if state.pos + t.numel() > self.context_length:
+                raise ValueError(f"sequence {sid}: {state.pos + t.numel()} positions exceed the context "
+                                 f"({self.context_length})")
+            segments.append((t, state))
+        return self.model.forward_batch(segments, experts=self.experts).float()
+
     # -- for the scheduler and the draft ---------------------------------------------------
     def cost(self, n_rows: int) -> float:
         """Estimated seconds of one verify pass of n rows (runtime.speculative.schedule's
@@ -291,6 +390,32 @@ class K3Adapter:
         """'native-avx512' (quantized cache, native kernel and its vector path) or 'torch'."""
         return f"native-{native_simd()}" if self.store.keep == "quantized" else "torch"
 
+    def kernels(self) -> dict[str, dict[str, str]]:
+        """Which kernel multiplies each ggml type, for the trunk and for the routed experts
+        (`generate --stats/--json`): what a user needs to see that a type has no fast path."""
+        trunk: dict[str, str] = {}
+        for m in quantized_modules(self.model):
+            name = m.qtype.name
+            if isinstance(m, QuantizedEmbedding):
+                trunk.setdefault(name, "row gather (looked-up rows dequantized)")
+            elif m.dense is not None:
+                trunk[name] = "torch (float weights as stored)"
+            elif m.matrix is not None and m.matrix.native:
+                trunk[name] = f"native-{native_simd()} {m.matrix.arith}"
+            else:
+                trunk[name] = "dequantize per product + torch GEMM"
+        if not trunk:
+            trunk["all"] = f"torch ({self.options.dtype}, dequantized at load)"
+        experts: dict[str, str] = {}
+        for tensors in self.store.layers.values():
+            for t in tensors:
+                qt = GGMLQuantizationType(t.ggml_type)
+                if self.store.keep == "quantized" and qt in NATIVE_TYPES:
+                    experts[qt.name] = f"native-{native_simd()} {self.store.arith or DEFAULT_ARITH}"
+                else:
+                    experts[qt.name] = "torch (dequantized on a miss)"
+        return {"trunk": trunk, "experts": experts}
+
     def memory(self) -> MemoryFigures:
         store, s = self.store, self.store.stats()
         experts = tuple(RoutedExperts(il, store.n_experts(il), store.expert_nbytes(il),
@@ -328,6 +453,48 @@ def _install_layer_split(model: K3Model, layer_dev: Sequence[torch.device]) -> N
     model.lm_head.register_forward_pre_hook(to_dev(layer_dev[-1]))
 
 
+class _TrunkBytes:
+    """The `raw` getter of a quantized trunk. On the CPU: a view of the mapped file, resident
+    as the first products touch it and checked then (`check_on_first_use`). For a tensor placed
+    on another device (CUDA): its bytes read once, checked (they are in RAM anyway) and copied
+    to that device, one tensor at a time, so host memory holds at most one tensor's bytes."""
+
+    def __init__(self, source: GGUFSource, layer_dev: Sequence[torch.device]):
+        self.source, self.layer_dev = source, list(layer_dev)
+        self.mapped: dict[int, str] = {}       # data_ptr of a mapped view -> its tensor name
+
+    def device_of(self, name: str) -> torch.device:
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+            return self.layer_dev[int(parts[1])]
+        return self.layer_dev[0] if name.startswith("token_embd") else self.layer_dev[-1]
+
+    def __call__(self, name: str) -> Tensor:
+        dev = self.device_of(name)
+        if dev.type != "cpu":
+            host = self.source.raw(name, copy=True)
+            self.source.check_finite(name, host)
+            return host.to(dev)
+        t = self.source.raw(name)
+        self.mapped[t.data_ptr()] = name
+        return t
+
+    def check_on_first_use(self, model: nn.Module) -> None:
+        """Give every quantized layer over a mapped view its corruption check: a QuantizedLinear
+        scans its tensor's scale bytes before its first product (which reads every page anyway,
+        so the 60 GB K3 trunk is not read a second time at load); an embedding checks the rows
+        it looks up. Both raise a one-line CorruptBlockError naming file, tensor and block."""
+        for m in quantized_modules(model):
+            raw = m.raw if isinstance(m, QuantizedLinear) else m.rows
+            name = self.mapped.get(raw.data_ptr()) if raw.device.type == "cpu" else None
+            if name is None:
+                continue                  # on a device: checked when it was read
+            if isinstance(m, QuantizedLinear):
+                m.check = partial(self.source.check_finite, name)
+            else:
+                m.corrupt_row = partial(self.source.check_row_finite, name)
+
+
 def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
     """The registry entry (k3kit.adapters.ADAPTERS): build the trunk and the expert store from
     an open GGUF. The adapter owns `source` from then on (its close() closes it)."""
@@ -339,7 +506,11 @@ def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
         layer_dev_params = [devices[0]] * cfg.num_layers
     else:
         layer_dev_params = layer_dev
-    model = build_trunk(source, cfg, options.dtype, layer_dev_params, raw=source.raw if quantized else None)
+    trunk_bytes = _TrunkBytes(source, layer_dev) if quantized else None
+    arith = check_arith(options.arith)
+    model = build_trunk(source, cfg, options.dtype, layer_dev_params, raw=trunk_bytes, arith=arith)
+    if trunk_bytes is not None:
+        trunk_bytes.check_on_first_use(model)
     if len(devices) > 1:     # move each layer's attention and FFN weights to its device
         for il, layer in enumerate(model.layers):
             layer.attn.to(layer_dev[il])
@@ -350,5 +521,6 @@ def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
     use_row_linear(model)     # decode rows as matrix-vector products (bf16/f16 only)
     store = source.expert_store(expert_tensor_names(cfg), cache_mib=options.expert_cache_mib,
                                 dtype=options.dtype, device=devices[0], cold=options.cold,
-                                keep=expert_keep(options.expert_kernel, devices))
+                                keep=expert_keep(options.expert_kernel, devices), arith=arith)
+    set_expert_prefetch(model.modules(), expert_prefetch(options.expert_prefetch, store))
     return K3Adapter(source, cfg, model, store, options, layer_dev)

@@ -46,22 +46,34 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="native: cache experts as their quantized bytes and multiply them "
                         "directly (CPU); torch: dequantize each miss to the compute dtype; "
                         "auto: native when built (auto)")
+    parser.add_argument("--expert-prefetch", default="auto", choices=("auto", "on", "off"),
+                        help="each MoE layer guesses the next layer's experts and starts reading them "
+                        "early; auto: on when the expert cache cannot hold every expert (auto)")
     parser.add_argument("--device", default="cpu", metavar="D",
                         help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
     parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
-                        help="compute dtype (f32): activations, and the weights a float trunk or a "
-                        "torch expert kernel dequantizes to")
-    parser.add_argument("--trunk", default="float", choices=("float", "quantized"),
-                        help="float: dequantize the trunk matrices to --dtype at load; quantized: keep "
-                        "them as the file's bytes (mapped) and multiply them directly, CPU only (float)")
+                        help="compute dtype (f32): activations, and what quantized weights are "
+                        "dequantized to where a product needs them whole (prefill GEMM, CUDA, "
+                        "--trunk float, --expert-kernel torch)")
+    parser.add_argument("--trunk", default="quantized", choices=("quantized", "float"),
+                        help="quantized: keep the trunk matrices as the file's bytes (mapped) and "
+                        "multiply them from those (quantized); float: dequantize them to --dtype at load")
+    parser.add_argument("--arith", default="float", choices=("float", "ggml"),
+                        help="products on quantized bytes: float (float32 activations; exact to "
+                        "float32 rounding) or ggml (activations rounded to int8 blocks as llama.cpp "
+                        "does: faster on the CPU, closest to llama.cpp's numbers) (float)")
     parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
+    parser.add_argument("--pin-experts", metavar="PROFILE.json", default=None,
+                        help="keep the experts a routing profile (`k3kit bench --profile-experts`) picks "
+                        "most often resident, within --expert-cache-mib")
 
 
 def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding: a DFlash/DSpark draft proposes, the model verifies."""
     g = parser.add_argument_group("speculative decoding (DSpark / DFlash draft)")
-    g.add_argument("--draft", metavar="DRAFT", help="draft GGUF (dflash architecture), or 'default' for "
-                   "the shipped mini drafter (`k3kit mini path --draft`)")
+    g.add_argument("--draft", metavar="DRAFT", help="draft GGUF (dflash architecture, or a legacy "
+                   "dflash-draft file as is), or 'default' for the shipped mini drafter "
+                   "(`k3kit mini path --draft`)")
     g.add_argument("--block-size", type=int, default=None, metavar="K",
                    help="draft block (proposals per pass); default: the draft's trained block")
     g.add_argument("--verify-budget", default="auto", metavar="auto|N",
@@ -71,6 +83,9 @@ def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
                    help="drop proposals from the first one whose confidence is below C (0 = off)")
     g.add_argument("--feature-ring", default="f16", choices=("f32", "f16", "bf16", "q8"),
                    help="storage of the target features the draft reads (f16)")
+    g.add_argument("--draft-device", default=None, metavar="D",
+                   help="run the draft on D (cpu, cuda, cuda:N) apart from the target; its features "
+                   "cross devices each pass (default: the target's first device)")
 
 
 def default_model() -> Path:
@@ -85,6 +100,28 @@ def default_model() -> Path:
         raise K3Error(f"{path}: no MODEL given and the shipped mini model is not built yet; "
                       "pass a GGUF path")
     return path
+
+
+def pin_profile(model: Path, args: argparse.Namespace):
+    """--pin-experts: the profile's per-layer probabilities, checked against MODEL's headers
+    (before loading: a profile for another model is a one-line error that costs nothing)."""
+    if getattr(args, "pin_experts", None) is None:
+        return None
+    from k3kit.plan.facts import open_model, read_facts
+    from k3kit.plan.profile import load_profile
+    with open_model(model) as m:
+        return load_profile(args.pin_experts, read_facts(m)).probs
+
+
+def pin_experts(target, probs, args: argparse.Namespace) -> None:
+    """Pin the profile's hottest experts in the loaded target's expert store (frequency placement)."""
+    if probs is None:
+        return
+    from k3kit.runtime.experts.pinning import pin
+    store = getattr(target.model, "store", None)
+    if store is None:
+        raise K3Error(f"{target.path}: --pin-experts: this model has no expert store")
+    pin(store, probs, str(args.pin_experts))
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -112,7 +149,8 @@ def check_draft_args(args: argparse.Namespace) -> None:
     if args.draft is None:
         for flag, value, default in (("--block-size", args.block_size, None),
                                      ("--verify-budget", args.verify_budget, "auto"),
-                                     ("--confidence-threshold", args.confidence_threshold, 0.0)):
+                                     ("--confidence-threshold", args.confidence_threshold, 0.0),
+                                     ("--draft-device", args.draft_device, None)):
             if value != default:
                 raise K3Error(f"{flag} needs --draft")
         return
@@ -163,11 +201,15 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model()
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=args.expert_cache_mib, cold=bool(args.cold),
-                          expert_kernel=args.expert_kernel, trunk=args.trunk)
+                          expert_kernel=args.expert_kernel, trunk=args.trunk,
+                          expert_prefetch=args.expert_prefetch, arith=args.arith)
     if args.threads:
         torch.set_num_threads(args.threads)
-    session = open_session(path, options, draft=draft_path(args), block_size=args.block_size)
+    pins = pin_profile(path, args)
+    session = open_session(path, options, draft=draft_path(args), block_size=args.block_size,
+                           draft_device=args.draft_device)
     try:
+        pin_experts(session.target, pins, args)
         codec = session.codec
         if args.chat:
             text = codec.chat_prompt(text)
@@ -181,13 +223,14 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
 
-        torch.set_grad_enabled(False)
-        result = generate(session.model, ids, max_tokens=args.max_tokens, sampling=sampling,
-                          stop_ids=codec.stop_ids(), prefill_chunk=args.prefill_chunk, on_token=on_token,
-                          step=decode_step(args, session.draft_model, codec.stop_ids()),
-                          detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
+        with torch.no_grad():     # not set_grad_enabled(False): `main` may run inside another program
+            result = generate(session.model, ids, max_tokens=args.max_tokens, sampling=sampling,
+                              stop_ids=codec.stop_ids(), prefill_chunk=args.prefill_chunk, on_token=on_token,
+                              step=decode_step(args, session.draft_model, codec.stop_ids()),
+                              detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
         session.target.check()
         memory, kernel = session.target.memory(), session.target.expert_kernel
+        kernels = session.target.kernels
     finally:
         session.close()
 
@@ -197,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
                 "payload_bytes", "payload_bytes_per_token", "peak_rss_bytes")
         d["stats"] = {k: d["stats"][k] for k in keep} | {
             k: v for k, v in d["stats"].items() if k not in keep} | {
-            "expert_kernel": kernel, "trunk": memory.trunk, "trunk_bytes": memory.trunk_bytes}
+            "expert_kernel": kernel, "trunk": memory.trunk, "trunk_bytes": memory.trunk_bytes,
+            "kernels": kernels}
         print(json.dumps(d))
         return 0
     sys.stdout.write(stream.flush() + "\n")
@@ -211,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
               f"({s.expert_hits} hits, {s.expert_misses} misses); "
               f"payload {s.payload_bytes / mib:.2f} MiB total, "
               f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
+        for part, by_type in kernels.items():
+            print(f"kernels ({part}): " + "; ".join(f"{t} {k}" for t, k in by_type.items()), file=sys.stderr)
         print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {memory.trunk_bytes / mib:.1f} MiB "
               f"{memory.trunk}, "
               f"expert cache {memory.expert_cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)",

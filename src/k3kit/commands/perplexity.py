@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3kit.adapters import load_model
+    from k3kit.commands.generate import pin_experts, pin_profile
     from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.runtime.perplexity import LlamaBase, evaluate, open_base, plan_chunks
     from k3kit.runtime.protocols import CausalModel
@@ -87,12 +88,15 @@ def run(args: argparse.Namespace) -> int:
         raise K3Error(f"{args.save_logits}: --save-logits would overwrite --kl-base")
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
-                          trunk=args.trunk, ggml_parity=bool(args.ggml_parity))
+                          trunk=args.trunk, ggml_parity=bool(args.ggml_parity),
+                          expert_prefetch=args.expert_prefetch, arith=args.arith)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model)
+    pins = pin_profile(path, args)
     loaded = load_model(path, options)
     try:
+        pin_experts(loaded, pins, args)
         model, codec = loaded.model, loaded.codec
         if not isinstance(model, CausalModel):
             raise K3Error(f"{path}: architecture {loaded.architecture!r} is not a causal language model")

@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", default=None,
                         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}, else none)")
     parser.add_argument("--max-batch", type=int, default=256, metavar="N",
-                        help="rows per target pass (256); this release runs one sequence at a time, "
-                        "so N is the prefill chunk")
+                        help="rows per target pass and sequences served at once (256); prompts are "
+                        "prefilled in chunks of N rows. With --draft a request alone decodes "
+                        "speculatively and joins the shared passes when others arrive")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests that may wait for the model; one more is answered 429 (64)")
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
@@ -62,7 +63,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3kit.adapters.session import open_session
-    from k3kit.commands.generate import check_draft_args, decode_step, default_model, draft_path
+    from k3kit.commands.generate import (
+        check_draft_args,
+        decode_step,
+        default_model,
+        draft_path,
+        pin_experts,
+        pin_profile,
+    )
     from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.serve.server import ServeConfig, serve
 
@@ -72,14 +80,18 @@ def run(args: argparse.Namespace) -> int:
     draft = draft_path(args)
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
-                          trunk=args.trunk)
+                          trunk=args.trunk, expert_prefetch=args.expert_prefetch,
+                          arith=args.arith)
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    pins = pin_profile(path, args)
 
     def load():
-        session = open_session(path, options, draft=draft, block_size=args.block_size)
+        session = open_session(path, options, draft=draft, block_size=args.block_size,
+                               draft_device=args.draft_device)
         try:
+            pin_experts(session.target, pins, args)
             return session, decode_step(args, session.draft_model, session.codec.stop_ids())
         except BaseException:
             session.close()

@@ -39,16 +39,18 @@
  * dequantize + GEMM path.
  *
  * Paths: AVX-512F, AVX2+FMA+F16C and scalar C, chosen at run time by what the CPU has (the
- * scalar path is the reference and the fallback on other CPUs). AVX-512 VNNI is not used: it
- * multiplies int8 by int8, and the activations here stay float32 (quantizing them to int8, as
- * ggml's CPU backend does, would break the float32 agreement above). A call may split its
- * output columns over OpenMP threads (the caller passes torch's thread count).
+ * scalar path is the reference and the fallback on other CPUs). These float products do not
+ * use AVX-512 VNNI: it multiplies int8 by int8. matmul_q8 ("int8 activations" below) is the
+ * other arithmetic, ggml's own: x rounded to int8 blocks first, then VNNI integer products,
+ * with its own contract. A call may split its output columns over OpenMP threads (the caller
+ * passes torch's thread count).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "ggml blocks are little-endian and are read in place"
@@ -1026,6 +1028,722 @@ DEFINE_TYPE(IQ1_S, iq1_s, 0)
 DEFINE_TYPE(IQ1_M, iq1_m, 0)
 DEFINE_TYPE(MXFP4, mxfp4, 0)
 
+/* ==== int8 activations: ggml's own arithmetic (the "ggml" mode) ================================
+ * ggml's CPU backend does not multiply quantized weights by float activations: it first rounds
+ * each row of x to 8-bit blocks (Q8_0, 32 values and an f16 scale, for Q8_0 and MXFP4 weights;
+ * Q8_K, 256 values and a float scale, for the K-quants and IQ types) and then takes integer dot
+ * products of the weights' integer values with those bytes, scaling each block's integer sum.
+ * Integer products run ~4x the float32 FMA rate (AVX512-VNNI vpdpbusd: 64 byte products per
+ * instruction), which is what makes llama.cpp's prefill fast; and reproducing the rounding of x
+ * is what brings k3kit's logits to llama.cpp's. This section does the same, with its own exact
+ * contract (tests/kernels/test_qmatmul_int8.py):
+ *
+ * - quantize_q8_0 / quantize_q8_k give ggml's bytes bit for bit: quantize_row_q8_0_ref (variant
+ *   0, round half away from zero, id = 1 / d) or ggml-cpu's x86 quantize_row_q8_0 (variant 1,
+ *   what llama.cpp runs on an AVX CPU: id = 127 / amax, round half to even), and
+ *   quantize_row_q8_K_ref (which ggml-cpu's x86 build also runs).
+ * - A product is laid out in lanes: lane = one scale's run of values (G = 32, or 16 for the
+ *   types with a scale per 16 values), 16 lanes a group. Per (row of x, row of W) pair and lane:
+ *   S = the exact integer dot product of W's integer values q (as the float decoders unpack them)
+ *   with x's bytes; then f = fl(S * ws) with ws the lane's float weight scale (exactly the scale
+ *   the float decoders multiply q by), acc = fma(f, dx, acc) with dx the lane's activation scale,
+ *   and for the types with a min, acc = fma(-mn, fl(dx * X), acc) with X the lane's byte sum.
+ *   Groups in order; at the end the 16 lane accumulators are summed in a fixed tree
+ *   (i + 8, then + 4, + 2, + 1). Every path (scalar, AVX2, AVX512-VNNI) does exactly these float
+ *   operations, so the paths give the same bits, and a pair's result depends on nothing else:
+ *   not the number of rows, not the thread count. It agrees with the float64 product of the
+ *   dequantized W and the dequantized q8 activations to the float32 rounding bound.
+ * - The vector paths keep W in panels (as the float path's many-row driver) whose bytes are
+ *   transposed so that one 64-byte vector holds 4 consecutive values of each of 16 lanes: 8 (or
+ *   4) vpdpbusd make a group's 16 integer sums with no horizontal adds, and the float work is 3-4
+ *   operations per group per pair. x is laid out the same way once per call. VNNI multiplies
+ *   unsigned by signed bytes, so the VNNI panels hold q + 128 and each integer sum starts at
+ *   -128 X; AVX2's maddubs would saturate on that, so it multiplies |q| by x carrying q's sign.
+ */
+
+#define I8_LANES 16
+#define I8_KC 2048                       /* panel values per W row: a multiple of 512 */
+#define I8_NP 32                         /* W rows per panel */
+#define I8_MB 64                         /* x rows whose accumulators are kept at once */
+#define I8_GMAX (I8_KC / 256)            /* groups per panel row at most (G = 16: 256 values) */
+#define I8_SCRATCH_BYTES ((int64_t)I8_NP * I8_KC + (int64_t)I8_NP * I8_GMAX * I8_LANES * 8 + \
+                          (int64_t)I8_NP * I8_MB * I8_LANES * 4 + 64)
+
+/* float -> IEEE half, to nearest even (GGML_FP32_TO_FP16 and F16C agree on finite values). */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00 | ((ax >> 13) & 0x3FF));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);     /* >= 65520 rounds to inf */
+    if (ax >= 0x38800000u) {                                      /* a normal half */
+        const uint32_t r = ax + 0x0FFFu + ((ax >> 13) & 1u);
+        return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+    }
+    const int e = (int)(ax >> 23);
+    if (e < 102) return (uint16_t)sign;
+    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    const int shift = 126 - e;
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+}
+
+/* ggml's nearest_int: to nearest even for |v| < 2^22, by the float magic constant. */
+static inline int nearest_int(float v) {
+    const float t = v + 12582912.f;
+    int32_t i;
+    memcpy(&i, &t, 4);
+    return (i & 0x007FFFFF) - 0x00400000;
+}
+
+#define Q8_K_BYTES 292   /* float d, int8 qs[256], int16 bsums[16] */
+
+static void quantize_q8_0_row(const float *x, int64_t k, uint8_t *out, int variant) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        uint8_t *yb = out + 34 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            const float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const uint16_t h = f32_to_f16(d);
+        memcpy(yb, &h, 2);
+        if (variant == 0) {
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int j = 0; j < 32; j++) yb[2 + j] = (uint8_t)(int8_t)roundf(xb[j] * id);
+        } else {
+            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                float v = rintf(xb[j] * id);
+                v = v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v;
+                yb[2 + j] = (uint8_t)(int8_t)v;
+            }
+        }
+    }
+}
+
+static void quantize_q8_k_row(const float *x, int64_t k, uint8_t *out) {
+    for (int64_t b = 0; b < k / 256; b++) {
+        const float *xb = x + 256 * b;
+        uint8_t *yb = out + Q8_K_BYTES * b;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 256; j++) {
+            const float a = fabsf(xb[j]);
+            if (a > amax) {
+                amax = a;
+                max = xb[j];
+            }
+        }
+        int8_t qs[256];
+        int16_t bs[16];
+        float d = 0.0f;
+        if (amax == 0.0f) {
+            memset(qs, 0, sizeof qs);
+        } else {
+            const float iscale = -127.0f / max;
+            for (int j = 0; j < 256; j++) {
+                const int v = nearest_int(iscale * xb[j]);
+                qs[j] = (int8_t)(v < 127 ? v : 127);
+            }
+            d = 1.0f / iscale;
+        }
+        for (int j = 0; j < 16; j++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qs[16 * j + i];
+            bs[j] = (int16_t)s;
+        }
+        memcpy(yb, &d, 4);
+        memcpy(yb + 4, qs, 256);
+        memcpy(yb + 260, bs, 32);
+    }
+}
+
+/* The natural-order value index (within its group) of lane p's first value. */
+static inline int lane_start(int G, int p) { return G == 32 ? 32 * p : 32 * (p & 7) + 16 * (p >> 3); }
+
+/* x laid out for the products: per row, ngroups groups of 16 G bytes (transposed: byte
+ * c * 64 + 4 p + e of a group is value 4 c + e of lane p), per lane dx, fl(dx * X) and -128 X. */
+typedef struct {
+    int8_t *q, *xn;        /* transposed (panels) and natural order (direct path), same row stride */
+    float *dx, *dxs;
+    int32_t *corr;
+    int64_t ngroups, gv;   /* groups per row, values per group */
+} xlane_t;
+
+/* Quantize row r of x as the weight type's activation type wants and lay it out. */
+static void prepare_x_row(const float *x, int64_t k, int act_q8k, int variant, int G, uint8_t *qbuf,
+                          const xlane_t *xl, int64_t r) {
+    if (act_q8k) quantize_q8_k_row(x, k, qbuf);
+    else quantize_q8_0_row(x, k, qbuf, variant);
+    const int64_t gv = xl->gv;
+    int8_t *q = xl->q + r * xl->ngroups * gv, *xn = xl->xn + r * xl->ngroups * gv;
+    float *dx = xl->dx + r * xl->ngroups * I8_LANES, *dxs = xl->dxs + r * xl->ngroups * I8_LANES;
+    int32_t *corr = xl->corr + r * xl->ngroups * I8_LANES;
+    for (int64_t g = 0; g < xl->ngroups; g++)
+        for (int p = 0; p < I8_LANES; p++) {
+            const int64_t v0 = g * gv + lane_start(G, p);
+            int sum = 0;
+            float d = 0.0f;
+            if (v0 < k) {
+                const uint8_t *src;
+                if (act_q8k) {
+                    memcpy(&d, qbuf + (v0 / 256) * Q8_K_BYTES, 4);
+                    src = qbuf + (v0 / 256) * Q8_K_BYTES + 4 + v0 % 256;
+                } else {
+                    d = f16(rd16(qbuf + (v0 / 32) * 34));
+                    src = qbuf + (v0 / 32) * 34 + 2 + v0 % 32;
+                }
+                for (int c = 0; c < G / 4; c++)
+                    for (int e = 0; e < 4; e++) {
+                        const int8_t v = (int8_t)src[4 * c + e];
+                        q[g * gv + 64 * c + 4 * p + e] = v;
+                        xn[v0 + 4 * c + e] = v;
+                        sum += v;
+                    }
+            } else {
+                for (int c = 0; c < G / 4; c++) memset(q + g * gv + 64 * c + 4 * p, 0, 4);
+                memset(xn + v0, 0, (size_t)G);
+            }
+            dx[g * I8_LANES + p] = d;
+            dxs[g * I8_LANES + p] = d * (float)sum;
+            corr[g * I8_LANES + p] = -128 * sum;
+        }
+}
+
+/* An int8 panel: np rows of W, values c0 .. c0 + kc - 1, as transposed bytes (q, or q + 128
+ * with u8 set) at wq (row stride I8_KC), and per lane ws and mn (row stride I8_GMAX * 16). */
+typedef void (*i8panel_fn)(const uint8_t *row, int64_t rb, int np, int64_t b0, int64_t kc, uint8_t *wq,
+                           float *ws, float *wmn, int u8);
+
+/* Lane of sub-block u's half h within its group (u counted from the group's start). */
+static inline int lane_of(int G, int u, int h) { return G == 32 ? u : u + 8 * h; }
+
+#define I8_G(T) (T##_PER16 ? 16 : 32)
+
+#define DEFINE_I8PANEL_SCALAR(T, NAME_LC)                                                           \
+    static void i8panel_##NAME_LC##_scalar(const uint8_t *row, int64_t rb, int np, int64_t b0, int64_t kc, \
+                                           uint8_t *wq, float *ws, float *wmn, int u8) {            \
+        const int G = I8_G(T), spg = 16 * G / 32;   /* sub-blocks per group */                      \
+        const int64_t nsub = kc / 32, ng = (kc + 16 * G - 1) / (16 * G);                           \
+        for (int i = 0; i < np; i++) {                                                             \
+            uint8_t *qo = wq + (int64_t)i * I8_KC;                                                 \
+            float *so = ws + (int64_t)i * I8_GMAX * 16, *mo = wmn + (int64_t)i * I8_GMAX * 16;     \
+            memset(qo, u8 ? 0x80 : 0, (size_t)(ng * 16 * G));                                     \
+            memset(so, 0, (size_t)ng * 16 * sizeof(float));                                        \
+            memset(mo, 0, (size_t)ng * 16 * sizeof(float));                                        \
+            float s[16], mn[16] = {0};                                                                     \
+            for (int64_t u = 0; u < nsub; u++) {                                                   \
+                const uint8_t *blk = row + i * rb + (b0 + u / (T##_QK / 32)) * T##_BYTES;          \
+                const int j = (int)(u % (T##_QK / 32));                                            \
+                if (j == 0) scales_##NAME_LC(blk, s, mn);                                          \
+                uint64_t qw[4];                                                                    \
+                int8_t qv[32];                                                                     \
+                q_##NAME_LC(blk, j, qw);                                                           \
+                memcpy(qv, qw, 32);                                                                \
+                const int64_t g = u / spg;                                                         \
+                const int ug = (int)(u % spg);                                                     \
+                for (int h = 0; h < 32 / G; h++) {                                                 \
+                    const int p = lane_of(G, ug, h);                                               \
+                    so[g * 16 + p] = s[SIDX(T, j, h)];                                             \
+                    mo[g * 16 + p] = mn[SIDX(T, j, h)];                                            \
+                    for (int c = 0; c < G / 4; c++)                                                \
+                        for (int e = 0; e < 4; e++)                                                \
+                            qo[g * 16 * G + 64 * c + 4 * p + e] = (uint8_t)(qv[G * h + 4 * c + e] ^ (u8 ? 0x80 : 0)); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* The float part of a group for one pair: 16 lanes of S into the accumulators. */
+static inline void i8_lanes_scalar(const int32_t *S, const float *ws, const float *wmn, const float *dx,
+                                   const float *dxs, int has_min, float *acc) {
+    for (int p = 0; p < 16; p++) {
+        const float f = (float)S[p] * ws[p];
+        acc[p] = fmaf(f, dx[p], acc[p]);
+        if (has_min) acc[p] = fmaf(-wmn[p], dxs[p], acc[p]);
+    }
+}
+
+static inline float i8_reduce_scalar(const float *a) {
+    float h8[8], h4[4], h2[2];
+    for (int i = 0; i < 8; i++) h8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) h4[i] = h8[i] + h8[i + 4];
+    for (int i = 0; i < 2; i++) h2[i] = h4[i] + h4[i + 2];
+    return h2[0] + h2[1];
+}
+
+/* The int8 driver's arguments: everything but the column range. */
+typedef struct i8job i8job_t;
+typedef void (*i8direct_fn)(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0, int m);
+struct i8job {
+    const uint8_t *w;
+    i8panel_fn panel;
+    int64_t qk, bytes, n_out, k, m;
+    int G, has_min, level;
+    const xlane_t *xl;
+    float *y;
+    i8direct_fn direct;    /* non-NULL: run the direct path */
+};
+
+typedef void (*i8tiles_fn)(const i8job_t *j, const uint8_t *wq, const float *ws, const float *wmn, int np,
+                           int64_t g0, int64_t ng, int64_t r0, int mb, float *acc, int first, int last,
+                           int64_t p0);
+
+/* Scalar tiles: every pair of the panel's rows and the block's x rows. */
+static void i8tiles_scalar(const i8job_t *jb, const uint8_t *wq, const float *ws, const float *wmn, int np,
+                           int64_t g0, int64_t ng, int64_t r0, int mb, float *acc, int first, int last,
+                           int64_t p0) {
+    const xlane_t *xl = jb->xl;
+    const int64_t gv = xl->gv;
+    for (int t = 0; t < mb; t++) {
+        const int64_t r = r0 + t;
+        for (int i = 0; i < np; i++) {
+            float *a = acc + ((int64_t)t * I8_NP + i) * 16;
+            if (first) memset(a, 0, 16 * sizeof(float));
+            for (int64_t g = 0; g < ng; g++) {
+                const int8_t *xq = xl->q + (r * xl->ngroups + g0 + g) * gv;
+                const int8_t *wv = (const int8_t *)wq + (int64_t)i * I8_KC + g * gv;
+                int32_t S[16];
+                for (int p = 0; p < 16; p++) {
+                    int s = 0;
+                    for (int c = 0; c < jb->G / 4; c++)
+                        for (int e = 0; e < 4; e++) s += wv[64 * c + 4 * p + e] * xq[64 * c + 4 * p + e];
+                    S[p] = s;
+                }
+                const int64_t lx = (r * xl->ngroups + g0 + g) * 16;
+                i8_lanes_scalar(S, ws + (int64_t)i * I8_GMAX * 16 + g * 16, wmn + (int64_t)i * I8_GMAX * 16 + g * 16,
+                                xl->dx + lx, xl->dxs + lx, jb->has_min, a);
+            }
+            if (last) jb->y[r * jb->n_out + p0 + i] = i8_reduce_scalar(a);
+        }
+    }
+}
+
+#ifdef K3_X86
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+
+/* 8 x 8 transpose of 32-bit elements. */
+__attribute__((target(AVX2_TARGET))) INLINE void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* A group's sub-blocks (16 for G = 32, 8 for G = 16; 32 values each, natural order) stored as
+ * the transposed lanes: G = 32: chunk c = (column c of sub-blocks 0-7 | of 8-15); G = 16: chunk c
+ * = (column c | column c + 4) of sub-blocks 0-7, i.e. their first halves then their second. */
+__attribute__((target(AVX2_TARGET))) INLINE void store_group(__m256i *v, int G, uint8_t *out, int u8) {
+    const __m256i flip = _mm256_set1_epi8(u8 ? (char)0x80 : 0);
+    if (G == 32) {
+        transpose8(v);
+        transpose8(v + 8);
+        for (int c = 0; c < 8; c++) {
+            _mm256_storeu_si256((__m256i *)(out + 64 * c), _mm256_xor_si256(v[c], flip));
+            _mm256_storeu_si256((__m256i *)(out + 64 * c + 32), _mm256_xor_si256(v[8 + c], flip));
+        }
+    } else {
+        transpose8(v);
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_si256((__m256i *)(out + 64 * c), _mm256_xor_si256(v[c], flip));
+            _mm256_storeu_si256((__m256i *)(out + 64 * c + 32), _mm256_xor_si256(v[4 + c], flip));
+        }
+    }
+}
+
+#define DEFINE_I8PANEL_VEC(T, NAME_LC)                                                              \
+    __attribute__((target(AVX2_TARGET))) static void i8panel_##NAME_LC##_avx2(                     \
+        const uint8_t *row, int64_t rb, int np, int64_t b0, int64_t kc, uint8_t *wq, float *ws, float *wmn, \
+        int u8) {                                                                                  \
+        const int G = I8_G(T), spg = 16 * G / 32;                                                  \
+        const int64_t nsub = kc / 32, ng = (kc + 16 * G - 1) / (16 * G);                           \
+        for (int i = 0; i < np; i++) {                                                             \
+            uint8_t *qo = wq + (int64_t)i * I8_KC;                                                 \
+            float *so = ws + (int64_t)i * I8_GMAX * 16, *mo = wmn + (int64_t)i * I8_GMAX * 16;     \
+            const uint8_t *ri = row + i * rb + b0 * T##_BYTES;                                     \
+            for (int64_t o = 0; o < kc / T##_QK * T##_BYTES; o += 64)                              \
+                __builtin_prefetch(ri + kc / T##_QK * T##_BYTES + o);                              \
+            float s[16], mn[16] = {0};                                                                     \
+            __m256i v[16];                                                                         \
+            for (int64_t g = 0; g < ng; g++) {                                                     \
+                for (int ug = 0; ug < spg; ug++) {                                                 \
+                    const int64_t u = g * spg + ug;                                                \
+                    if (u >= nsub) {                                                               \
+                        v[ug] = _mm256_setzero_si256();                                            \
+                        for (int h = 0; h < 32 / G; h++) so[g * 16 + lane_of(G, ug, h)] = mo[g * 16 + lane_of(G, ug, h)] = 0.0f; \
+                        continue;                                                                  \
+                    }                                                                              \
+                    const uint8_t *blk = ri + (u / (T##_QK / 32)) * T##_BYTES;                     \
+                    const int j = (int)(u % (T##_QK / 32));                                        \
+                    if (j == 0) scales_##NAME_LC##_v(blk, s, mn);                                  \
+                    v[ug] = qv_##NAME_LC(blk, j);                                                  \
+                    for (int h = 0; h < 32 / G; h++) {                                             \
+                        so[g * 16 + lane_of(G, ug, h)] = s[SIDX(T, j, h)];                         \
+                        mo[g * 16 + lane_of(G, ug, h)] = mn[SIDX(T, j, h)];                        \
+                    }                                                                              \
+                }                                                                                  \
+                store_group(v, G, qo + g * 16 * G, u8);                                            \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* Reduce 16 lanes (two 8-lane halves) as i8_reduce_scalar. */
+__attribute__((target(AVX2_TARGET))) INLINE float i8_reduce256(__m256 lo, __m256 hi) {
+    const __m256 h8 = _mm256_add_ps(lo, hi);
+    const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+/* AVX512-VNNI tiles: NT rows of the panel by RT rows of x; per group 16 integer sums per pair
+ * from G / 4 vpdpbusd, then the lanes' float operations with the accumulators in acc. */
+__attribute__((target(VNNI_TARGET))) INLINE void i8mk_vnni(const i8job_t *jb, const uint8_t *wq, const float *ws,
+                                                         const float *wmn, int NT, int64_t g0, int64_t ng,
+                                                         int64_t r, int RT, float *acc, int first, int last,
+                                                         float *y) {
+    const xlane_t *xl = jb->xl;
+    const int64_t gv = xl->gv, xrow = xl->ngroups * gv;
+    const int nc = jb->G / 4, has_min = jb->has_min;
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i s[4][4];
+        const int8_t *xq = xl->q + r * xrow + (g0 + g) * gv;
+        const int64_t lx = (r * xl->ngroups + g0 + g) * 16;
+        for (int t = 0; t < RT; t++) {
+            const __m512i c0 = _mm512_loadu_si512(xl->corr + lx + t * xl->ngroups * 16);
+            for (int i = 0; i < NT; i++) s[i][t] = c0;
+        }
+        const uint8_t *wg = wq + g * gv;
+        for (int c = 0; c < nc; c++) {
+            __m512i wv[4];
+            for (int i = 0; i < NT; i++) wv[i] = _mm512_loadu_si512(wg + (int64_t)i * I8_KC + 64 * c);
+            for (int t = 0; t < RT; t++) {
+                const __m512i xv = _mm512_loadu_si512(xq + t * xrow + 64 * c);
+                for (int i = 0; i < NT; i++) s[i][t] = _mm512_dpbusd_epi32(s[i][t], wv[i], xv);
+            }
+        }
+        for (int i = 0; i < NT; i++) {
+            const __m512 wsv = _mm512_loadu_ps(ws + (int64_t)i * I8_GMAX * 16 + g * 16);
+            const __m512 mnv = has_min ? _mm512_loadu_ps(wmn + (int64_t)i * I8_GMAX * 16 + g * 16) : _mm512_setzero_ps();
+            for (int t = 0; t < RT; t++) {
+                float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
+                __m512 a = first && g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(ap);
+                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i][t]), wsv);
+                a = _mm512_fmadd_ps(f, _mm512_loadu_ps(xl->dx + lx + t * xl->ngroups * 16), a);
+                if (has_min) a = _mm512_fnmadd_ps(mnv, _mm512_loadu_ps(xl->dxs + lx + t * xl->ngroups * 16), a);
+                _mm512_store_ps(ap, a);
+            }
+        }
+    }
+    if (ng == 0 && first)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) _mm512_store_ps(acc + ((int64_t)t * I8_NP + i) * 16, _mm512_setzero_ps());
+    if (last)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) {
+                const float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
+                y[t * jb->n_out + i] = i8_reduce256(_mm256_load_ps(ap), _mm256_load_ps(ap + 8));
+            }
+}
+
+/* AVX2 tiles: a lane half (8 lanes) per register; |q| (maddubs' unsigned operand, <= 128) times
+ * x with q's sign (|x| <= 127), so no 16-bit pair sum saturates. */
+__attribute__((target(AVX2_TARGET))) INLINE void i8mk_avx2(const i8job_t *jb, const uint8_t *wq, const float *ws,
+                                                         const float *wmn, int NT, int64_t g0, int64_t ng,
+                                                         int64_t r, int RT, float *acc, int first, int last,
+                                                         float *y) {
+    const xlane_t *xl = jb->xl;
+    const int64_t gv = xl->gv, xrow = xl->ngroups * gv;
+    const int nc = jb->G / 4, has_min = jb->has_min;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i s[2][2][2];
+        const int8_t *xq = xl->q + r * xrow + (g0 + g) * gv;
+        const int64_t lx = (r * xl->ngroups + g0 + g) * 16;
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) s[i][t][0] = s[i][t][1] = _mm256_setzero_si256();
+        const uint8_t *wg = wq + g * gv;
+        for (int c = 0; c < nc; c++)
+            for (int hh = 0; hh < 2; hh++) {
+                __m256i wv[2], wa[2];
+                for (int i = 0; i < NT; i++) {
+                    wv[i] = _mm256_loadu_si256((const __m256i *)(wg + (int64_t)i * I8_KC + 64 * c + 32 * hh));
+                    wa[i] = _mm256_abs_epi8(wv[i]);
+                }
+                for (int t = 0; t < RT; t++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * xrow + 64 * c + 32 * hh));
+                    for (int i = 0; i < NT; i++) {
+                        const __m256i p = _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xv, wv[i]));
+                        s[i][t][hh] = _mm256_add_epi32(s[i][t][hh], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
+        for (int i = 0; i < NT; i++)
+            for (int hh = 0; hh < 2; hh++) {
+                const __m256 wsv = _mm256_loadu_ps(ws + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
+                const __m256 mnv = has_min ? _mm256_loadu_ps(wmn + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh)
+                                           : _mm256_setzero_ps();
+                for (int t = 0; t < RT; t++) {
+                    float *ap = acc + ((int64_t)t * I8_NP + i) * 16 + 8 * hh;
+                    __m256 a = first && g == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ap);
+                    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][hh]), wsv);
+                    a = _mm256_fmadd_ps(f, _mm256_loadu_ps(xl->dx + lx + t * xl->ngroups * 16 + 8 * hh), a);
+                    if (has_min)
+                        a = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xl->dxs + lx + t * xl->ngroups * 16 + 8 * hh), a);
+                    _mm256_store_ps(ap, a);
+                }
+            }
+    }
+    if (ng == 0 && first)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) memset(acc + ((int64_t)t * I8_NP + i) * 16, 0, 16 * sizeof(float));
+    if (last)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) {
+                const float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
+                y[t * jb->n_out + i] = i8_reduce256(_mm256_load_ps(ap), _mm256_load_ps(ap + 8));
+            }
+}
+
+/* Tiles of NTMAX rows of W by RTMAX rows of x (then fewer); every shape a compile-time constant,
+ * so the accumulators stay in registers. */
+#define I8_CALL(MK, NT, RT)                                                                         \
+    MK(jb, wq + (int64_t)i0 * I8_KC, ws + (int64_t)i0 * I8_GMAX * 16, wmn + (int64_t)i0 * I8_GMAX * 16, NT, g0, \
+       ng, r0 + t0, RT, at + i0 * 16, first, last, yt + i0)
+#define I8_RT(MK, NT, RTMAX)                                                                        \
+    switch (rt) {                                                                                  \
+    case 4: if (RTMAX >= 4) { I8_CALL(MK, NT, 4); break; } /* fall through */                      \
+    case 3: if (RTMAX >= 3) { I8_CALL(MK, NT, 3); break; } /* fall through */                      \
+    case 2: I8_CALL(MK, NT, 2); break;                                                             \
+    default: I8_CALL(MK, NT, 1); break;                                                            \
+    }
+#define I8_TILES(MK, NTMAX, RTMAX)                                                                  \
+    for (int t0 = 0; t0 < mb; t0 += RTMAX) {                                                       \
+        const int rt = mb - t0 < RTMAX ? mb - t0 : RTMAX;                                          \
+        float *at = acc + (int64_t)t0 * I8_NP * 16;                                                \
+        float *yt = jb->y + (r0 + t0) * jb->n_out + p0;                                            \
+        int i0 = 0;                                                                                \
+        for (; i0 + NTMAX <= np; i0 += NTMAX) I8_RT(MK, NTMAX, RTMAX)                              \
+        for (; i0 < np; i0++) I8_RT(MK, 1, RTMAX)                                                  \
+    }
+
+__attribute__((target(VNNI_TARGET))) static void i8tiles_vnni(const i8job_t *jb, const uint8_t *wq, const float *ws,
+                                                            const float *wmn, int np, int64_t g0, int64_t ng,
+                                                            int64_t r0, int mb, float *acc, int first, int last,
+                                                            int64_t p0) {
+    I8_TILES(i8mk_vnni, 4, 4)
+}
+__attribute__((target(AVX2_TARGET))) static void i8tiles_avx2(const i8job_t *jb, const uint8_t *wq, const float *ws,
+                                                            const float *wmn, int np, int64_t g0, int64_t ng,
+                                                            int64_t r0, int mb, float *acc, int first, int last,
+                                                            int64_t p0) {
+    I8_TILES(i8mk_avx2, 2, 2)
+}
+
+/* ---- few rows: the direct path ----------------------------------------------------------------
+ * Below the type's direct_below rows (4-12) a panel costs more than it saves (the transposed store and reload
+ * of every value, for one or two rows of x): each W row's sub-blocks are decoded into registers
+ * and multiplied with x's bytes in natural order, one 8-lane integer dot product per sub-block,
+ * and the partial sums folded into the group's 16 lane sums by a fixed tree of horizontal adds.
+ * The integer sums are exact either way, and the float operations per lane are the panel
+ * path's, so the two paths give the same bits. */
+#define I8_DIRECT_ROWS 8    /* x rows per pass over W on the direct path */
+/* How far ahead in W's row the direct path asks for blocks: one row streams at a time, so
+ * further than the tiles' PREFETCH_BYTES (measured: 768 -> 2048 bytes took a one-row Q4_K
+ * 7168 x 2048 product from 1.29 to 0.88 ms; 4096 no better). */
+#ifndef I8_PREFETCH
+#define I8_PREFETCH 2048
+#endif
+
+/* 16 (G = 32) or 8 (G = 16) vectors of 8 partial sums -> the group's 16 lane sums in lo | hi. */
+__attribute__((target(AVX2_TARGET))) INLINE void fold_lanes(const __m256i *p, int G, __m256i *lo, __m256i *hi) {
+    if (G == 32) {
+        __m256i a[8], b[4];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_hadd_epi32(p[2 * i], p[2 * i + 1]);
+        for (int i = 0; i < 4; i++) b[i] = _mm256_hadd_epi32(a[2 * i], a[2 * i + 1]);
+        /* b[i] = [4i .. 4i+3 first halves | their second halves] of sub-blocks 4i .. 4i + 3 */
+        const __m256i s0 = _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20),
+                                            _mm256_permute2x128_si256(b[0], b[1], 0x31));
+        const __m256i s1 = _mm256_add_epi32(_mm256_permute2x128_si256(b[2], b[3], 0x20),
+                                            _mm256_permute2x128_si256(b[2], b[3], 0x31));
+        *lo = s0;
+        *hi = s1;
+    } else {
+        __m256i a[4], b[2];
+        for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_epi32(p[2 * i], p[2 * i + 1]);
+        for (int i = 0; i < 2; i++) b[i] = _mm256_hadd_epi32(a[2 * i], a[2 * i + 1]);
+        *lo = _mm256_permute2x128_si256(b[0], b[1], 0x20);   /* first halves of sub-blocks 0-7 */
+        *hi = _mm256_permute2x128_si256(b[0], b[1], 0x31);   /* second halves */
+    }
+}
+
+/* One pair's float operations for a group, on two 8-lane halves (the panel path's, lane for lane). */
+__attribute__((target(AVX2_TARGET))) INLINE void lanes256(__m256i S, const float *ws, const float *wmn, const float *dx,
+                                                         const float *dxs, int has_min, float *acc, int first) {
+    __m256 a = first ? _mm256_setzero_ps() : _mm256_load_ps(acc);
+    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(S), _mm256_loadu_ps(ws));
+    a = _mm256_fmadd_ps(f, _mm256_loadu_ps(dx), a);
+    if (has_min) a = _mm256_fnmadd_ps(_mm256_loadu_ps(wmn), _mm256_loadu_ps(dxs), a);
+    _mm256_store_ps(acc, a);
+}
+
+/* VNNI: (q ^ 0x80) . x with the -128 X correction; AVX2: |q| . (x with q's sign). */
+__attribute__((target(VNNI_TARGET))) INLINE __m256i dot_vnni(__m256i q, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)), x);
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i dot_avx2(__m256i q, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+}
+
+#define DEFINE_I8DIRECT(T, NAME_LC, LVL, TARGET, CORR)                                              \
+    __attribute__((target(TARGET))) static void i8direct_##NAME_LC##_##LVL(const i8job_t *jb, int64_t n0, int64_t n1, \
+                                                                       int64_t r0, int m) {        \
+        const int G = I8_G(T), spg = 16 * G / 32;                                                  \
+        const xlane_t *xl = jb->xl;                                                                \
+        const int64_t k = jb->k, nsub = k / 32, rb = k / T##_QK * T##_BYTES;                       \
+        float acc[I8_DIRECT_ROWS][16] __attribute__((aligned(64)));                               \
+        for (int64_t n = n0; n < n1; n++) {                                                        \
+            const uint8_t *ri = jb->w + n * rb;                                                    \
+            float s[16], mn[16] = {0};                                                             \
+            for (int64_t g = 0; g < xl->ngroups; g++) {                                            \
+                __m256i v[16];                                                                     \
+                float ws[16], wm[16];                                                              \
+                _Pragma("GCC unroll 16") for (int ug = 0; ug < spg; ug++) {                        \
+                    const int64_t u = g * spg + ug;                                                \
+                    if (u >= nsub) {                                                               \
+                        v[ug] = _mm256_setzero_si256();                                            \
+                        for (int h = 0; h < 32 / G; h++) ws[lane_of(G, ug, h)] = wm[lane_of(G, ug, h)] = 0.0f; \
+                        continue;                                                                  \
+                    }                                                                              \
+                    const uint8_t *blk = ri + (u / (T##_QK / 32)) * T##_BYTES;                     \
+                    const int j = (int)(u % (T##_QK / 32));                                        \
+                    if (j == 0) {                                                                  \
+                        __builtin_prefetch(blk + I8_PREFETCH);                                     \
+                        __builtin_prefetch(blk + I8_PREFETCH + 64);                                \
+                        __builtin_prefetch(blk + I8_PREFETCH + T##_BYTES - 1);                     \
+                        scales_##NAME_LC##_v(blk, s, mn);                                          \
+                    }                                                                              \
+                    v[ug] = qv_##NAME_LC(blk, j);                                                  \
+                    for (int h = 0; h < 32 / G; h++) {                                             \
+                        ws[lane_of(G, ug, h)] = s[SIDX(T, j, h)];                                  \
+                        wm[lane_of(G, ug, h)] = mn[SIDX(T, j, h)];                                 \
+                    }                                                                              \
+                }                                                                                  \
+                for (int t = 0; t < m; t++) {                                                      \
+                    const int8_t *xn = xl->xn + (r0 + t) * xl->ngroups * xl->gv + g * xl->gv;    \
+                    __m256i p[16], lo, hi;                                                         \
+                    _Pragma("GCC unroll 16") for (int ug = 0; ug < spg; ug++)                                               \
+                        p[ug] = dot_##LVL(v[ug], _mm256_loadu_si256((const __m256i *)(xn + 32 * ug))); \
+                    fold_lanes(p, G, &lo, &hi);                                                    \
+                    const int64_t lx = ((r0 + t) * xl->ngroups + g) * 16;                        \
+                    if (CORR) {                                                                    \
+                        lo = _mm256_add_epi32(lo, _mm256_loadu_si256((const __m256i *)(xl->corr + lx))); \
+                        hi = _mm256_add_epi32(hi, _mm256_loadu_si256((const __m256i *)(xl->corr + lx + 8))); \
+                    }                                                                              \
+                    lanes256(lo, ws, wm, xl->dx + lx, xl->dxs + lx, jb->has_min, acc[t], g == 0);  \
+                    lanes256(hi, ws + 8, wm + 8, xl->dx + lx + 8, xl->dxs + lx + 8, jb->has_min, acc[t] + 8, g == 0); \
+                }                                                                                  \
+            }                                                                                      \
+            for (int t = 0; t < m; t++)                                                            \
+                jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(_mm256_load_ps(acc[t]), _mm256_load_ps(acc[t] + 8)); \
+        }                                                                                          \
+    }
+#define DEFINE_I8(T, NAME_LC)                                                                       \
+    DEFINE_I8PANEL_SCALAR(T, NAME_LC) DEFINE_I8PANEL_VEC(T, NAME_LC)                                 \
+    DEFINE_I8DIRECT(T, NAME_LC, avx2, AVX2_TARGET, 0) DEFINE_I8DIRECT(T, NAME_LC, vnni, VNNI_TARGET, 1)
+#define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_avx2}, \
+                          {NULL, i8direct_##NAME_LC##_avx2, i8direct_##NAME_LC##_vnni}
+#else
+#define DEFINE_I8(T, NAME_LC) DEFINE_I8PANEL_SCALAR(T, NAME_LC)
+#define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_scalar}, {NULL, NULL, NULL}
+#endif
+
+/* Columns [n0, n1) of an int8 product: panels of I8_NP rows x I8_KC values, each decoded once
+ * and multiplied by every row of x, I8_MB rows at a time. */
+static void i8_columns(const i8job_t *jb, int64_t n0, int64_t n1, uint8_t *scratch) {
+    if (jb->direct != NULL) {
+        for (int64_t r0 = 0; r0 < jb->m; r0 += I8_DIRECT_ROWS)
+            jb->direct(jb, n0, n1, r0, jb->m - r0 < I8_DIRECT_ROWS ? (int)(jb->m - r0) : I8_DIRECT_ROWS);
+        return;
+    }
+    uint8_t *wq = scratch;
+    float *ws = (float *)(scratch + (int64_t)I8_NP * I8_KC);
+    float *wmn = ws + (int64_t)I8_NP * I8_GMAX * 16;
+    float *acc = wmn + (int64_t)I8_NP * I8_GMAX * 16;
+    const int64_t rb = jb->k / jb->qk * jb->bytes, gv = jb->xl->gv;
+    const int u8 = jb->level == 2;
+#ifdef K3_X86
+    const i8tiles_fn tiles = jb->level == 2 ? i8tiles_vnni : jb->level == 1 ? i8tiles_avx2 : i8tiles_scalar;
+#else
+    const i8tiles_fn tiles = i8tiles_scalar;
+#endif
+    for (int64_t r0 = 0; r0 < jb->m; r0 += I8_MB) {
+        const int mb = jb->m - r0 < I8_MB ? (int)(jb->m - r0) : I8_MB;
+        for (int64_t p0 = n0; p0 < n1; p0 += I8_NP) {
+            const int np = n1 - p0 < I8_NP ? (int)(n1 - p0) : I8_NP;
+            for (int64_t c0 = 0; c0 < jb->k; c0 += I8_KC) {
+                const int64_t kc = jb->k - c0 < I8_KC ? jb->k - c0 : I8_KC;
+                jb->panel(jb->w + p0 * rb, rb, np, c0 / jb->qk, kc, wq, ws, wmn, u8);
+                tiles(jb, wq, ws, wmn, np, c0 / gv, (kc + gv - 1) / gv, r0, mb, acc, c0 == 0, c0 + kc == jb->k, p0);
+            }
+        }
+    }
+}
+
+DEFINE_I8(Q8_0, q8_0)
+DEFINE_I8(Q4_K, q4_k)
+DEFINE_I8(Q5_K, q5_k)
+DEFINE_I8(Q6_K, q6_k)
+DEFINE_I8(Q2_K, q2_k)
+DEFINE_I8(Q3_K, q3_k)
+DEFINE_I8(IQ2_XXS, iq2_xxs)
+DEFINE_I8(IQ2_XS, iq2_xs)
+DEFINE_I8(IQ3_XXS, iq3_xxs)
+DEFINE_I8(IQ1_S, iq1_s)
+DEFINE_I8(IQ1_M, iq1_m)
+DEFINE_I8(MXFP4, mxfp4)
+
+/* Per type: lane width G, whether the weights have a min, the activation type (ggml's
+ * vec_dot_type: Q8_0 for Q8_0 and MXFP4, Q8_K for the rest), the panel decoders. */
+typedef struct {
+    int ggml_type, G, has_min, act_q8k, direct_below;
+    i8panel_fn panel[2];   /* scalar, vector */
+    i8direct_fn direct[3]; /* -, AVX2, VNNI */
+} i8type_t;
+
+/* direct_below: rows below which the direct path runs (panels from there; the same bits).
+ * Measured (AVX512-VNNI, 7168 x 2048, 1 thread, 2-8 rows): Q6_K's panels (16-value lanes: half
+ * the integer work per float step) lose to the direct path up to 8+ rows, Q4_K's and Q8_0's
+ * up to ~6-8, MXFP4's and IQ2_XXS's from 4; the other types take their lane width's figure. */
+static const i8type_t I8TYPES[] = {
+    {39, I8_G(MXFP4), 0, 0, 4, I8PANELS(mxfp4)},   {8, I8_G(Q8_0), 0, 0, 8, I8PANELS(q8_0)},
+    {10, I8_G(Q2_K), 1, 1, 12, I8PANELS(q2_k)},    {11, I8_G(Q3_K), 0, 1, 12, I8PANELS(q3_k)},
+    {12, I8_G(Q4_K), 1, 1, 8, I8PANELS(q4_k)},     {13, I8_G(Q5_K), 1, 1, 8, I8PANELS(q5_k)},
+    {14, I8_G(Q6_K), 0, 1, 12, I8PANELS(q6_k)},    {16, I8_G(IQ2_XXS), 0, 1, 4, I8PANELS(iq2_xxs)},
+    {17, I8_G(IQ2_XS), 0, 1, 12, I8PANELS(iq2_xs)}, {18, I8_G(IQ3_XXS), 0, 1, 4, I8PANELS(iq3_xxs)},
+    {19, I8_G(IQ1_S), 0, 1, 4, I8PANELS(iq1_s)},   {29, I8_G(IQ1_M), 0, 1, 12, I8PANELS(iq1_m)},
+};
+
+static const i8type_t *find_i8type(int ggml_type) {
+    for (size_t i = 0; i < sizeof I8TYPES / sizeof I8TYPES[0]; i++)
+        if (I8TYPES[i].ggml_type == ggml_type) return &I8TYPES[i];
+    return NULL;
+}
+
 /* ---- the type table ------------------------------------------------------------------------ */
 
 typedef struct {
@@ -1161,6 +1879,127 @@ done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&y);
     return ret;
+}
+
+/* 0 scalar, 1 AVX2, 2 AVX512-VNNI (with BW and VL): the best int8 path this CPU runs. */
+static int use_i8 = 0;
+
+/* quantize_q8(x, out, act_type, m, k, variant=1): rows of x (float32 [m, k]) as ggml blocks of
+ * act_type (8 = Q8_0: 34 bytes per 32 values; 15 = Q8_K: 292 bytes per 256). variant (Q8_0
+ * only): 0 quantize_row_q8_0_ref, 1 ggml-cpu's x86 quantize_row_q8_0. */
+static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
+    Py_buffer x, out;
+    Py_ssize_t m, k;
+    int act, variant = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*inn|i", &x, &out, &act, &m, &k, &variant)) return NULL;
+    PyObject *ret = NULL;
+    const int qk = act == 15 ? 256 : 32, bytes = act == 15 ? Q8_K_BYTES : 34;
+    if (act != 8 && act != 15) {
+        PyErr_Format(PyExc_ValueError, "quantize_q8: activation type %d is neither Q8_0 (8) nor Q8_K (15)", act);
+    } else if (m < 0 || k < 0 || k % qk) {
+        PyErr_Format(PyExc_ValueError, "quantize_q8: bad dimensions (k must be a multiple of %d)", qk);
+    } else if (x.len != m * k * (Py_ssize_t)sizeof(float) || out.len != m * (k / qk) * bytes) {
+        PyErr_SetString(PyExc_ValueError, "quantize_q8: input or output buffer has the wrong size");
+    } else {
+        for (Py_ssize_t r = 0; r < m; r++) {
+            const float *xr = (const float *)x.buf + r * k;
+            uint8_t *o = (uint8_t *)out.buf + r * (k / qk) * bytes;
+            if (act == 15) quantize_q8_k_row(xr, k, o);
+            else quantize_q8_0_row(xr, k, o, variant);
+        }
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* matmul_q8(qtype, w, x, y, n_out, k, m, simd=-1, threads=1, variant=1): y[m, n_out] = x @ W.T
+ * in ggml's arithmetic: each row of x rounded to the type's activation blocks (Q8_0 with
+ * `variant` as quantize_q8, or Q8_K), then integer dot products (see "int8 activations").
+ * simd: -1 best, 0 scalar, 1 AVX2, 2 AVX512-VNNI (capped at what the CPU runs); every level gives
+ * the same bits. Output columns split over `threads`. path: -1 by the row count (direct below
+ * the type's direct_below rows, panels from there), 0 direct, 1 panels (the same bits; vector levels). */
+static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
+    Py_buffer w, x, y;
+    Py_ssize_t n_out, k, m;
+    int qtype, simd = -1, threads = 1, variant = 1, path = -1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*w*nnn|iiii", &qtype, &w, &x, &y, &n_out, &k, &m, &simd, &threads, &variant,
+                          &path))
+        return NULL;
+    PyObject *ret = NULL;
+    const qtype_t *qt = find_qtype(qtype);
+    const i8type_t *it = find_i8type(qtype);
+    if (qt == NULL || it == NULL) {
+        PyErr_Format(PyExc_ValueError, "matmul_q8: no native kernel for ggml type %d", qtype);
+    } else if (qt->needs_tables && !tables_ready) {
+        PyErr_Format(PyExc_RuntimeError, "matmul_q8: %s needs the IQ grids (init_tables was not called)", qt->name);
+    } else if (n_out < 0 || k < 0 || m < 0 || k % qt->qk) {
+        PyErr_Format(PyExc_ValueError, "matmul_q8: bad dimensions (k must be a multiple of %d for %s)",
+                     (int)qt->qk, qt->name);
+    } else if (w.len != n_out * (k / qt->qk) * qt->bytes) {
+        PyErr_Format(PyExc_ValueError, "matmul_q8: %s weight buffer is %zd bytes, expected %zd", qt->name, w.len,
+                     (Py_ssize_t)(n_out * (k / qt->qk) * qt->bytes));
+    } else if (x.len != m * k * (Py_ssize_t)sizeof(float) || y.len != m * n_out * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "matmul_q8: activation or output buffer has the wrong size");
+    } else if (m == 0 || n_out == 0 || k == 0) {
+        if (y.len) memset(y.buf, 0, (size_t)y.len);
+        ret = Py_NewRef(Py_None);
+    } else {
+        const int level = simd < 0 || simd > use_i8 ? use_i8 : simd;
+        const int nthreads = split_threads(n_out, k, threads);
+        const int64_t gv = 16 * (int64_t)it->G, ngroups = (k + gv - 1) / gv;
+        const int64_t qbytes = it->act_q8k ? k / 256 * Q8_K_BYTES : k / 32 * 34;
+        xlane_t xl = {NULL, NULL, NULL, NULL, NULL, ngroups, gv};
+        xl.q = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
+        xl.xn = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
+        xl.dx = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
+        xl.dxs = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
+        xl.corr = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
+        uint8_t *qbuf = malloc((size_t)qbytes + 64);
+        uint8_t *scratch = aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
+        if (!xl.q || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf || !scratch) {
+            PyErr_NoMemory();
+        } else {
+            const int direct = level > 0 && (path < 0 ? m < it->direct_below : path == 0);
+            const i8job_t jb = {w.buf, it->panel[level > 0], qt->qk, qt->bytes, n_out, k, m,
+                                it->G, it->has_min, level, &xl, y.buf, direct ? it->direct[level] : NULL};
+            Py_BEGIN_ALLOW_THREADS
+            for (int64_t r = 0; r < m; r++)
+                prepare_x_row((const float *)x.buf + r * k, k, it->act_q8k, variant, it->G, qbuf, &xl, r);
+#ifdef _OPENMP
+            if (nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1)
+                for (int t = 0; t < nthreads; t++)
+                    i8_columns(&jb, n_out * t / nthreads, n_out * (t + 1) / nthreads,
+                               scratch + (int64_t)t * I8_SCRATCH_BYTES);
+            } else
+#endif
+                i8_columns(&jb, 0, n_out, scratch);
+            Py_END_ALLOW_THREADS
+            ret = Py_NewRef(Py_None);
+        }
+        free(xl.q);
+        free(xl.xn);
+        free(xl.dx);
+        free(xl.dxs);
+        free(xl.corr);
+        free(qbuf);
+        free(scratch);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return ret;
+}
+
+static PyObject *py_simd_i8(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    static const char *names[] = {"scalar", "avx2", "avx512vnni"};
+    return PyUnicode_FromString(names[use_i8]);
 }
 
 /* ---- dequantize: rows of W as float32 or bfloat16 ------------------------------------------
@@ -1324,6 +2163,9 @@ static PyMethodDef methods[] = {
     {"simd", py_simd, METH_NOARGS, "The best path the CPU runs: 'avx512', 'avx2' or 'scalar'."},
     {"types", py_types, METH_NOARGS, "The ggml type ids with a native kernel."},
     {"tiling", py_tiling, METH_VARARGS, "The many-row drivers' geometry (rows, panel sizes)."},
+    {"quantize_q8", py_quantize_q8, METH_VARARGS, "Rows of x as ggml Q8_0 / Q8_K blocks (ggml's bytes)."},
+    {"matmul_q8", py_matmul_q8, METH_VARARGS, "y = x @ W.T in ggml's int8-activation arithmetic."},
+    {"simd_i8", py_simd_i8, METH_NOARGS, "The best int8 path: 'avx512vnni', 'avx2' or 'scalar'."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1336,6 +2178,10 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         use_simd = 1;
     if (use_simd && __builtin_cpu_supports("avx512f")) use_simd = 2;
+    use_i8 = use_simd >= 1;
+    if (use_simd == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni"))
+        use_i8 = 2;
 #endif
     return PyModule_Create(&module);
 }

@@ -126,20 +126,28 @@ _KV = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 # index_select moves both values (table: 256 KiB in bf16, 512 KiB in float32; it stays in L2).
 _WIDE = {2: torch.int32, 4: torch.int64}
 _NARROW = {2: torch.int16, 4: torch.int32}
-_MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_MXFP4_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:
-    table = _MXFP4_TABLES.get(dtype)
+def _mxfp4_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    table = _MXFP4_TABLES.get((dtype, device))
     if table is None:
+        if device.type != "cpu":      # made once on the CPU, copied once per device
+            table = _MXFP4_TABLES[dtype, device] = _mxfp4_table(dtype, _CPU).to(device)
+            return table
         d = _e8m0_half(torch.arange(256, dtype=torch.int32)).view(256, 1)
         kv = torch.tensor(_KV, dtype=torch.float32)
         byte = torch.arange(256)
         # ggml's `kvalue * d` in float32, then the one rounding to the output dtype.
         lo, hi = (kv[byte & 0xF] * d).to(dtype), (kv[byte >> 4] * d).to(dtype)
         table = torch.stack([lo, hi], dim=2).contiguous().view(_WIDE[dtype.itemsize]).reshape(65536)
-        _MXFP4_TABLES[dtype] = table
+        _MXFP4_TABLES[dtype, device] = table
     return table
+
+
+def _numpy_copy(t: torch.Tensor) -> bool:
+    """May `t` be written through numpy (CPU memory)?"""
+    return t.device.type == "cpu"
 
 
 def _mxfp4(blocks: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None = None,
@@ -152,15 +160,18 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None =
     40 ms per 11M values with per-chunk buffers, 22 ms with reused ones).
     """
     nb = blocks.shape[0]
-    index = torch.empty(nb, 16, dtype=torch.int32) if index is None else index[:nb]
+    index = torch.empty(nb, 16, dtype=torch.int32, device=blocks.device) if index is None else index[:nb]
     index.copy_(blocks[:, 1:]).add_(blocks[:, 0:1].to(torch.int32) << 8)  # e*256 + byte
-    table = _mxfp4_table(out.dtype)
+    table = _mxfp4_table(out.dtype, out.device)
     pairs = torch.index_select(table, 0, index.view(-1), out=None if pairs is None else pairs[: nb * 16])
     # [nb, 16 bytes, (lo, hi)] -> [nb, (lo, hi), 16]: element j is byte j's low nibble, j+16 its
-    # high one. numpy's strided copy is about twice as fast as torch's for this shape.
+    # high one. numpy's strided copy is about twice as fast as torch's for this shape (CPU).
     narrow = _NARROW[out.dtype.itemsize]
-    np.copyto(out.view(narrow).numpy().reshape(nb, 2, 16),
-              pairs.view(narrow).numpy().reshape(nb, 16, 2).transpose(0, 2, 1))
+    src = pairs.view(narrow).view(nb, 16, 2).transpose(1, 2)
+    if _numpy_copy(out):
+        np.copyto(out.view(narrow).numpy().reshape(nb, 2, 16), src.numpy())
+    else:
+        out.view(narrow).view(nb, 2, 16).copy_(src)
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +202,27 @@ def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 _BIT_MASKS = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8).view(1, 8, 1)
+_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+_CPU = torch.device("cpu")
+
+
+def _on(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module-level constant `t` on `device` (copied once per device; the CPU one as is)."""
+    if device.type == "cpu":
+        return t
+    c = _ON_DEVICE.get((name, device))
+    if c is None:
+        c = _ON_DEVICE[name, device] = t.to(device)
+    return c
+
+
+def _masks(blocks: torch.Tensor) -> torch.Tensor:
+    return _on("bit_masks", _BIT_MASKS, blocks.device)
 
 
 def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     qh = blocks[:, 16:48].unsqueeze(1)  # sub-block s takes bit s of qh[l] as its fifth bit
-    high = torch.bitwise_and(qh, _BIT_MASKS).ne_(0).bitwise_left_shift_(4)  # tensor-by-tensor shifts are slow
+    high = torch.bitwise_and(qh, _masks(qh)).ne_(0).bitwise_left_shift_(4)  # tensor-by-tensor shifts are slow
     q = _nibbles(blocks[:, 48:176]).bitwise_or_(high)
     _scale_min(q, blocks, out)
 
@@ -267,7 +294,7 @@ def _crumbs(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(b: torch.Tensor) -> torch.Tensor:
     """[nb, k] bytes -> bool [nb, 8k]: element 8i + j is bit j of byte i (a little-endian bitset)."""
-    return torch.bitwise_and(b.unsqueeze(2), _BIT_MASKS.view(1, 1, 8)).ne_(0).flatten(1)
+    return torch.bitwise_and(b.unsqueeze(2), _masks(b).view(1, 1, 8)).ne_(0).flatten(1)
 
 
 def _sign_idx(a: torch.Tensor) -> torch.Tensor:
@@ -289,8 +316,11 @@ def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _tables() -> dict[str, torch.Tensor]:
-    """gguf-py's data as torch tables: IQ grids, ksigns as +-1 rows, kvalues, NVFP4 scales."""
+def _tables(device: torch.device = _CPU) -> dict[str, torch.Tensor]:
+    """gguf-py's data as torch tables: IQ grids, ksigns as +-1 rows, kvalues, NVFP4 scales;
+    made once on the CPU (numpy, at first use), copied once to any other device."""
+    if device.type != "cpu":
+        return {k: v.to(device) for k, v in _tables().items()}
     byte_bits = (np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1
     t = {name: torch.from_numpy(gguf_py.grid(qt)) for name, qt in (
         ("iq2xxs", T.IQ2_XXS), ("iq2xs", T.IQ2_XS), ("iq2s", T.IQ2_S), ("iq3xxs", T.IQ3_XXS),
@@ -345,7 +375,7 @@ def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _q1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, qs[16]: +d where the bit is set, else -d (a sign-bit flip, NaNs included)."""
     nb = blocks.shape[0]
-    flips = _gather(_tables()["q1_0"], blocks[:, 2:18]).view(nb, 128)
+    flips = _gather(_tables(blocks.device)["q1_0"], blocks[:, 2:18]).view(nb, 128)
     torch.bitwise_xor(flips, _f16(blocks[:, 0:2]).view(torch.int32), out=out.view(torch.int32))
 
 
@@ -382,7 +412,8 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     high = torch.cat([hb & 3, (hb >> 2) & 3, (hb >> 4) & 3, hb >> 6], dim=1)
     dl = (_f16(blocks[:, 108:110]) * ((low | (high << 4)) - 32).to(torch.float32)).unsqueeze(2)
     q = _crumbs(blocks[:, 32:96].reshape(nb, 2, 32)).view(torch.int8)
-    clear = torch.bitwise_and(blocks[:, 0:32].view(nb, 1, 1, 32), _Q3_HMASK).eq_(0)
+    hmask = _on("q3_hmask", _Q3_HMASK, blocks.device)
+    clear = torch.bitwise_and(blocks[:, 0:32].view(nb, 1, 1, 32), hmask).eq_(0)
     q.sub_(clear.view(torch.uint8).view(torch.int8) << 2)
     out.view(nb, 16, 16).copy_(q.view(nb, 16, 16)).mul_(dl)
 
@@ -390,7 +421,7 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """qs[48], qh[4], f16 d: 5 trits per byte (4 per qh byte), trit-major within each run."""
     nb = blocks.shape[0]
-    tq1 = _tables()["tq1"]
+    tq1 = _tables(blocks.device)["tq1"]
     y = out.view(nb, 256)
     y[:, 0:160].view(nb, 5, 32).copy_(_gather(tq1, blocks[:, 0:32]).transpose(1, 2))
     y[:, 160:240].view(nb, 5, 16).copy_(_gather(tq1, blocks[:, 32:48]).transpose(1, 2))
@@ -411,7 +442,7 @@ def _tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, then per 32 values 8 bytes: 4 grid indices, uint32 (4 x 7-bit signs, 4-bit scale)."""
     nb = blocks.shape[0]
-    t = _tables()
+    t = _tables(blocks.device)
     q = blocks[:, 2:66].reshape(nb, 8, 8)
     db = _half_scales(_f16(blocks[:, 0:2]), q[:, :, 7] >> 4, 0.25).view(nb, 8, 1, 1)
     y = out.view(nb, 8, 4, 8)
@@ -422,7 +453,7 @@ def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, uint16 qs[32] (9-bit grid index | 7-bit sign index), scales[8] (two nibbles)."""
     nb = blocks.shape[0]
-    t = _tables()
+    t = _tables(blocks.device)
     w = _u16(blocks, 2, 32)
     sc = blocks[:, 66:74]
     db = _half_scales(_f16(blocks[:, 0:2]).view(nb, 1, 1), torch.stack([sc & 0xF, sc >> 4], dim=2), 0.25)
@@ -434,7 +465,7 @@ def _iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, qs[32] (grid low bytes), signs[32], qh[8] (2 high index bits each), scales[8]."""
     nb = blocks.shape[0]
-    t = _tables()
+    t = _tables(blocks.device)
     qh = blocks[:, 66:74]
     hi = torch.stack([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=2).to(torch.int32)
     idx = blocks[:, 2:34].reshape(nb, 8, 4).to(torch.int32) | (hi << 8)
@@ -448,7 +479,7 @@ def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, qs[64] (grid indices of 4 values), 8 x uint32 (4 x 7-bit signs, 4-bit scale)."""
     nb = blocks.shape[0]
-    t = _tables()
+    t = _tables(blocks.device)
     a = blocks[:, 66:98].reshape(nb, 8, 4)
     db = _half_scales(_f16(blocks[:, 0:2]), a[:, :, 3] >> 4, 0.5).view(nb, 8, 1, 1)
     y = out.view(nb, 8, 4, 8)
@@ -459,8 +490,8 @@ def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, qs[64], qh[8] (9th index bit of each), signs[32], scales[4]: d * (1 + 2 s)."""
     nb = blocks.shape[0]
-    t = _tables()
-    hi = torch.bitwise_and(blocks[:, 66:74].unsqueeze(2), _BIT_MASKS.view(1, 1, 8)).ne_(0).to(torch.int32)
+    t = _tables(blocks.device)
+    hi = torch.bitwise_and(blocks[:, 66:74].unsqueeze(2), _masks(blocks).view(1, 1, 8)).ne_(0).to(torch.int32)
     idx = blocks[:, 2:66].reshape(nb, 8, 8).to(torch.int32) | (hi << 8)
     sc = blocks[:, 106:110]
     s = torch.stack([sc & 0xF, sc >> 4], dim=2).reshape(nb, 8).to(torch.int32)
@@ -475,7 +506,7 @@ def _iq1_groups(out: torch.Tensor, idx: torch.Tensor, delta_neg: torch.Tensor, d
     nb = idx.shape[0]
     delta = torch.where(delta_neg, -float(gguf_py.IQ1S_DELTA), float(gguf_py.IQ1S_DELTA)).to(torch.float32)
     y = out.view(nb, 32, 8)
-    torch.add(_gather(_tables()["iq1s"], idx), delta.unsqueeze(2), out=y)
+    torch.add(_gather(_tables(idx.device)["iq1s"], idx), delta.unsqueeze(2), out=y)
     y.mul_(dl)
 
 
@@ -514,7 +545,7 @@ def _kv_pairs(table: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """f16 d, qs[16]: d * kvalues_iq4nl[nibble]."""
     nb = blocks.shape[0]
-    kv = _kv_pairs(_tables()["iq4nl"], blocks[:, 2:18])
+    kv = _kv_pairs(_tables(blocks.device)["iq4nl"], blocks[:, 2:18])
     torch.mul(kv, _f16(blocks[:, 0:2]).view(nb, 1, 1), out=out.view(nb, 2, 16))
 
 
@@ -526,14 +557,14 @@ def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     lo = torch.stack([sl & 0xF, sl >> 4], dim=2).reshape(nb, 8).to(torch.int32)
     hi = torch.cat([(sh >> (2 * i)) & 3 for i in range(8)], dim=1)
     dl = (_f16(blocks[:, 0:2]) * ((lo | (hi << 4)) - 32).to(torch.float32)).view(nb, 8, 1, 1)
-    kv = _kv_pairs(_tables()["iq4nl"], blocks[:, 8:136].reshape(nb, 8, 16))
+    kv = _kv_pairs(_tables(blocks.device)["iq4nl"], blocks[:, 8:136].reshape(nb, 8, 16))
     torch.mul(kv, dl, out=out.view(nb, 8, 2, 16))
 
 
 def _nvfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     """ue4m3 d[4], qs[32]: four sub-blocks of 16, kvalues_mxfp4[nibble] * d[s]."""
     nb = blocks.shape[0]
-    t = _tables()
+    t = _tables(blocks.device)
     d = _gather(t["ue4m3"], blocks[:, 0:4]).view(nb, 4, 1, 1)
     kv = _kv_pairs(t["fp4"], blocks[:, 4:36].reshape(nb, 4, 8))
     torch.mul(kv, d, out=out.view(nb, 4, 2, 8))
@@ -583,16 +614,18 @@ def dequantize(
     if data.storage_offset() % 4 or not data.is_contiguous():
         data = data.clone()  # float dtype views need an aligned start
     blocks = data.view(-1, bb)
-    out = torch.empty(blocks.shape[0], elems, dtype=dtype)
+    dev = data.device          # any device: the kernels are torch ops on `blocks`' device
+    out = torch.empty(blocks.shape[0], elems, dtype=dtype, device=dev)
     direct = dtype == torch.float32 or (
         qtype in _ANY_DTYPE and dtype.is_floating_point and dtype.itemsize in _WIDE)
     step = max(1, CHUNK_ELEMS // elems)
-    scratch = None if direct else torch.empty(step, elems)
+    scratch = None if direct else torch.empty(min(step, blocks.shape[0]), elems, device=dev)
     kernel = _KERNELS[qtype]
     if qtype == T.MXFP4:
         wide = _WIDE[(dtype if direct else torch.float32).itemsize]
-        kernel = partial(_mxfp4, index=torch.empty(step, 16, dtype=torch.int32),
-                         pairs=torch.empty(step * 16, dtype=wide))
+        n = min(step, blocks.shape[0])
+        kernel = partial(_mxfp4, index=torch.empty(n, 16, dtype=torch.int32, device=dev),
+                         pairs=torch.empty(n * 16, dtype=wide, device=dev))
     for i in range(0, blocks.shape[0], step):
         chunk = blocks[i : i + step]
         if scratch is None:

@@ -10,7 +10,9 @@ and matrices multiplied). So every MoE runs its experts the same way:
            come out in row-major order, as nonzero(ids == e) would give them
   plan     the distinct experts, in the order they will be fetched, go to the provider's
            optional `plan(layer, experts)` first: a store can read the next miss while the
-           current expert computes
+           current expert computes; then, if the architecture guessed a later layer's experts
+           (`prefetch=`), the provider's optional `prefetch(layer, experts)`: a store can read
+           them while this layer and the trunk up to that one compute
   run      each distinct expert is fetched once (`ExpertProvider.get`) and runs all its rows
            as one matrix
   scatter  each pair's weighted output lands in its own slot of [N, k, d] and the k slots
@@ -39,7 +41,7 @@ store's quantized weights through `MatmulWeight`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -69,7 +71,9 @@ class ExpertProvider(Protocol):
 
     A provider may also have `plan(layer, experts: Sequence[int])`: it is then told, before
     the first `get` of a call, which experts will be asked for and in what order (a store can
-    read the next one while the current one computes)."""
+    read the next one while the current one computes); and `prefetch(layer, experts)`: told
+    right after the plan which experts of a later layer will probably be asked for (a guess:
+    it may read them, never changes what `get` returns)."""
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
@@ -126,6 +130,8 @@ class RoutedMoE(nn.Module):
         # rounding applied to every expert matmul's input, as ggml-cpu does for quantized weights
         # (llama.cpp parity checks only); while set, the per-expert path runs even when batched
         self.input_round: Callable[[Tensor], Tensor] | None = None
+        # rows routed to each expert since `count_routes()` (int64 [n_experts]); None: not counted
+        self.route_counts: Tensor | None = None
 
     # -- hooks an architecture overrides ---------------------------------------------------
     def act(self, gate: Tensor, up: Tensor) -> Tensor:
@@ -149,19 +155,30 @@ class RoutedMoE(nn.Module):
         """All own experts at once, gate/up [E, ff, d] and down [E, d, ff] (the batched path)."""
         return self.gate_exps, self.up_exps, self.down_exps
 
+    def count_routes(self, on: bool = True) -> None:
+        """Start (or restart) counting the rows routed to each expert in `route_counts`, or stop
+        (`on=False`, counts dropped). Every (row, slot) pair counts once, whichever path runs."""
+        self.route_counts = torch.zeros(self.n_experts, dtype=torch.int64) if on else None
+
     # -- the one implementation ---------------------------------------------------------------
     def batched_for(self, experts: ExpertProvider | None) -> bool:
         """Whether `run_experts(..., experts)` takes the batched training path."""
         return experts is None and self.batched and self.has_experts and self.input_round is None
 
     def run_experts(self, x: Tensor, ids: Tensor, weights: Tensor,
-                    experts: ExpertProvider | None = None) -> Tensor:
+                    experts: ExpertProvider | None = None,
+                    prefetch: tuple[int, Sequence[int]] | None = None) -> Tensor:
         """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) for x [N, d], ids and weights [N, k] -> [N, d].
 
-        `experts` None: the module's own experts (an error if it was built without them)."""
+        `experts` None: the module's own experts (an error if it was built without them).
+        `prefetch` (layer, experts): a guess at a later layer's experts, passed to the
+        provider's `prefetch` after this layer's plan (ignored without a provider)."""
         if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             shapes = f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, x {tuple(x.shape)}"
             raise ValueError(f"layer {self.layer}: {shapes} disagree")
+        if self.route_counts is not None:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
+            self.route_counts += counts.to(self.route_counts.device)
         groups = group_routes(ids)
         if experts is None:
             if not self.has_experts:
@@ -169,14 +186,18 @@ class RoutedMoE(nn.Module):
             if self.batched_for(None):
                 return self._run_batched(x, groups, weights)
             experts = ModuleExperts(self)
-        return self._run_each(x, groups, weights, experts)
+        return self._run_each(x, groups, weights, experts, prefetch)
 
-    def _run_each(self, x: Tensor, groups: RouteGroups, weights: Tensor, experts: ExpertProvider) -> Tensor:
+    def _run_each(self, x: Tensor, groups: RouteGroups, weights: Tensor, experts: ExpertProvider,
+                  prefetch: tuple[int, Sequence[int]] | None = None) -> Tensor:
         """Fetch each distinct expert once, in plan order, and run all its rows together."""
         N, k = weights.shape
         plan = getattr(experts, "plan", None)
         if plan is not None:
             plan(self.layer, groups.experts)
+        hint = getattr(experts, "prefetch", None)
+        if prefetch is not None and hint is not None:
+            hint(*prefetch)
         if self.exact_order:
             slots = x.new_zeros(N, k, x.shape[-1])
         else:

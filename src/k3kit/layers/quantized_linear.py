@@ -5,20 +5,31 @@ to bf16 doubles (Q8_0) or quadruples (Q4_K) what memory holds and what every dec
 (issue 12: 59.6 GB of Q8_0 trunk become ~112 GB of bf16). These layers keep the bytes of the
 ggml tensor (a mapped file range or a buffer the loader filled) and compute from them:
 
-* QuantizedLinear: `x @ W.T` through `k3kit.kernels.qmatmul.QuantizedMatrix.matmul`, which
-  picks the native kernel for few rows (decode, verify; float32 sums) where the extension has
-  the type, else dequantizes W for this call and runs torch's GEMM (prefill). F32/F16/BF16
-  weights are held as a typed view of their bytes (no copy, no widening): multiplied as they
-  are when x has their dtype, else in float32. The output is in x's dtype, so `--dtype` sets
-  activations only.
+* QuantizedLinear: `x @ W.T`. On the CPU through `k3kit.kernels.qmatmul.QuantizedMatrix.matmul`,
+  which picks the native kernel for few rows (decode, verify; float32 sums) where the extension
+  has the type, else dequantizes W for this call, a chunk of rows at a time, and runs torch's
+  GEMM (prefill). Elsewhere (CUDA), or with `mode="dequant"` on the CPU, the bytes stay on the
+  layer's device and each product dequantizes W there into a scratch of at most `chunk_bytes`
+  of output rows, each chunk multiplied as it is made (a fused GPU kernel can come later).
+  F32/F16/BF16 weights are held as a typed view of their bytes (no copy, no widening):
+  multiplied as they are when x has their dtype, else in float32. The output is in x's dtype,
+  so `--dtype` sets activations only.
 * QuantizedEmbedding: a row gather that dequantizes only the rows asked for (ggml rows are
   whole blocks), so K3's 163840 x 7168 token_embd stays 1.25 GB of Q8_0, not 2.3 GB of bf16.
 
-Inference only: the weights are not Parameters and get no gradient. The bytes are plain
-attributes, not buffers: `module.to(...)` leaves them where the loader put them (CPU); the
-loaders build these layers for the CPU only. `use_quantized_weights` swaps the nn.Linear /
-nn.Embedding modules of a built model (meta or not) given a module name -> bytes getter; this
-package never opens a file.
+Row invariance (batched serving relies on it): up to `QuantizedLinear.invariant_rows` rows,
+each output row is bitwise the same whatever the other rows of the call are. The native kernel
+guarantees it for its types; F32/F16/BF16 weights get it from one matrix-vector product per row
+(torch's GEMM is not row-invariant: M=1 and M=8 differ in the last bits).
+
+Corrupt files: a loader can give a layer a `check` (run once, before the first product: it
+scans the scale bytes, which the first product reads anyway) and an embedding a `corrupt_row`
+callback (called with the first looked-up row that dequantized to inf/NaN); both are expected
+to raise a one-line error that names the file and tensor. This package never opens a file.
+
+Inference only: the weights are not Parameters and get no gradient. `module.to(device)` moves
+the bytes (no dtype change: they stay uint8); `use_quantized_weights` swaps the nn.Linear /
+nn.Embedding modules of a built model (meta or not) given a module name -> bytes getter.
 """
 
 from __future__ import annotations
@@ -39,14 +50,21 @@ T = GGMLQuantizationType
 # file types held as a typed view of their bytes instead of being dequantized per call
 FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-_ROW_DTYPES = (torch.bfloat16, torch.float16)
+# Rows up to which F32/F16/BF16 weights multiply one row at a time (torch.mv): row-invariant,
+# and reading W once per row costs little for the small matrices a quantized file keeps float.
+# Beyond, torch's GEMM (faster, not row-invariant).
+DENSE_MAX_ROWS = 16
+# The most bytes of dequantized weight a `mode="dequant"` product holds at once: a chunk of W's
+# output rows in the compute dtype (bounded scratch on a GPU; 64 MiB is a few % of a 24 GB card).
+DEQUANT_CHUNK_BYTES = 64 << 20
+MODES = ("auto", "dequant")
 
 
 @dataclass(frozen=True)
 class GGMLWeight:
     """One ggml tensor as its bytes: what a loader hands these layers."""
 
-    raw: Tensor                     # uint8, contiguous, exactly the tensor's bytes (CPU)
+    raw: Tensor                     # uint8, contiguous, exactly the tensor's bytes (any device)
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]          # ggml order: (n_in, n_out) for a matrix
 
@@ -55,54 +73,114 @@ class GGMLWeight:
         return self.raw.numel()
 
 
-def _float_view(w: GGMLWeight) -> Tensor | None:
+def _float_view(raw: Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Tensor | None:
     """[n_out, n_in] view of an F32/F16/BF16 tensor's bytes in its own dtype (no copy), else None."""
-    dt = FLOAT_TYPES.get(T(w.qtype))
+    dt = FLOAT_TYPES.get(T(qtype))
     if dt is None:
         return None
-    raw = w.raw if w.raw.data_ptr() % dt.itemsize == 0 else w.raw.clone()   # typed views need alignment
-    return raw.view(dt).view(w.shape[1], w.shape[0])
+    raw = raw if raw.data_ptr() % dt.itemsize == 0 else raw.clone()   # typed views need alignment
+    return raw.view(dt).view(shape[1], shape[0])
+
+
+def _target_device(fn: Callable[[Tensor], Tensor], current: torch.device) -> torch.device:
+    """Where `Module._apply(fn)` would send a uint8 tensor now on `current` (fn is `.to(...)`,
+    `.cuda()`, `.half()`, ...; only the device is taken from it: the bytes stay uint8)."""
+    return fn(torch.empty(0, dtype=torch.uint8, device=current)).device
 
 
 class QuantizedLinear(nn.Module):
     """`y = x @ W.T (+ bias)` with W kept as its ggml bytes; y in x's dtype.
 
     `dtype` is the dtype a quantized W is dequantized to when many rows make a GEMM cheaper
-    than the native kernel (or the type has no native kernel): the compute dtype, so a prefill
-    pass computes what a float trunk in that dtype would.
+    than the native kernel, when the type has no native kernel, or on a GPU: the compute dtype,
+    so a prefill pass computes what a float trunk in that dtype would.
+    `mode`: "auto" = native kernel / QuantizedMatrix on the CPU, per-product dequantization
+    elsewhere; "dequant" = per-product dequantization into at most `chunk_bytes` of W at a time
+    on any device (what CUDA runs; selectable on the CPU to test it).
     """
 
-    def __init__(self, weight: GGMLWeight, dtype: torch.dtype = torch.float32, bias: Tensor | None = None):
+    check: Callable[[], None] | None
+    matrix: QuantizedMatrix | None
+
+    def __init__(self, weight: GGMLWeight, dtype: torch.dtype = torch.float32, bias: Tensor | None = None,
+                 *, mode: str = "auto", chunk_bytes: int = DEQUANT_CHUNK_BYTES, arith: str = ""):
         super().__init__()
         if len(weight.shape) != 2:
             raise ValueError(f"QuantizedLinear needs a 2-D ggml tensor, got shape {weight.shape}")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be >= 1")
         self.in_features, self.out_features = int(weight.shape[0]), int(weight.shape[1])
-        self.matrix = QuantizedMatrix(weight.raw, T(weight.qtype), (self.in_features, self.out_features),
-                                      dtype)
-        self.dense = _float_view(weight)
+        self.qtype = T(weight.qtype)
+        self.dtype = dtype
+        self.mode = mode
+        self.arith = arith          # QuantizedMatrix's arithmetic ("float" / "ggml"; "" = its default)
+        self.chunk_bytes = int(chunk_bytes)
+        if weight.raw.dtype != torch.uint8 or not weight.raw.is_contiguous():
+            raise ValueError("QuantizedLinear bytes must be a contiguous uint8 tensor")
+        need = nbytes_for(self.qtype, self.in_features * self.out_features)
+        if weight.raw.numel() != need:
+            raise ValueError(f"{self.qtype.name} matrix {weight.shape} needs {need} bytes, "
+                             f"got {weight.raw.numel()}")
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.check = None
+        self._place(weight.raw.reshape(-1))
 
-    @property
-    def qtype(self) -> GGMLQuantizationType:
-        return self.matrix.qtype
+    def _place(self, raw: Tensor) -> None:
+        """Hold `raw` (on its device) and the views the products use."""
+        self.raw = raw
+        shape = (self.in_features, self.out_features)
+        self.dense = _float_view(raw, self.qtype, shape)
+        # the CPU product (native kernel or chunked GEMM) reads the bytes through numpy
+        cpu = raw.device.type == "cpu" and self.dense is None and self.mode == "auto"
+        self.matrix = QuantizedMatrix(raw, self.qtype, shape, self.dtype, arith=self.arith) if cpu else None
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` / `.cuda()` move the bytes too (a dtype argument leaves them uint8)."""
+        super()._apply(fn, recurse)
+        dev = _target_device(fn, self.raw.device)
+        if dev != self.raw.device:
+            self._place(self.raw.to(dev))
+        return self
 
     @property
     def nbytes(self) -> int:
         """Bytes held for the weight (the file's bytes; the bias is a Parameter, counted there)."""
-        return self.matrix.nbytes
+        return self.raw.numel()
 
     @property
     def numel(self) -> int:
         return self.in_features * self.out_features
 
+    @property
+    def invariant_rows(self) -> int:
+        """Rows per call up to which each output row is bitwise independent of the other rows
+        (0: no guarantee beyond one row): QuantizedMatrix's for a quantized W on the CPU (the
+        native kernel's row limit; any count in ggml arithmetic), DENSE_MAX_ROWS for F32/F16/BF16,
+        0 for the per-product dequantization (torch's GEMM)."""
+        if self.dense is not None:
+            return DENSE_MAX_ROWS
+        if self.matrix is not None:
+            return int(self.matrix.invariant_rows)
+        return 0
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype.name}, bias={self.bias is not None}")
+                f"qtype={self.qtype.name}, bias={self.bias is not None}, device={self.raw.device.type}")
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.check is not None:
+            self.check()          # raises on a corrupt tensor; kept until it has passed once
+            self.check = None
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = self.matrix.matmul(x2) if self.dense is None else self._dense_matmul(x2)
+        if self.dense is not None:
+            y = self._dense_matmul(x2)
+        elif self.matrix is not None:
+            y = self.matrix.matmul(x2)
+        else:
+            y = self._dequant_matmul(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)
@@ -110,17 +188,56 @@ class QuantizedLinear(nn.Module):
     def _dense_matmul(self, x: Tensor) -> Tensor:
         w = self.dense
         assert w is not None
-        if x.dtype == w.dtype:
-            if x.shape[0] == 1 and w.dtype in _ROW_DTYPES and not torch.is_grad_enabled():
-                return torch.mv(w, x[0]).unsqueeze(0)        # as RowLinear: mv reads W faster
+        if x.dtype != w.dtype:           # mixed dtypes: float32 (a transient copy unless W is F32)
+            return self._rows(x.float(), w.float()).to(x.dtype)
+        return self._rows(x, w)
+
+    @staticmethod
+    def _rows(x: Tensor, w: Tensor) -> Tensor:
+        """x @ w.T: one matrix-vector product per row up to DENSE_MAX_ROWS rows (row-invariant;
+        each row copied to its own buffer so its alignment is the same in every call), else GEMM."""
+        m = x.shape[0]
+        if m > DENSE_MAX_ROWS or torch.is_grad_enabled():
             return F.linear(x, w)
-        # mixed dtypes: float32 (widening W is a transient copy unless W is F32 already)
-        return F.linear(x.float(), w.float()).to(x.dtype)
+        y = torch.empty(m, w.shape[0], dtype=w.dtype, device=w.device)
+        for i in range(m):
+            torch.mv(w, x[i].clone(), out=y[i])
+        return y
+
+    def _dequant_rows(self, r0: int, r1: int) -> Tensor:
+        """Rows r0 .. r1 - 1 of W in the compute dtype, on the bytes' device ([r1 - r0, n_in])."""
+        row_bytes = self.raw.numel() // self.out_features
+        return dequantize(self.raw[r0 * row_bytes:r1 * row_bytes], self.qtype,
+                          (self.in_features, r1 - r0), self.dtype)
+
+    def chunk_rows(self) -> int:
+        """Output rows of W dequantized at once by the per-product path (<= chunk_bytes of them)."""
+        per_row = self.in_features * self.dtype.itemsize
+        return max(1, min(self.out_features, self.chunk_bytes // per_row))
+
+    def _dequant_matmul(self, x: Tensor) -> Tensor:
+        """x @ W.T with W dequantized on its device chunk_rows() output rows at a time; each
+        output column is the product of the same dequantized row whatever the chunking."""
+        n_out = self.out_features
+        rows = self.chunk_rows()
+        xc = x.to(self.raw.device, self.dtype)
+        if rows == n_out:
+            return (xc @ self._dequant_rows(0, n_out).t()).to(x.device, x.dtype)
+        y = torch.empty(x.shape[0], n_out, dtype=self.dtype, device=self.raw.device)
+        for r0 in range(0, n_out, rows):
+            r1 = min(n_out, r0 + rows)
+            w = self._dequant_rows(r0, r1)
+            y[:, r0:r1] = xc @ w.t()
+            del w                        # freed before the next chunk is made
+        return y.to(x.device, x.dtype)
 
 
 class QuantizedEmbedding(nn.Module):
     """Token embedding over a ggml [n_embd, n_vocab] tensor's bytes: only the looked-up rows
-    are dequantized (to `dtype`), each bitwise as a whole-tensor dequantization gives it."""
+    are dequantized (to `dtype`, on the bytes' device), each bitwise as a whole-tensor
+    dequantization gives it."""
+
+    corrupt_row: Callable[[int], None] | None
 
     def __init__(self, weight: GGMLWeight, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -133,7 +250,16 @@ class QuantizedEmbedding(nn.Module):
         if weight.raw.dtype != torch.uint8 or weight.raw.numel() != row * self.num_embeddings:
             raise ValueError(f"{self.qtype.name} embedding {weight.shape} needs "
                              f"{row * self.num_embeddings} uint8 bytes, got {weight.raw.numel()}")
-        self.rows = weight.raw.view(self.num_embeddings, row)
+        self.rows = weight.raw.reshape(self.num_embeddings, row)
+        self.corrupt_row = None
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the bytes too (they stay uint8)."""
+        super()._apply(fn, recurse)
+        dev = _target_device(fn, self.rows.device)
+        if dev != self.rows.device:
+            self.rows = self.rows.to(dev)
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -147,15 +273,19 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
 
     def forward(self, ids: Tensor) -> Tensor:
-        flat = ids.reshape(-1).to("cpu", torch.long)
+        flat = ids.reshape(-1).to(self.rows.device, torch.long)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
         out = dequantize(self.rows[flat], self.qtype, (self.embedding_dim, flat.numel()), self.dtype)
+        if self.corrupt_row is not None and flat.numel():
+            bad = (~torch.isfinite(out)).any(dim=1)
+            if bool(bad.any()):
+                self.corrupt_row(int(flat[int(bad.nonzero()[0, 0])]))
         return out.view(*ids.shape, self.embedding_dim).to(ids.device)
 
 
 def use_quantized_weights(model: nn.Module, weight: Callable[[str], GGMLWeight | None],
-                          dtype: torch.dtype = torch.float32) -> list[str]:
+                          dtype: torch.dtype = torch.float32, arith: str = "") -> list[str]:
     """Replace every nn.Linear / nn.Embedding of `model` for which `weight(module name)` returns
     bytes by a QuantizedLinear / QuantizedEmbedding over them; returns the replaced names.
 
@@ -172,7 +302,7 @@ def use_quantized_weights(model: nn.Module, weight: Callable[[str], GGMLWeight |
         new: nn.Module
         if isinstance(mod, nn.Linear):
             bias = mod.bias.detach() if mod.bias is not None else None
-            ql = QuantizedLinear(w, dtype, bias)
+            ql = QuantizedLinear(w, dtype, bias, arith=arith)
             got, want = (ql.in_features, ql.out_features), (mod.in_features, mod.out_features)
             new = ql
         else:

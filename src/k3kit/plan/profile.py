@@ -10,13 +10,14 @@ as sum_e 1 - (1 - p_e)^n (which is E * (1 - (1 - k/E)^n) when p_e = k/E).
 Format (JSON, one object):
 
     {"format": "k3kit-expert-profile", "version": 1,
-     "model": {"arch": "kimi-k3", "layers": 93, "experts": 896, "experts_used": 16},
+     "model": {"arch": "kimi-k3", "layers": 93, "experts": 896, "experts_used": 16,
+               "name": "Kimi-K3"},             # name: optional, general.name of the recorded file
      "tokens": 4096,                        # tokens routed (each picks experts_used per layer)
      "layers": {"1": [c_0, ..., c_895], "2": [...], ...}}   # per MoE layer: times each expert was picked
 
 Layers missing from "layers" are taken as uniform. A profile whose model block disagrees with
-the model (architecture, layer or expert count, a layer that is not an MoE layer) is refused:
-it was recorded on another model.
+the model (architecture, layer or expert count, general.name when both have one, a layer that is
+not an MoE layer) is refused: it was recorded on another model.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def make_profile(facts: ModelFacts, tokens: int, counts: dict[int, list[int]]) -
     """The JSON object for `counts` (what a recorder writes; used by tests and bench)."""
     return {"format": FORMAT, "version": VERSION,
             "model": {"arch": facts.arch, "layers": facts.n_layer, "experts": facts.n_experts,
-                      "experts_used": facts.experts_used},
+                      "experts_used": facts.experts_used} | ({"name": facts.name} if facts.name else {}),
             "tokens": tokens, "layers": {str(k): list(map(int, v)) for k, v in counts.items()}}
 
 
@@ -70,6 +71,10 @@ def load_profile(path: str | Path, facts: ModelFacts) -> Profile:
         if m.get(key) != value:
             raise K3Error(f"{p}: profile is for another model ({key} {m.get(key)!r}, "
                           f"{facts.path.name} has {value!r})")
+    name = m.get("name")
+    if name is not None and facts.name is not None and name != facts.name:
+        raise K3Error(f"{p}: profile is for another model (name {name!r}, {facts.path.name} is "
+                      f"{facts.name!r})")
     tokens = data.get("tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise K3Error(f"{p}: \"tokens\" must be a whole number >= 1")

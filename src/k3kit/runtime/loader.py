@@ -8,19 +8,26 @@ nothing here chooses the adapter: `k3kit.adapters.load_model` maps `general.arch
 to one through its registry table.
 
 Memory: every shard is mapped with plain mmap (no MAP_POPULATE, no WILLNEED on the file)
-through the same `MappedFile` the expert store reads with; a trunk tensor's pages are
-faulted in while it is dequantized and dropped from this process (MADV_DONTNEED) right
-after, so resident memory is the dequantized trunk, not the trunk twice. The page cache
-keeps whatever the kernel wants to keep.
+through the same `MappedFile` the expert store reads with; a tensor dequantized at load (the
+float pieces of any trunk, every matrix of `--trunk float`) has its pages faulted in while it
+is dequantized and dropped from this process (MADV_DONTNEED) right after, so resident memory
+is the dequantized tensor, not the tensor twice. The page cache keeps whatever the kernel wants.
 
-A quantized trunk (`LoadOptions.trunk = "quantized"`) takes tensors as their bytes instead
-(`GGUFSource.raw`): a uint8 tensor over a second, private (copy-on-write, never written)
-mapping of the shard, which nothing ever MADV_DONTNEEDs. Its pages become resident as the
-first forward touches them, are the page cache's own pages (one copy in RAM, shared with any
-other process mapping the file, and clean: the kernel can drop and re-read them under memory
-pressure, as llama.cpp's mmap does), so resident trunk = the file's trunk bytes. Reading into
-an owned buffer instead (`copy=True`) makes the same RSS but a second copy of the bytes in the
-page cache until the kernel evicts it, and loads slower.
+The quantized trunk (`LoadOptions.trunk = "quantized"`, the default) takes matrices as their bytes
+instead (`GGUFSource.raw`): a uint8 tensor over a second, private (copy-on-write, never written)
+mapping of the tensor's range of its shard, which nothing ever MADV_DONTNEEDs. Its pages become
+resident as the first forward touches them, are the page cache's own pages (one copy in RAM, shared
+with any other process mapping the file, and clean: the kernel can drop and re-read them under
+memory pressure, as llama.cpp's mmap does), so resident trunk = the file's trunk bytes. Reading into
+an owned buffer instead (`copy=True`) makes the same RSS but a second copy of the bytes in the page
+cache until the kernel evicts it, and loads slower; the CUDA path does that, one tensor at a time,
+before copying the bytes to the device.
+
+Corrupt data: `check_finite(name)` scans a tensor's block scales (k3kit.gguf.quants) and raises
+a one-line CorruptBlockError naming file, tensor and block. A tensor dequantized here is checked
+as it is read; a mapped quantized one when its first product runs (the adapter hooks it to the
+layer), since the scales are spread over every page and reading them at load would read the
+whole trunk (60 GB for K3) before the first token.
 """
 
 from __future__ import annotations
@@ -39,10 +46,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from k3kit.errors import FormatError, K3Error
+from k3kit.gguf import quants
 from k3kit.gguf.reader import KV, TensorInfo
 from k3kit.gguf.shards import Model
 from k3kit.kernels.dequant import SUPPORTED, dequantize
-from k3kit.kernels.qmatmul import native_available
+from k3kit.kernels.qmatmul import ARITHS, native_available
 from k3kit.runtime.experts import ExpertStore
 from k3kit.runtime.experts.io import MappedFile
 
@@ -60,7 +68,9 @@ class LoadOptions:
     cold: bool | str = False             # ExpertStore cold mode (storage reads measured honestly)
     ggml_parity: bool = False            # emulate ggml-cpu's Q8_0 rounding of expert inputs
     expert_kernel: str = "auto"          # "native", "torch" or "auto": see expert_keep()
-    trunk: str = "float"                 # "float": dequantized to `dtype`; "quantized": file bytes
+    trunk: str = "quantized"             # "quantized": the file's bytes; "float": dequantized to `dtype`
+    expert_prefetch: str = "auto"        # "auto", "on" or "off": see expert_prefetch()
+    arith: str = "float"                 # quantized products: "float" or "ggml" (k3kit.kernels.qmatmul)
 
     @property
     def devices(self) -> list[torch.device]:
@@ -88,17 +98,52 @@ TRUNKS = ("float", "quantized")
 
 
 def check_trunk(trunk: str, devices: Sequence[torch.device]) -> str:
-    """`--trunk` checked against the devices: a quantized trunk runs on the CPU only (for now).
+    """`--trunk` checked: quantized (the default) or float, on any device.
 
-    float:     every trunk matrix dequantized once to the compute dtype (what `--dtype` says).
     quantized: trunk matrices kept as the file's bytes and multiplied from them
-               (k3kit.layers.quantized_linear); `--dtype` then sets the activations only.
+               (k3kit.layers.quantized_linear): native kernels on the CPU; on CUDA the bytes
+               live in device memory and each product dequantizes them there in bounded
+               chunks. `--dtype` then sets the activations (and that scratch's dtype) only.
+    float:     every trunk matrix dequantized once to the compute dtype (what `--dtype` says).
     """
     if trunk not in TRUNKS:
         raise K3Error(f"--trunk {trunk!r}: expected one of {', '.join(TRUNKS)}")
-    if trunk == "quantized" and any(d.type != "cpu" for d in devices):
-        raise K3Error("--trunk quantized runs on the CPU only; use --trunk float with CUDA")
     return trunk
+
+
+def check_arith(arith: str) -> str:
+    """`--arith`: the arithmetic of every product on quantized bytes (trunk and experts).
+
+    float: float32 activations times the exact weight values (the float32 rounding bound of the
+           float64 product; decode rows through the native kernel, many rows by dequantize + GEMM).
+    ggml:  llama.cpp's own: activations rounded to Q8_0 / Q8_K blocks, integer dot products
+           (each row bitwise independent of the others at any row count; closest to llama.cpp).
+    """
+    if arith not in ARITHS:
+        raise K3Error(f"--arith {arith!r}: expected one of {', '.join(ARITHS)}")
+    return arith
+
+
+EXPERT_PREFETCH = ("auto", "on", "off")
+
+
+def expert_prefetch(mode: str, store: ExpertStore) -> bool:
+    """`--expert-prefetch` -> whether each MoE layer guesses the next one's experts and starts
+    reading them early (ExpertStore.prefetch).
+
+    on:   always. Guessing costs one extra router product per MoE layer and token, and a wrong
+          guess reads an expert nobody uses (bounded by the store's read-ahead budget).
+    off:  never.
+    auto: on when the expert cache cannot hold every routed expert, i.e. when misses can happen
+          (measured out of core: 1.3-1.8x decode); off when everything fits, where a guess can
+          only cost.
+    """
+    if mode not in EXPERT_PREFETCH:
+        raise K3Error(f"--expert-prefetch {mode!r}: expected one of {', '.join(EXPERT_PREFETCH)}")
+    if mode != "auto":
+        return mode == "on"
+    total = sum(store.n_experts(layer) * store.cached_expert_nbytes(layer) for layer in store.layers)
+    return store.cache_bytes < total
 
 
 def expert_keep(kernel: str, devices: Sequence[torch.device]) -> str:
@@ -152,7 +197,7 @@ class GGUFSource:
         self.raw_kv: dict[str, KV] = self.model.kv
         self.tensors: dict[str, TensorInfo] = self.model.tensors
         self._shards = [MappedFile(p) for p in self.model.paths]
-        self._raw_maps: dict[int, mmap.mmap] = {}   # shard -> the mapping `raw` views (made on demand)
+        self._raw_maps: dict[str, mmap.mmap] = {}   # tensor -> the mapping `raw` views (made on demand)
         self.where = str(self.model.paths[0])    # the first shard: what messages name
         self.trunk_bytes_read = 0
 
@@ -189,10 +234,14 @@ class GGUFSource:
         qtype = GGMLQuantizationType(info.ggml_type)
         raw = shard.view(info.offset, info.nbytes)
         try:
-            t = dequantize(raw, qtype, tuple(info.shape), dtype)
+            bad = self._nonfinite(name, raw)    # read here anyway: checked before it is used
+            t = dequantize(raw, qtype, tuple(info.shape), dtype) if bad is None else None
         finally:
             del raw
             shard.release(info.offset, info.nbytes)   # unmapped here; the page cache decides the rest
+        if bad is not None:
+            raise bad                  # raised with no frame holding the mapped view (close() needs that)
+        assert t is not None
         self.trunk_bytes_read += info.nbytes
         dev = torch.device(device)
         return t if dev.type == "cpu" else t.to(dev)
@@ -210,25 +259,88 @@ class GGUFSource:
             out = np.empty(info.nbytes, np.uint8)
             shard.pread_into(out, info.offset)
         else:
-            mm = self._raw_maps.get(info.shard)
-            if mm is None:
-                # ACCESS_COPY (MAP_PRIVATE): torch gets a writable buffer without a warning, and
-                # a stray write would copy one page instead of faulting; pages only read stay
-                # the page cache's. A numpy view holds a buffer export, so the mapping cannot be
-                # unmapped under a live tensor (mmap.close() refuses; see close()).
-                mm = mmap.mmap(shard.fd, 0, access=mmap.ACCESS_COPY)
-                self._raw_maps[info.shard] = mm
-            out = np.frombuffer(mm, np.uint8, info.nbytes, info.offset)
+            out = self._mapped(name, info, shard)
         self.trunk_bytes_read += info.nbytes
         return torch.from_numpy(out)
 
+    def _mapped(self, name: str, info: TensorInfo, shard: MappedFile) -> np.ndarray:
+        """A tensor's bytes as a view of a private mapping of just its range (made on demand).
+
+        One mapping per tensor, not per shard: a private (MAP_PRIVATE) mapping is charged to
+        the commit limit at its full size, so under the kernel's default overcommit heuristic
+        mapping a whole 45 GB shard on a 24 GB machine fails with ENOMEM, while a tensor's range
+        (at most a few GB) maps fine. ACCESS_COPY: torch gets a writable buffer without a
+        warning, and a stray write would copy one page instead of faulting; pages only read stay
+        the page cache's. A numpy view holds a buffer export, so the mapping cannot be unmapped
+        under a live tensor (mmap.close() refuses; see close()).
+        """
+        mm = self._raw_maps.get(name)
+        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        if mm is None:
+            try:
+                mm = mmap.mmap(shard.fd, info.offset + info.nbytes - start, access=mmap.ACCESS_COPY,
+                               offset=start)
+            except OSError as e:
+                raise K3Error(f"{shard.path}: cannot map tensor {name!r} ({info.nbytes} bytes): "
+                              f"{e.strerror or e}") from None
+            self._raw_maps[name] = mm
+        return np.frombuffer(mm, np.uint8, info.nbytes, info.offset - start)
+
+    def check_finite(self, name: str, raw: np.ndarray | torch.Tensor | None = None) -> None:
+        """Raise CorruptBlockError ("FILE: tensor 'NAME': Q8_0 block N ... has a non-finite
+        scale") if any block of the tensor would dequantize to inf/NaN.
+
+        Reads only the scale bytes (k3kit.gguf.quants.first_nonfinite_block), but those are
+        spread over every page of a quantized tensor: callers run it when the bytes are read
+        anyway (dequantization at load, the first product of a quantized layer). `raw`: the
+        tensor's bytes if the caller holds them (CPU), else they are viewed in the mapping.
+        """
+        info, shard = self._checked(name)
+        bad = self._nonfinite(name, self._mapped(name, info, shard) if raw is None else raw)
+        if bad is not None:
+            raise bad
+
+    def check_row_finite(self, name: str, row: int) -> None:
+        """check_finite for one ggml row (`shape[0]` values) of a 2-D tensor, the block index
+        counted over the whole tensor (an embedding checks only the rows it looked up)."""
+        info, shard = self._checked(name)
+        qtype = GGMLQuantizationType(info.ggml_type)
+        row_bytes = info.nbytes // int(info.shape[1])
+        first = row * (int(info.shape[0]) // quants.type_size(qtype)[0])
+        rows = self._mapped(name, info, shard)[row * row_bytes:(row + 1) * row_bytes]
+        bad = self._nonfinite(name, rows, first)
+        del rows
+        if bad is not None:
+            raise bad
+
+    def _nonfinite(self, name: str, raw: np.ndarray | torch.Tensor,
+                   first_block: int = 0) -> quants.CorruptBlockError | None:
+        """The error to raise if a block of `raw` (tensor `name`'s bytes, or a run of its blocks
+        starting at block `first_block`) would dequantize to inf/NaN, else None. Returned, not
+        raised, so that no frame of the traceback holds a view of the mapping."""
+        info = self.tensors[name]
+        qtype = GGMLQuantizationType(info.ggml_type)
+        if qtype not in quants.scales.CHECKED:
+            return None
+        data = raw.numpy() if isinstance(raw, torch.Tensor) else raw
+        elems, nbytes = quants.type_size(qtype)
+        i = quants.first_nonfinite_block(data, qtype, data.size // nbytes * elems)
+        del data, raw
+        if i is None:
+            return None
+        kind = "value" if qtype in quants.scales.FLOATS else "block"
+        what = "is not finite" if kind == "value" else "has a non-finite scale"
+        return quants.CorruptBlockError(
+            f"{self._shards[info.shard].path}: tensor {name!r}: {qtype.name} {kind} {first_block + i} "
+            f"{what} (inf/NaN); the file is corrupt", qtype, first_block + i)
+
     def expert_store(self, layers: Mapping[int, Sequence[str]], *, cache_mib: float,
                      dtype: torch.dtype, device: torch.device | str, cold: bool | str,
-                     keep: str = "dequantized") -> ExpertStore:
+                     keep: str = "dequantized", arith: str = "") -> ExpertStore:
         """ExpertStore over 3-D expert tensors, named per layer in the order `get` returns them."""
         try:
             return ExpertStore.from_gguf(self.model, layers, cache_mib=cache_mib, dtype=dtype,
-                                         device=device, cold=cold, keep=keep)
+                                         device=device, cold=cold, keep=keep, arith=arith)
         except ValueError as e:
             raise FormatError(f"{self.where}: {e}") from None
 

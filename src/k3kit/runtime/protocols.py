@@ -45,6 +45,9 @@ AttachableDraft is a draft loaded from its own file: `attach(target)` borrows th
 embedding and LM head, checks that the two fit and tells the target which layers to capture
 (`set_taps`); `set_block_size(k)` runs it with fewer proposals than it was trained for.
 
+BatchedModel — several sequence states per model and one pass over rows of many of them
+(see the class); the continuous-batching server (k3kit.serve.batch) needs only this.
+
 LoadedModel — a model file opened by `k3kit.adapters.load_model`: its `architecture`, the
 `model` object (a CausalModel and Target for a target, a Draft for a draft), the text
 `codec` built from the file's tokenizer, the expert ledger (`stats()`), `memory()` figures,
@@ -79,6 +82,42 @@ class CausalModel(Protocol):
     def reset(self) -> None: ...
 
     def forward(self, ids: Sequence[int], all_logits: bool = False) -> Tensor: ...
+
+
+@runtime_checkable
+class BatchedModel(Protocol):
+    """Several sequences through one set of weights (what a batching server drives).
+
+    `open_sequence()` makes an empty sequence state and returns its handle; `close_sequence(h)`
+    frees it; `sequences` counts the open ones. `forward_batch([(h, ids), ...])` runs every
+    entry's rows in ONE pass, each after (and committed to) its own sequence, and returns float32
+    logits [entries, V] of each entry's last row. A model batches what it can across the entries
+    (for K3: every row-wise product and the routed experts, each read once per pass) and runs
+    attention per sequence. `batch_invariant_rows` is how many rows a pass may hold while each
+    row's result stays bitwise independent of the other rows (0: no such guarantee); a
+    scheduler that promises batch invariance keeps mixed passes within it. The single-sequence
+    CausalModel API of the same object is separate and unaffected.
+    """
+
+    vocab_size: int
+    context_length: int
+
+    @property
+    def sequences(self) -> int: ...
+
+    @property
+    def batch_invariant_rows(self) -> int: ...
+
+    def open_sequence(self) -> int: ...
+
+    def close_sequence(self, seq: int) -> None: ...
+
+    def forward_batch(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Tensor: ...
+
+    def adopt_sequence(self) -> int:
+        """The single-sequence (CausalModel / Target) state becomes an open sequence; the
+        single-sequence API starts empty."""
+        ...
 
 
 @dataclass(frozen=True)

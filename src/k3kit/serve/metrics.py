@@ -49,7 +49,7 @@ class SchedulerCollector(Collector):
         yield gauge("prefill_tokens_per_second", "prefill speed of the last request", s.last_prefill_tok_s)
         yield gauge("decode_tokens_per_second", "decode speed of the last request", s.last_decode_tok_s)
         yield gauge("batch_rows", "rows in the last target pass", s.batch_rows)
-        yield gauge("batch_sequences", "sequences in the last target pass (phase 1: at most 1)",
+        yield gauge("batch_sequences", "sequences in the last target pass",
                     s.batch_sequences)
         yield gauge("batch_rows_max", "rows per target pass at most (--max-batch)", s.max_batch)
         looked = s.expert_hits + s.expert_misses
@@ -62,6 +62,8 @@ class SchedulerCollector(Collector):
         yield counter("speculative_committed_tokens", "tokens those passes committed", s.spec_committed)
         yield counter("speculative_proposals", "draft proposals verified", s.spec_proposed)
         yield counter("speculative_accepted", "draft proposals accepted", s.spec_accepted)
+        yield counter("speculative_handoffs", "sequences that began speculatively alone and joined "
+                      "the batch when other requests arrived", s.spec_handoffs)
         yield gauge("speculative_committed_per_pass", "tokens committed per target pass since start",
                     s.spec_committed / s.spec_passes if s.spec_passes else 0)
         yield gauge("speculative_acceptance", "accepted / verified draft proposals since start",

@@ -111,6 +111,7 @@ class SchedulerStats:
     spec_committed: int = 0               # tokens those passes committed
     spec_proposed: int = 0                # draft proposals verified
     spec_accepted: int = 0                # of which accepted
+    spec_handoffs: int = 0                # speculative sequences handed to the batch when others came
 
 
 class Scheduler(Protocol):

@@ -1,11 +1,10 @@
-"""Phase 1 of `k3kit serve`: one worker thread owns the model and runs one request at a time.
+"""`k3kit serve` one request at a time: one worker thread owns the model's single sequence.
 
-Why serial: a loaded K3 adapter holds ONE sequence state (MLA latents, KDA recurrent and conv
-state, attn-res banks, the draft's feature ring), so two requests cannot be interleaved without
-one overwriting the other's state. Requests therefore wait in a bounded FIFO (`max_queue`
-waiting, the running one not counted; one more is QueueFull -> HTTP 429) and are served in
-arrival order; throughput is one stream's, shared. Phase 2 gives the adapter several states and
-replaces this module with a batching scheduler behind the same k3kit.serve.scheduler protocol.
+Used for models without several sequence states (not a k3kit.runtime.protocols.BatchedModel);
+the K3 adapter is served by k3kit.serve.batch, speculative decoding included. A
+single-sequence model cannot interleave two requests without one overwriting the other's state,
+so requests wait in a bounded FIFO (`max_queue` waiting, the running one not counted; one more
+is QueueFull -> HTTP 429) and are served in arrival order; throughput is one stream's, shared.
 
 Each request runs as `k3kit generate` runs it (k3kit.runtime.engine.generate): reset the model,
 prefill the prompt in chunks of `prefill_chunk` rows, sample the first token from the last

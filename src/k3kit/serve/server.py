@@ -23,9 +23,11 @@ from typing import Any
 from k3kit.adapters.session import Session
 from k3kit.errors import K3Error
 from k3kit.gguf.shards import Model
+from k3kit.runtime.protocols import BatchedModel
 from k3kit.serve.app import DEFAULT_MAX_BODY, ServerState, build_app
+from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.metrics import metrics_page
-from k3kit.serve.scheduler import SchedulerStats
+from k3kit.serve.scheduler import Scheduler, SchedulerStats
 from k3kit.serve.serial import SerialScheduler, StepFactory
 
 log = logging.getLogger("k3kit.serve")
@@ -39,11 +41,22 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
-    max_batch: int = 256            # rows per target pass; phase 1: the prefill chunk
+    max_batch: int = 256            # rows per target pass and sequences at once (serial: the prefill chunk)
     max_queue: int = 64
     ctx: int | None = None          # None: the model's context length
     max_body_bytes: int = DEFAULT_MAX_BODY
     graceful_seconds: float = 5.0
+
+
+def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
+    """Continuous batching when the model holds several sequences (with a draft: speculative for a
+    request served alone, see k3kit.serve.batch); the serial worker for a model without that."""
+    model = session.model
+    if isinstance(model, BatchedModel):
+        return BatchScheduler(model, session.codec, loaded=session.target, max_batch=config.max_batch,
+                              max_queue=config.max_queue, step_factory=step)
+    return SerialScheduler(model, session.codec, loaded=session.target, step_factory=step,
+                           max_queue=config.max_queue, prefill_chunk=config.max_batch)
 
 
 def model_id(path: str | os.PathLike[str]) -> str:
@@ -118,8 +131,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
                 if not 1 <= config.ctx <= ctx:
                     raise K3Error(f"--ctx {config.ctx}: must be in [1, {ctx}] (the model's context)")
                 ctx = config.ctx
-            sched = SerialScheduler(session.model, session.codec, loaded=session.target, step_factory=step,
-                                    max_queue=config.max_queue, prefill_chunk=config.max_batch)
+            sched = scheduler_for(session, step, config)
             holder["scheduler"] = sched
             state.ready(sched, session.codec, ctx)
         except BaseException as e:     # reported by the main thread once uvicorn has stopped

@@ -133,6 +133,9 @@ class DSparkDraft(nn.Module):
     """The draft network. `embed` and `lm_head` belong to the target and are not parameters.
 
     embed:   [V, H] table or ids -> [n, H];   lm_head: [V, H] matrix or hidden [n, H] -> [n, V].
+    The weights live on one device (`place`); the borrowed pieces may live on another (a drafter
+    on its own GPU): embedding rows and context features are moved to the weights' device, a head
+    given as a matrix gets the hidden rows on its device, a head given as a function moves them itself.
     """
 
     def __init__(self, cfg: DraftConfig, embed: Embed | None = None, lm_head: Head | None = None):
@@ -156,6 +159,13 @@ class DSparkDraft(nn.Module):
 
     def set_target(self, embed: Embed, lm_head: Head) -> None:
         self._embed, self._head = embed, lm_head
+
+    def place(self, device: torch.device | str) -> DSparkDraft:
+        """Move the weights to `device`, the rope frequencies with them (a plain attribute, so
+        that `.to(dtype)` leaves them float64, and `.to(device)` would leave them behind)."""
+        self.to(device)
+        self.rope_inv_freq = self.rope_inv_freq.to(device)
+        return self
 
     # -- weights from a GGUF
     @torch.no_grad()
@@ -181,8 +191,11 @@ class DSparkDraft(nn.Module):
     def embed(self, ids: Tensor) -> Tensor:
         if self._embed is None:
             raise RuntimeError("DSparkDraft has no target embedding; call set_target()")
-        e = F.embedding(ids, self._embed) if isinstance(self._embed, Tensor) else self._embed(ids)
-        e = e.to(self.fc.weight.dtype)
+        if isinstance(self._embed, Tensor):
+            e = F.embedding(ids.to(self._embed.device), self._embed)
+        else:
+            e = self._embed(ids)
+        e = e.to(self.fc.weight.device, self.fc.weight.dtype)     # the target's rows, maybe another device
         return e if self.cfg.embedding_scale is None else e * self.cfg.embedding_scale
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -190,7 +203,7 @@ class DSparkDraft(nn.Module):
         if self._head is None:
             raise RuntimeError("DSparkDraft has no target LM head; call set_target()")
         if isinstance(self._head, Tensor):
-            logits = hidden.to(self._head.dtype) @ self._head.T
+            logits = hidden.to(self._head.device, self._head.dtype) @ self._head.T
         else:
             logits = self._head(hidden)
         if self.cfg.logit_scale is not None:
@@ -203,12 +216,13 @@ class DSparkDraft(nn.Module):
     # -- context
     def project_context(self, taps: Tensor) -> Tensor:
         """Concatenated tap features [n, n_taps*H_target] -> fused context rows [n, H]."""
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.device, self.fc.weight.dtype)))
 
     def context_kv(self, taps: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (K, V) of context rows at their own positions; they do not depend on the block."""
         g = self.project_context(taps)
         rope = (self.rope_inv_freq, self.rope_mag)
+        positions = positions.to(self.rope_inv_freq.device)
         return [cast(DraftLayer, layer).self_attn.kv(g, positions, rope) for layer in self.layers]
 
     # -- block
@@ -217,6 +231,7 @@ class DSparkDraft(nn.Module):
         """Block token ids [B] at positions [B] -> final-normed hidden rows [B, H]."""
         x = self.embed(block_ids)
         rope = (self.rope_inv_freq, self.rope_mag)
+        positions = positions.to(self.rope_inv_freq.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rope, None if ctx_kv is None else ctx_kv[i])
         return self.norm(x)

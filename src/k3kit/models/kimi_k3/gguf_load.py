@@ -100,7 +100,7 @@ def param_device(name: str, n_layers: int, layer_dev: Sequence[torch.device]) ->
 
 
 def _quantize_trunk(src: Source, model: K3Model, mapped: list[tuple[str, str]], dtype: torch.dtype,
-                    raw: Callable[[str], torch.Tensor]) -> list[str]:
+                    raw: Callable[[str], torch.Tensor], arith: str = "") -> list[str]:
     """Swap the Linear / Embedding modules that are one 2-D GGUF tensor for layers over its bytes."""
     modules = dict(model.named_modules())
     by_module: dict[str, str] = {}
@@ -120,7 +120,7 @@ def _quantize_trunk(src: Source, model: K3Model, mapped: list[tuple[str, str]], 
         return GGMLWeight(raw(gname), GGMLQuantizationType(info.ggml_type), tuple(int(d) for d in info.shape))
 
     try:
-        return use_quantized_weights(model, weight, dtype)
+        return use_quantized_weights(model, weight, dtype, arith)
     except ValueError as e:
         raise FormatError(f"{src.where}: {e}") from None
 
@@ -128,11 +128,12 @@ def _quantize_trunk(src: Source, model: K3Model, mapped: list[tuple[str, str]], 
 @torch.no_grad()
 def build_trunk(src: Source, cfg: K3ModelConfig, dtype: torch.dtype,
                 layer_dev: Sequence[torch.device],
-                raw: Callable[[str], torch.Tensor] | None = None) -> K3Model:
+                raw: Callable[[str], torch.Tensor] | None = None, arith: str = "") -> K3Model:
     """K3Model without routed experts, every trunk parameter read from the GGUF.
 
     `raw` (a tensor name -> its bytes as a CPU uint8 tensor, e.g. GGUFSource.raw): build a
-    quantized trunk (module doc); CPU only. Without it every weight is dequantized to `dtype`.
+    quantized trunk (module doc), its products in `arith` (k3kit.kernels.qmatmul.ARITHS; "" = the
+    default). Without it every weight is dequantized to `dtype`.
     """
     with torch.device("meta"):
         model = K3Model(cfg, with_experts=False)
@@ -140,7 +141,7 @@ def build_trunk(src: Source, cfg: K3ModelConfig, dtype: torch.dtype,
     mapped = _param_map(model)
     names = set(src.tensors)
     if raw is not None:
-        _quantize_trunk(src, model, mapped, dtype, raw)
+        _quantize_trunk(src, model, mapped, dtype, raw, arith)
 
     def load(gname: str, shape: tuple[int, ...], pname: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         if gname not in names:

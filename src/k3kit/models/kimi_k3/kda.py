@@ -312,6 +312,53 @@ class KDA(nn.Module):
         return self.o_proj(o.reshape(B, T, H * D)), rows
 
 
+def project_rows(kda: KDA, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The row-wise half of KDA.forward (x [B, T, hidden]), for a pass over rows of several
+    sequences: (conv_in [B, T, 3, C] raw q/k/v projections, g [B, T, H, d], beta [B, T, H],
+    output gate [B, T, H, d]). Same products as forward's."""
+    cfg = kda.cfg
+    B, T, _ = x.shape
+    conv_in = torch.stack((kda.q_proj(x), kda.k_proj(x), kda.v_proj(x)), dim=2)
+    g = kda.decay(x)
+    beta = _padded_sigmoid(kda.b_proj(x))
+    gate = torch.sigmoid(kda.g_proj(x)).view(B, T, cfg.num_heads, cfg.kda_head_dim)
+    return conv_in, g, beta, gate
+
+
+def _padded_sigmoid(x: Tensor, width: int = 64) -> Tensor:
+    """sigmoid with each row padded to a multiple of `width` values: torch computes a tensor's
+    tail past its last full SIMD vector with scalar code whose floats differ, so a narrow row
+    (beta has one value per head) would get different bits alone than among other rows."""
+    pad = (-x.shape[-1]) % width
+    return torch.sigmoid(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else torch.sigmoid(x)
+
+
+def recur_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """The per-sequence half: short convs, q/k norms and the step recurrence over T rows of the
+    state's B sequences (one row each when B > 1: a decode pass); advances `state`; o [B, T, H, d]."""
+    cfg = kda.cfg
+    B, T = conv_in.shape[:2]
+    H, D = cfg.num_heads, cfg.kda_head_dim
+    outs, windows = [], []
+    for i, w in enumerate((kda.q_conv, kda.k_conv, kda.v_conv)):
+        y, win = causal_conv(state.conv[:, i], conv_in[:, :, i], w)
+        outs.append(F.silu(y).view(B, T, H, D))
+        windows.append(win)
+    q = l2_norm(outs[0], cfg.rms_norm_eps)
+    k = l2_norm(outs[1], cfg.rms_norm_eps)
+    o, S = delta_rule(state.S, q, k, outs[2], g, beta)
+    state.S = S.detach()
+    state.conv = torch.stack(windows, dim=1).detach()
+    return o
+
+
+def output_rows(kda: KDA, o: Tensor, gate: Tensor) -> Tensor:
+    """The row-wise tail: o_proj(RMSNorm_d(o) * gate) for o, gate [B, T, H, d]."""
+    B, T = o.shape[:2]
+    o = rms_norm(o, kda.o_norm, kda.cfg.rms_norm_eps) * gate
+    return kda.o_proj(o.reshape(B, T, -1))
+
+
 def forward_wy(kda: KDA, x: Tensor, chunk: int | None = None) -> tuple[Tensor, KDARows | None]:
     """KDA.forward of a fresh sequence (no state kept) through `delta_rule_wy`: the same numbers
     up to float summation order, a fraction of the kernels. `chunk` defaults to `chunk_size`

@@ -94,3 +94,51 @@ class MLA(nn.Module):
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
+
+
+def project_rows(mla: MLA, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The row-wise half of MLA.forward (x [B, T, hidden]) for a pass over rows of several
+    sequences: (q [B, T, H, nope + pe], latent c [B, T, L] (normed), k_pe [B, T, pe], the
+    output gate's logits or None). Same products as forward's."""
+    cfg = mla.cfg
+    B, T, _ = x.shape
+    if cfg.q_lora_rank is not None:
+        q = mla.q_b_proj(rms_norm(mla.q_a_proj(x), mla.q_a_norm, cfg.rms_norm_eps))
+    else:
+        q = mla.q_proj(x)
+    kv_pe = mla.kv_a_proj(x)
+    c = rms_norm(kv_pe[..., :cfg.kv_lora_rank], mla.kv_a_norm, cfg.rms_norm_eps)
+    gate = mla.g_proj(x) if mla.g_proj is not None else None
+    return q.view(B, T, cfg.num_heads, cfg.qk_head_dim), c, kv_pe[..., cfg.kv_lora_rank:], gate
+
+
+def attend_rows(mla: MLA, cache: MLACache, q: Tensor, c: Tensor, k_pe: Tensor) -> Tensor:
+    """The per-sequence half: append the rows' latents to `cache` and attend over it; the
+    value-projected heads [B, T, H * v] (before the gate and W_o)."""
+    cfg = mla.cfg
+    B, T = q.shape[:2]
+    H, nope, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    offset = cache.length
+    cache.append(c, k_pe)
+    c_all, pe_all = cache.view()
+    kv_b = mla.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, L)
+    w_kb, w_vb = kv_b[:, :nope], kv_b[:, nope:]
+    rnd = mla.ggml_inputs
+    if rnd.get("kv_b"):
+        c_all = ggml_input_round(c_all, rnd["kv_b"])
+    q_abs = torch.einsum("bthd,hdl->bthl", ggml_input_round(q[..., :nope], rnd.get("k_b")), w_kb)
+    Q = torch.cat((q_abs, q[..., nope:]), dim=-1)
+    K = torch.cat((c_all, pe_all), dim=-1)
+    scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + cfg.qk_rope_head_dim))
+    rows = offset + torch.arange(T, device=q.device)
+    allowed = torch.arange(K.shape[1], device=q.device)[None, :] <= rows[:, None]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    lat = ggml_input_round(torch.einsum("bhts,bsl->bthl", probs, c_all), rnd.get("v_b"))
+    return torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(B, T, H * cfg.v_head_dim)
+
+
+def output_rows(mla: MLA, out: Tensor, gate: Tensor | None) -> Tensor:
+    """The row-wise tail: W_o(out * sigmoid(gate))."""
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return mla.o_proj(out)

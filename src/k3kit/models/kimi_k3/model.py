@@ -29,8 +29,14 @@ from .attn_res import res_mix
 from .config import K3ModelConfig
 from .kda import KDA, KDARows
 from .kda import commit_rows as kda_commit_rows
+from .kda import output_rows as kda_output_rows
+from .kda import project_rows as kda_project_rows
+from .kda import recur_rows as kda_recur_rows
 from .mla import MLA
-from .moe import DenseFFN, LatentMoE, Router
+from .mla import attend_rows as mla_attend_rows
+from .mla import output_rows as mla_output_rows
+from .mla import project_rows as mla_project_rows
+from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE, Router
 from .mxfp4 import ggml_input_round
 from .state import K3State, KDAState, MLACache
 
@@ -203,10 +209,135 @@ class K3Model(nn.Module):
         out.captured = captured
         return out
 
+    def forward_batch(self, segments: Sequence[tuple[Tensor, K3State]], *,
+                      experts: ExpertProvider | None = None) -> Tensor:
+        """Run several sequences' rows in one pass: `segments` = (token ids [T_i], its state), one
+        entry per sequence (each state holds one sequence). Every state advances by its T_i rows;
+        returns float logits [n_segments, vocab] of each segment's last row.
+
+        What works row by row (embedding, norms, attn-res mixes, every trunk matmul, the router
+        and the routed experts, route-batched over all rows, the LM head) runs once on the
+        concatenated rows; attention (MLA over its cached latents, the KDA recurrence) runs per
+        sequence on its own state and positions, exactly as `forward` runs it. A row's result is
+        independent of the other rows as far as the products are: the native quantized kernels up
+        to their row limit (the adapter's `batch_invariant_rows`), and the router's float product
+        here, which takes each row as a matrix-vector product (`_row_product`), because torch's
+        GEMM sums a row differently for 1-3 rows than for more.
+        """
+        cfg = self.cfg
+        if not segments:
+            raise ValueError("no segments")
+        lengths = [int(ids.numel()) for ids, _ in segments]
+        if min(lengths) < 1:
+            raise ValueError("every segment needs at least one row")
+        for _, state in segments:
+            if state.batch != 1:
+                raise ValueError(f"a batched forward takes one sequence per state, got {state.batch}")
+            for c in state.mla_caches():
+                c.truncate(state.pos)          # drop rows a speculative pass left behind
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
+        tokens = torch.cat([ids.reshape(-1) for ids, _ in segments])[None]     # [1, N]
+        bank: list[Tensor] = []
+        stream = self.embed(tokens)
+
+        layers = cast("Sequence[K3Layer]", self.layers)
+        for il, layer in enumerate(layers):
+            mixed = res_mix(bank, stream, layer.attn_res_score, eps) if bs > 0 else stream
+            banked = bs > 0 and il % bs == 0
+            if banked:
+                bank.append(stream)
+            h = rms_norm(mixed, layer.attn_norm, eps)
+            states = [state.layers[il] for _, state in segments]
+            if isinstance(layer.attn, KDA):
+                a = _kda_rows(layer.attn, h, cast("list[KDAState]", states), bounds)
+            else:
+                a = _mla_rows(layer.attn, h, cast("list[MLACache]", states), bounds)
+            stream = a if banked else stream + a
+
+            mixed = res_mix(bank, stream, layer.ffn_res_score, eps) if bs > 0 else stream
+            h = rms_norm(mixed, layer.ffn_norm, eps)
+            f = _latent_moe_rows(layer.ffn, h, experts) if isinstance(layer.ffn, LatentMoE) else layer.ffn(h)
+            stream = stream + f
+
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=stream.device)
+        final_rows = [bank_row[:, last] for bank_row in bank]
+        final = (res_mix(final_rows, stream[:, last], self.output_res_score, eps) if bs > 0
+                 else stream[:, last])
+        for (_, state), n in zip(segments, lengths, strict=True):
+            state.pos += n
+        return self.lm_head(rms_norm(final, self.norm, eps))[0]
+
     def commit_rows(self, state: K3State, captured: Captured, n: int) -> None:
         """Commit the first `n` rows of a speculative forward: KDA layers replay them from the
         captured inputs, MLA caches keep them by position; `state.pos` advances by n."""
         commit_rows(state, captured, n)
+
+
+def _kda_rows(kda: KDA, h: Tensor, states: list[KDAState], bounds: list[int]) -> Tensor:
+    """A KDA layer over a pass's rows [1, N, hidden]: projections on all rows, then the
+    recurrence per sequence; the one-row segments (decoding sequences) step together as one
+    batch of states (the same per-sequence floats as stepping alone)."""
+    conv_in, g, beta, gate = kda_project_rows(kda, h)
+    n = len(states)
+    singles = [i for i in range(n) if bounds[i + 1] - bounds[i] == 1]
+    o = torch.empty_like(gate)
+    if singles:
+        rows = torch.tensor([bounds[i] for i in singles], device=h.device)
+        batch = KDAState(torch.cat([states[i].S for i in singles]),
+                         torch.cat([states[i].conv for i in singles]))
+        o[0, rows] = kda_recur_rows(kda, batch, conv_in[0, rows, None], g[0, rows, None],
+                                    beta[0, rows, None])[:, 0]
+        for j, i in enumerate(singles):     # views of the batch: the next pass's cat copies them
+            states[i].S, states[i].conv = batch.S[j:j + 1], batch.conv[j:j + 1]
+    for i in range(n):
+        if bounds[i + 1] - bounds[i] > 1:
+            s = slice(bounds[i], bounds[i + 1])
+            o[:, s] = kda_recur_rows(kda, states[i], conv_in[:, s], g[:, s], beta[:, s])
+    return kda_output_rows(kda, o, gate)
+
+
+def _mla_rows(mla: MLA, h: Tensor, caches: list[MLACache], bounds: list[int]) -> Tensor:
+    """An MLA layer over a pass's rows: projections on all rows, attention per sequence."""
+    q, c, k_pe, gate = mla_project_rows(mla, h)
+    parts = [mla_attend_rows(mla, cache, q[:, bounds[i]:bounds[i + 1]], c[:, bounds[i]:bounds[i + 1]],
+                             k_pe[:, bounds[i]:bounds[i + 1]]) for i, cache in enumerate(caches)]
+    return mla_output_rows(mla, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), gate)
+
+
+def _row_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x [N, in] @ weight[out, in].T with each row computed on its own (a batch of 1-row
+    products; torch.matmul would fold the batch into one GEMM): the same floats for a row
+    whatever the other rows are, and the same as a 1-row `x @ weight.T`."""
+    n, k = x.shape
+    return torch.bmm(x[:, None, :], weight.t().expand(n, k, weight.shape[0])).squeeze(1)
+
+
+def _latent_moe_rows(moe: LatentMoE, x: Tensor, experts: ExpertProvider | None) -> Tensor:
+    """LatentMoE.forward for a batched pass, with the router's float product taken row by row
+    (`_row_product`); the routing and everything after it are the module's own."""
+    cfg = moe.cfg
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, x.shape[-1])
+    router = moe.router
+    probs = torch.sigmoid(_row_product(ggml_input_round(xf, router.ggml_input), router.weight))
+    ids = torch.topk(probs + router.bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
+    w = torch.gather(probs, -1, ids)
+    if cfg.moe_renormalize:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
+    if cfg.routed_scaling_factor not in (0.0, 1.0):
+        w = w * cfg.routed_scaling_factor
+    xl = moe.routed_down(xf) if moe.routed_down is not None else xf
+    y = moe.run_experts(xl, ids, w, experts)
+    if moe.routed_norm is not None:
+        y = rms_norm(y, moe.routed_norm, cfg.rms_norm_eps)
+    if moe.routed_up is not None:
+        y = moe.routed_up(y)
+    if moe.shared is not None:
+        y = y + moe.shared(xf)
+    return y.reshape(*lead, -1)
 
 
 def _rounding_hook(kind: str):

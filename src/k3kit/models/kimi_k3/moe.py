@@ -11,9 +11,18 @@ path); this module adds what is K3's: the router, the latent projections and rou
 shared experts, SiTU, MXFP4 fake quantization of the experts (`mxfp4_fake_quant` per expert on
 the reference path, `mxfp4_fake_quant_fast` per stack on the batched one: same values), ggml's
 Q8_0 input rounding (parity checks) and the training balance term.
+
+Next-layer expert prefetch (`set_expert_prefetch`): the residual stream changes little from
+one layer to the next, so layer L+1's router applied to layer L's MoE input names most of the
+experts L+1 will route to. Each LatentMoE with a successor computes that guess and passes it
+to the provider's optional `prefetch` right after planning its own experts: an expert store
+can then read L+1's experts while L's experts and L+1's attention compute. A guess only ever
+starts reads; the experts used are always the real router's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -81,6 +90,9 @@ class LatentMoE(RoutedMoE):
         self.shared = DenseFFN(cfg, cfg.shared_intermediate_size) if cfg.num_shared_experts > 0 else None
         # training (batched path, train mode): the balance term for the trainer, see balance_loss
         self.balance_loss: Tensor | None = None
+        # (layer, router) of the next MoE layer whose experts to guess (set_expert_prefetch);
+        # a tuple, so the router is not registered a second time as a submodule
+        self.next_router: tuple[int, Router] | None = None
 
     @property
     def ggml_q8_inputs(self) -> bool:
@@ -116,7 +128,7 @@ class LatentMoE(RoutedMoE):
         if self.training and self.batched_for(experts):
             self.balance_loss = balance_loss(self.router.weight, xf, ids, cfg.num_experts)
         xl = self.routed_down(xf) if self.routed_down is not None else xf
-        y = self.run_experts(xl, ids, w, experts)
+        y = self.run_experts(xl, ids, w, experts, self.guess_next(xf, experts))
         if self.routed_norm is not None:
             y = rms_norm(y, self.routed_norm, cfg.rms_norm_eps)
         if self.routed_up is not None:
@@ -124,6 +136,31 @@ class LatentMoE(RoutedMoE):
         if self.shared is not None:
             y = y + self.shared(xf)
         return y.reshape(*lead, -1), ids.reshape(*lead, -1)
+
+
+    def guess_next(self, xf: Tensor, experts: ExpertProvider | None) -> tuple[int, list[int]] | None:
+        """The next MoE layer's router on this layer's input: (layer, distinct experts), or None
+        when prefetch is off or the provider cannot use it."""
+        if self.next_router is None or getattr(experts, "prefetch", None) is None or self.training:
+            return None
+        layer, router = self.next_router
+        with torch.no_grad():
+            ids, _ = router(xf.to(router.weight.device))    # a layer split may place it elsewhere
+        return layer, torch.unique(ids).tolist()
+
+
+def set_expert_prefetch(modules: Iterable[nn.Module], on: bool = True) -> int:
+    """Link (or unlink) every LatentMoE among `modules` (e.g. `model.modules()`) to the next
+    one by layer index, so each guesses its successor's experts (module doc). Returns the
+    number of links made."""
+    moes = sorted((m for m in modules if isinstance(m, LatentMoE)), key=lambda m: m.layer)
+    for m in moes:
+        m.next_router = None
+    if not on:
+        return 0
+    for m, nxt in zip(moes, moes[1:], strict=False):
+        m.next_router = (nxt.layer, nxt.router)
+    return max(len(moes) - 1, 0)
 
 
 def balance_loss(router_w: Tensor, x: Tensor, ids: Tensor, n_experts: int) -> Tensor:

@@ -49,6 +49,12 @@ class ExpertStats:
     evicted_bytes: int = 0
     read_seconds: float = 0.0
     dequant_seconds: float = 0.0
+    check_seconds: float = 0.0  # scale finiteness checks of misses (part of neither above)
+    wait_seconds: float = 0.0  # caller's time blocked on background reads it needed
+    ahead_reads: int = 0  # misses served by a background read (planned or prefetched)
+    prefetched: int = 0  # experts read because of a prefetch hint (next layer, predicted)
+    prefetch_used: int = 0  # ... of which a later fetch used
+    wasted_bytes: int = 0  # read ahead, dropped unused (in io_bytes, not in bytes_read)
     resident_bytes: int = 0  # bytes held by the cache, as held (pinned included)
     resident_experts: int = 0
     pinned_bytes: int = 0
@@ -71,6 +77,8 @@ class ExpertCache:
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self._resident = 0
         self._pinned = 0
+        self.in_flight = 0     # bytes of background reads the store holds: they count against the budget
+        self.protect: set[Key] = set()   # planned experts not fetched yet: not evicted to make room
         self._spare: dict[int, list[torch.Tensor]] = {}   # byte buffers of evicted quantized experts
 
     # -- the ledger -------------------------------------------------------------------------
@@ -95,7 +103,8 @@ class ExpertCache:
         s = self.ledger
         return ExpertStats(
             s.hits, s.misses, s.bytes_read, s.io_bytes, s.evictions, s.evicted_bytes, s.read_seconds,
-            s.dequant_seconds, self._resident, len(self._entries), self._pinned,
+            s.dequant_seconds, s.check_seconds, s.wait_seconds, s.ahead_reads, s.prefetched,
+            s.prefetch_used, s.wasted_bytes, self._resident, len(self._entries), self._pinned,
             {k: LayerStats(v.hits, v.misses, v.bytes_read) for k, v in s.per_layer.items()},
         )
 
@@ -148,15 +157,17 @@ class ExpertCache:
                 entry.pinned = False
                 self._pinned -= entry.nbytes
 
-    def evict(self) -> None:
-        """Drop least recently used unpinned experts until the budget holds."""
-        if self._resident <= self.budget:
-            return
+    def evict(self, extra: int = 0) -> bool:
+        """Drop least recently used experts (never pinned or protected ones) until what is held,
+        background reads in flight included, plus `extra` bytes fits the budget. Returns
+        whether it does."""
+        if self._resident + self.in_flight + extra <= self.budget:
+            return True
         for key in list(self._entries):
-            if self._resident <= self.budget:
+            if self._resident + self.in_flight + extra <= self.budget:
                 break
             entry = self._entries[key]
-            if entry.pinned:
+            if entry.pinned or key in self.protect:
                 continue
             del self._entries[key]
             for w in entry.tensors:
@@ -167,6 +178,7 @@ class ExpertCache:
             self._resident -= entry.nbytes
             self.ledger.evictions += 1
             self.ledger.evicted_bytes += entry.nbytes
+        return self._resident + self.in_flight + extra <= self.budget
 
     def buffer(self, n: int) -> torch.Tensor:
         """An n-byte tensor for a quantized miss: the bytes of an evicted expert nobody holds any

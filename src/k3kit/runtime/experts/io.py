@@ -139,6 +139,22 @@ class MappedFile:
         finally:
             view.release()
 
+    def read_exactly(self) -> None:
+        """POSIX_FADV_RANDOM on the descriptor: a pread reads what it asks for and no readahead
+        window beyond it (measured: with an 8 MiB window, cold 5.8 MB slices cost the disk twice
+        their bytes). `willneed` then asks for exactly a slice, in large requests."""
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def willneed(self, offset: int, n: int) -> None:
+        """POSIX_FADV_WILLNEED on a range: start reading exactly it into the page cache."""
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_WILLNEED)
+
+    def drop(self, offset: int, n: int) -> None:
+        """POSIX_FADV_DONTNEED on a range: its clean pages leave the page cache."""
+        os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
+
     def read_uncached(self, out: np.ndarray, offset: int) -> None:
         """pread with the range dropped from the page cache before (so the read goes to storage)
         and after (so it leaves nothing behind)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,19 +34,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from k3kit.errors import FormatError
+from k3kit.gguf.quants import CorruptBlockError, first_nonfinite_block
+from k3kit.gguf.quants.scales import CHECKED
 from k3kit.kernels.dequant import SUPPORTED, block_size, dequantize, nbytes_for
 from k3kit.kernels.qmatmul import NATIVE_TYPES, QuantizedMatrix
 
-from .cache import MIB, ExpertCache, ExpertStats, Weight
+from .cache import MIB, ExpertCache, ExpertStats, Key, Weight
 from .io import AlignedScratch, MappedFile
 
 if TYPE_CHECKING:
     from k3kit.gguf.shards import Model
 
 ByteBuffer = np.ndarray | bytes | bytearray | memoryview
+CHECK_CHUNK = 1 << 19   # bytes read, then scale-checked while still in cache (whole blocks)
 
 
 @dataclass(frozen=True)
@@ -111,9 +115,16 @@ class ExpertStore:
             the slice in large requests without reading a byte outside it.
     release_pages: after a miss copied a slice out of a mapping, unmap its pages from this
             process (MADV_DONTNEED; see `release`). Only mmap mode maps anything.
-    read_ahead: with keep="quantized" in mmap mode, after `plan(layer, ids)` each fetch starts
-            reading (pread) the next planned miss in a background thread, so the read overlaps
-            the caller's use of the current expert. One expert in flight at a time.
+    check_scales: on every miss, check the slice's scale fields (`first_nonfinite_block`: one
+            byte column per block, well under a millisecond per K3 projection) and raise
+            CorruptBlockError naming file, tensor, expert and block instead of letting a NaN
+            or inf scale turn into garbage text.
+    read_ahead: with keep="quantized" (any read mode), `plan(layer, ids)` queues the planned
+            misses and `prefetch(layer, ids)` the experts a later layer will probably want;
+            `read_threads` background threads read them (pread; fadvise or O_DIRECT when cold)
+            while the caller computes. Reads in flight count against the cache budget and make
+            room like a miss does (LRU; never a planned or pinned expert), at most
+            `read_ahead_mib` and half the budget ahead (one expert whatever the budget).
     """
 
     def __init__(
@@ -129,6 +140,10 @@ class ExpertStore:
         slice_readahead: bool = True,
         release_pages: bool = True,
         read_ahead: bool = True,
+        check_scales: bool = True,
+        read_ahead_mib: float = 512,
+        read_threads: int = 4,
+        arith: str = "",
     ) -> None:
         if cold is True:
             cold = "fadvise"
@@ -141,6 +156,7 @@ class ExpertStore:
         if keep == "quantized" and torch.device(device).type != "cpu":
             raise ValueError("keep='quantized' runs on the CPU only")
         self.keep = keep
+        self.arith = arith        # arithmetic of the native products of kept-quantized experts
         self.layers: dict[int, tuple[ExpertTensor, ...]] = {int(k): tuple(v) for k, v in layers.items()}
         self._cache = ExpertCache(int(cache_mib * MIB))
         self.dtype, self.device = dtype, torch.device(device)
@@ -151,9 +167,19 @@ class ExpertStore:
         self._direct = AlignedScratch()
         self._raw: np.ndarray | None = None
         self.read_ahead = read_ahead
-        self._plan: tuple[int, list[int]] | None = None    # (layer, experts in the order of fetching)
-        self._pending: dict[tuple[int, int], Future] = {}  # at most one background read
+        self.check_scales = check_scales
+        self.read_ahead_bytes = int(read_ahead_mib * MIB)
+        self.read_threads = max(1, int(read_threads))
+        # background reads: wanted (not yet submitted, planned ones first), submitted, and
+        # dropped ones still running (their bytes stay reserved until they finish)
+        self._queue: list[Key] = []
+        self._pending: dict[Key, Future] = {}
+        self._orphans: list[tuple[Key, Future]] = []
+        self._planned: set[Key] = set()       # the current plan's experts
+        self._predicted: set[Key] = set()     # experts queued or read because of prefetch()
         self._executor: ThreadPoolExecutor | None = None
+        self._scratch_local = threading.local()  # one O_DIRECT buffer per reader thread
+        self._scratches: list[AlignedScratch] = []
         try:
             self._validate_and_open(madvise_random)
         except BaseException:
@@ -190,6 +216,7 @@ class ExpertStore:
         f = self._files.get(path)
         if f is None:
             f = MappedFile(path, use_mmap=not self.cold, direct=self.cold == "direct")
+            f.read_exactly()      # preads (cold misses, background reads) read their slice only
             self._files[path] = f
         return f
 
@@ -301,107 +328,272 @@ class ExpertStore:
     def plan(self, layer: int, expert_ids: Sequence[int]) -> None:
         """The experts of `layer` about to be fetched one by one, in this order.
 
-        A hint: each fetch then starts reading the next planned miss in the background (one
-        expert ahead), so a miss's copy overlaps the use of the expert before it. Only stores
-        that keep quantized bytes of a mapped file read ahead: the read is then a plain copy,
-        and nothing but the copy leaves the caller's thread. Costs one expert of memory.
+        A hint: their misses are queued for the background readers at once, so a miss's read
+        overlaps the use of the experts before it. Anything read ahead for another layer, or
+        prefetched for this one and not in the plan, is dropped. Only stores that keep
+        quantized bytes of files read ahead (the read is then a plain copy into the buffer
+        the cache will hold, and nothing but the copy leaves the caller's thread).
         """
-        if not (self.read_ahead and not self.cold
-                and all(self._kept_quantized(t) and t.is_file for t in self.layers[layer])):
+        if not self._reads_ahead(layer):
             return
-        self._plan = (layer, [int(e) for e in expert_ids])
-        self._start_read_ahead(layer, None)
+        keys = [(layer, int(e)) for e in expert_ids]
+        self._planned = set(keys)
+        self._cache.protect = set(keys)
+        for key in [k for k in self._pending if k not in self._planned]:
+            self._drop(key)
+        self._predicted &= set(self._pending)     # read as a guess, now planned: still a prefetch hit
+        self._queue = [k for k in keys if k not in self._pending and k not in self._cache]
+        self._pump()
 
-    def _start_read_ahead(self, layer: int, after: int | None) -> None:
-        """Submit the first planned expert after `after` that is neither cached nor being read."""
-        if self._plan is None or self._plan[0] != layer or self._pending:
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Experts of `layer` that will probably be planned next (a router's early guess):
+        queued behind the current plan's misses, so the readers keep the storage busy while
+        the caller finishes this layer and computes up to that one. A wrong guess costs the
+        read (`wasted_bytes`) and never changes a result: weights are only ever taken from
+        `get`, and an expert is admitted to the cache only when fetched."""
+        if not self._reads_ahead(layer):
             return
-        ids = self._plan[1]
-        start = 0 if after is None or after not in ids else ids.index(after) + 1
-        for e in ids[start:]:
-            if (layer, e) in self._cache:
+        for e in expert_ids:
+            key = (layer, int(e))
+            if key in self._cache or key in self._pending or key in self._queue:
                 continue
-            buffers = [self._cache.buffer(t.expert_nbytes) for t in self.layers[layer]]
+            self._queue.append(key)
+            self._predicted.add(key)
+        self._pump()
+
+    def _reads_ahead(self, layer: int) -> bool:
+        return self.read_ahead and layer in self.layers and all(
+            self._kept_quantized(t) and t.is_file for t in self.layers[layer])
+
+    def _ahead_limit(self) -> int:
+        """Bytes the background reads may hold at once (one expert is always allowed)."""
+        return min(self.read_ahead_bytes, self._cache.budget // 2)
+
+    def _pump(self) -> None:
+        """Submit queued reads while they fit: within the read-ahead limit, and within the cache
+        budget once least recently used experts make room. With nothing in flight the next
+        read always goes (one expert over a budget too small for it, as a miss would be)."""
+        self._reap()
+        while self._queue:
+            key = self._queue[0]
+            if key in self._cache or key in self._pending:
+                self._queue.pop(0)
+                continue
+            n = self.expert_nbytes(key[0])
+            if self._cache.in_flight and (self._cache.in_flight + n > self._ahead_limit()
+                                          or not self._cache.evict(extra=n)):
+                return
+            self._queue.pop(0)
+            buffers = [self._cache.buffer(t.expert_nbytes) for t in self.layers[key[0]]]
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3kit-experts")
-            self._pending[(layer, e)] = self._executor.submit(self._read_expert, layer, e, buffers)
-            return
-        self._plan = None
+                self._executor = ThreadPoolExecutor(max_workers=self.read_threads,
+                                                    thread_name_prefix="k3kit-experts")
+            self._cache.in_flight += n
+            self._pending[key] = self._executor.submit(self._read_expert, key[0], key[1], buffers)
+            if key in self._predicted:
+                self._cache.ledger.prefetched += 1
+
+    def _drop(self, key: Key) -> None:
+        """Forget a submitted read nobody will use: cancelled if not started, else left to finish."""
+        fut = self._pending.pop(key)
+        if fut.cancel():
+            self._cache.in_flight -= self.expert_nbytes(key[0])
+            if key in self._predicted:
+                self._cache.ledger.prefetched -= 1
+        else:
+            self._orphans.append((key, fut))
+        self._predicted.discard(key)
+
+    def _reap(self, wait: bool = False) -> None:
+        """Release the bytes of dropped reads that finished (all of them, waiting, if `wait`)."""
+        keep = []
+        for key, fut in self._orphans:
+            if not (wait or fut.done()):
+                keep.append((key, fut))
+                continue
+            n = self.expert_nbytes(key[0])
+            self._cache.in_flight -= n
+            with contextlib.suppress(Exception):      # nobody wanted it: its errors neither
+                *_, io_bytes = fut.result()
+                self._cache.ledger.io_bytes += io_bytes
+                self._cache.ledger.wasted_bytes += n
+        self._orphans = keep
 
     def _read_expert(self, layer: int, e: int,
-                     buffers: list[torch.Tensor]) -> tuple[tuple[Weight, ...], float]:
-        """Background thread: read one expert's slices into `buffers` through the file
-        descriptors. Touches no shared state (the ledger is updated by whoever collects it)."""
+                     buffers: list[torch.Tensor]) -> tuple[tuple[Weight, ...], float, float, int]:
+        """Background thread: read one expert's slices into `buffers` and check their scales.
+        Touches no shared state (the ledger is updated by whoever collects it, and a changed,
+        truncated or corrupt file raises there, on the caller's thread). Returns (weights,
+        read seconds, check seconds, bytes asked of the OS)."""
         t0 = time.perf_counter()
         out = []
+        check = 0.0
+        io_bytes = 0
         for t, buf in zip(self.layers[layer], buffers, strict=True):
-            start = t.offset + e * t.expert_nbytes
-            assert t.path is not None     # plan() reads ahead for file sources only
-            f = self._files[t.path]
-            f.check()
-            # pread, not a copy out of the mapping: nothing is mapped that would have to be
-            # dropped again (madvise holds the GIL, which the caller's thread is waiting for)
-            f.pread_into(buf.numpy(), start)
+            n, c = self._read_slice(layer, e, t, buf.numpy(), background=True)
+            io_bytes += n
+            check += c
             out.append(self._quantized(t, buf))
-        return tuple(out), time.perf_counter() - t0
+        return tuple(out), time.perf_counter() - t0 - check, check, io_bytes
 
-    def _collect(self, layer: int, fut: Future) -> tuple[Weight, ...]:
+    def _thread_scratch(self) -> AlignedScratch:
+        scratch = getattr(self._scratch_local, "scratch", None)
+        if scratch is None:
+            scratch = self._scratch_local.scratch = AlignedScratch()
+            self._scratches.append(scratch)     # list.append is atomic: closed with the store
+        return scratch
+
+    def _collect(self, key: Key, fut: Future) -> tuple[Weight, ...]:
         """Wait for a background read and put it in the ledger as a miss."""
-        out, seconds = fut.result()     # a changed or truncated file raises here, on the caller's thread
-        n = self.expert_nbytes(layer)
-        self._cache.ledger.io_bytes += n
-        self._cache.record_read(layer, n)
-        self._cache.ledger.read_seconds += seconds
+        t0 = time.perf_counter()
+        try:
+            out, seconds, check, io_bytes = fut.result()
+        finally:
+            self._cache.in_flight -= self.expert_nbytes(key[0])
+        ledger = self._cache.ledger
+        ledger.wait_seconds += time.perf_counter() - t0
+        ledger.io_bytes += io_bytes
+        self._cache.record_read(key[0], self.expert_nbytes(key[0]))
+        ledger.read_seconds += seconds
+        ledger.check_seconds += check
+        ledger.ahead_reads += 1
+        if key in self._predicted:
+            ledger.prefetch_used += 1
         return out
 
     def _drain(self) -> None:
-        """Finish and drop background reads nobody collected (their bytes were still read)."""
-        for (layer, _), fut in self._pending.items():
-            with contextlib.suppress(Exception):
-                self._collect(layer, fut)
-        self._pending.clear()
-        self._plan = None
+        """Drop every queued and submitted read (their bytes were still read) and the plan."""
+        for key in list(self._pending):
+            self._drop(key)
+        self._reap(wait=True)
+        self._queue = []
+        self._planned = set()
+        self._predicted = set()
+        self._cache.protect = set()
 
     def _fetch(self, layer: int, e: int) -> tuple[Weight, ...]:
-        cached = self._cache.lookup((layer, e))
+        key = (layer, e)
+        cached = self._cache.lookup(key)
         if cached is not None:
             self._cache.record_hit(layer)
-            self._start_read_ahead(layer, e)
+            self._cache.protect.discard(key)
+            self._pump()
             return cached
         self._cache.record_miss(layer)
-        fut = self._pending.pop((layer, e), None)
-        out = self._collect(layer, fut) if fut is not None else self._load(layer, e)
-        self._cache.admit((layer, e), out)
-        self._start_read_ahead(layer, e)     # after eviction: its buffers can take the next read
+        fut = self._pending.pop(key, None)
+        if fut is not None:
+            out = self._collect(key, fut)
+        else:
+            if key in self._queue:
+                self._queue.remove(key)
+            out = self._load(layer, e)
+        self._predicted.discard(key)
+        self._cache.protect.discard(key)
+        self._cache.admit(key, out)
+        self._pump()                        # after eviction: its buffers can take the next read
         return out
 
     def _load(self, layer: int, e: int) -> tuple[Weight, ...]:
         """Read (and dequantize, unless kept quantized) one expert on this thread."""
         tensors: list[Weight] = []
+        ledger = self._cache.ledger
         for t in self.layers[layer]:
-            start, n = t.offset + e * t.expert_nbytes, t.expert_nbytes
+            n = t.expert_nbytes
             t0 = time.perf_counter()
             if self._kept_quantized(t):     # read straight into the buffer the cache will hold
                 q = self._quantized(t, self._cache.buffer(n))
-                self._read(t, start, n, q.raw.numpy())
+                io_bytes, check = self._read_slice(layer, e, t, q.raw.numpy())
                 t1 = time.perf_counter()
                 tensors.append(q)
             else:
-                raw = self._read(t, start, n)
+                raw = self._scratch(n)
+                io_bytes, check = self._read_slice(layer, e, t, raw)
                 t1 = time.perf_counter()
                 w = dequantize(raw, t.ggml_type, t.shape, self.dtype)
                 tensors.append(w if self.device.type == "cpu" else w.to(self.device))
-            self._cache.ledger.read_seconds += t1 - t0
-            self._cache.ledger.dequant_seconds += time.perf_counter() - t1
+            ledger.io_bytes += io_bytes
+            ledger.read_seconds += t1 - t0 - check
+            ledger.check_seconds += check
+            ledger.dequant_seconds += time.perf_counter() - t1
             self._cache.record_read(layer, n)
         return tuple(tensors)
+
+    def _read_slice(self, layer: int, e: int, t: ExpertTensor, out: np.ndarray,
+                    background: bool = False) -> tuple[int, float]:
+        """Expert e's bytes of projection t into `out`, scale-checked (check_scales) in pieces
+        of about CHECK_CHUNK right after each piece is read, while it is still in the CPU's
+        cache (checked after the whole copy, the scan is a second pass over DRAM: measured
+        here ~1.5 ms per 5.8 MB slice, a third of copying it from the page cache). Returns
+        (bytes asked of the OS, seconds spent checking).
+
+        The background readers never copy out of the mapping (madvise and the page-table work
+        of the copy would contend with the caller's thread): they pread."""
+        start, n = t.offset + e * t.expert_nbytes, t.expert_nbytes
+        f = self._files[t.path] if t.path is not None else None
+        if f is not None:
+            f.check()
+        mapped = f if f is not None and f.mm is not None and not background else None
+        if mapped is not None and self.slice_readahead:
+            mapped.advise_slice(start, n, populate=True)
+        uncached = f if f is not None and self.cold and f.direct_fd is None else None
+        if uncached is not None:
+            uncached.drop(start, n)     # once around the whole slice
+        if f is not None and mapped is None and f.direct_fd is None:
+            f.willneed(start, n)        # the pieces below then wait for one large read of the slice
+        checks = self.check_scales and t.ggml_type in CHECKED
+        block = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)][1]
+        # O_DIRECT reads whole aligned spans: pieces would read their shared edge blocks twice
+        pieces = checks and (f is None or f.direct_fd is None)
+        step = max(block, CHECK_CHUNK // block * block) if pieces else n
+        io_bytes, check = 0, 0.0
+        for lo in range(0, n, step):
+            part = out[lo : lo + step]
+            io_bytes += self._fill(t, f, start + lo, part, background)
+            if checks:
+                check += self._check(layer, e, t, part, lo // block)
+        if mapped is not None and self.release_pages:
+            mapped.release(start, n)
+        if uncached is not None:
+            uncached.drop(start, n)
+        return io_bytes, check
+
+    def _fill(self, t: ExpertTensor, f: MappedFile | None, offset: int, out: np.ndarray,
+              background: bool) -> int:
+        """Copy the bytes at `offset` of t's source into `out`; returns the bytes asked of the OS."""
+        if f is None:
+            out[:] = t.buffer().reshape(-1)[offset : offset + out.nbytes]
+            return out.nbytes
+        if f.direct_fd is not None:
+            return f.read_direct(out, offset, self._thread_scratch() if background else self._direct)
+        if f.mm is not None and not background:
+            out[:] = f.view(offset, out.nbytes)
+        else:
+            f.pread_into(out, offset)
+        return out.nbytes
+
+    def _check(self, layer: int, e: int, t: ExpertTensor, raw: np.ndarray, first_block: int = 0) -> float:
+        """Raise CorruptBlockError if a block of `raw` (expert e's slice of t from block
+        `first_block` on) has an inf/NaN scale; returns the seconds the check took. A random-
+        weight model with one NaN scale still "runs" and prints plausible garbage: this is
+        where that becomes a one-line error."""
+        t0 = time.perf_counter()
+        qtype = GGMLQuantizationType(t.ggml_type)
+        elems, block = GGML_QUANT_SIZES[qtype]
+        bad = first_nonfinite_block(raw, qtype, raw.nbytes // block * elems)
+        if bad is not None:
+            where = t.path or "<buffer>"
+            raise CorruptBlockError(f"{where}: tensor {t.name or 'experts'} expert {e} (layer {layer}): "
+                                    f"{qtype.name} block {first_block + bad} has a non-finite scale; "
+                                    "the file is corrupt", qtype, first_block + bad)
+        return time.perf_counter() - t0
 
     def _kept_quantized(self, t: ExpertTensor) -> bool:
         """Whether the cache holds this projection as its bytes (keep="quantized", native type)."""
         return self.keep == "quantized" and t.ggml_type in NATIVE_TYPES
 
     def _quantized(self, t: ExpertTensor, buf: torch.Tensor) -> QuantizedMatrix:
-        return QuantizedMatrix(buf, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]), self.dtype)
+        return QuantizedMatrix(buf, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]), self.dtype,
+                               arith=self.arith)
 
     def _scratch(self, n: int) -> np.ndarray:
         """A private, writable n-byte buffer, reused by every miss: the raw slice lives only
@@ -410,32 +602,6 @@ class ExpertStore:
         if self._raw is None or self._raw.size < n:
             self._raw = np.empty(n, dtype=np.uint8)
         return self._raw[:n]
-
-    def _read(self, t: ExpertTensor, start: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The n bytes at `start` of t's source, in `out` or else the store's scratch buffer
-        (valid until the next read). Counts the bytes asked of the OS (io_bytes)."""
-        out = self._scratch(n) if out is None else out
-        ledger = self._cache.ledger
-        if t.path is None:
-            ledger.io_bytes += n
-            out[:] = t.buffer().reshape(-1)[start : start + n]
-            return out
-        f = self._files[t.path]
-        f.check()
-        if f.mm is not None:
-            if self.slice_readahead:
-                f.advise_slice(start, n, populate=True)
-            ledger.io_bytes += n
-            out[:] = f.view(start, n)
-            if self.release_pages:
-                f.release(start, n)
-            return out
-        if f.direct_fd is not None:
-            ledger.io_bytes += f.read_direct(out, start, self._direct)
-            return out
-        f.read_uncached(out, start)
-        ledger.io_bytes += n
-        return out
 
     def release(self, layer: int, expert: int) -> None:
         """Unmap one expert's file pages from this process (all projections of `layer`).
@@ -468,6 +634,9 @@ class ExpertStore:
             f.close()
         self._files.clear()
         self._direct.close()
+        for scratch in self._scratches:
+            scratch.close()
+        self._scratches = []
         self._raw = None
 
     def __enter__(self) -> ExpertStore:

@@ -1,0 +1,498 @@
+"""A model bigger than RAM: k3kit with a bounded expert cache vs llama.cpp (mmap) on the same file.
+
+The file: `k3kit synth`'s K3 geometry (hidden 7168, expert latent 3584, expert FFN 3072, MXFP4
+experts, Q8_0 trunk) with 4 layers of 896 experts (layer 0 dense): ~52 GB, >= 1.3x this machine's
+RAM (checked). Made once under --dir (or given with --file) and reused; --delete removes it after.
+
+Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 minutes):
+  seq      the disk's sequential read bandwidth on the file itself: --seq-gib of its expert region
+           read in 16 MiB requests with O_DIRECT, and buffered after POSIX_FADV_DONTNEED (the
+           larger is "the physical limit" below)
+  k3kit    one process per read mode (`page`: through the page cache; `cold`: fadvise around
+           every read, what `k3kit generate --cold` does), the model loaded once, then greedy
+           runs of --tokens tokens with a --cache-mib expert cache, prefetch off and on
+           alternating (--repeats each), the file dropped from the page cache before each run
+  llama    llama-cpp-python's low-level API as users run it (mmap), `default` (its loader tries
+           to repack the experts into a CPU_REPACK buffer as large as the experts) and
+           `norepack` (llama_model_params.use_extra_bufts = False); the process's anonymous
+           memory is capped (RLIMIT_DATA and a watchdog on RssAnon, --anon-limit-gib) so a
+           repack that does not fit fails instead of taking the machine down
+
+Per run: peak RSS (VmHWM), decode tok/s, expert payload bytes per token (k3kit's ledger),
+bytes the disk delivered per decoded token and the decode-phase disk MB/s (from /proc/diskstats
+of the file's device, between the first and the last generated token), and that rate as a
+fraction of the disk's sequential bandwidth measured right before that run (512 MiB, O_DIRECT:
+this machine's virtual disk gives ~700 MB/s in bursts and ~100 MB/s when throttled, so one
+figure at the start would not describe a run minutes later). The last lines print k3kit /
+llama.cpp ratios.
+
+Prefetch: each k3kit run is made with prefetch off and on (`--expert-prefetch off|on` on the
+CLI; `auto`, the default, turns it on when the cache cannot hold every expert).
+
+    python benchmarks/bench_out_of_core.py --dir /work/ooc --tokens 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LOCK = "/tmp/k3bench.lock"
+MIB, GIB = 1 << 20, 1 << 30
+PROMPT = "The fox"   # 4 tokens: a long prompt would read most experts of every layer in prefill
+CHUNK = 16 * MIB
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def mem_total() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def status(field: str, pid: str = "self") -> int:
+    """A kB field of /proc/PID/status in bytes (0 if absent)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def disk_read_bytes(path: Path) -> int:
+    """Bytes read so far by the block device holding `path` (/proc/diskstats, sectors of 512).
+    For a partition the whole disk's line is used if the partition's is missing."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    with open("/proc/diskstats", encoding="ascii") as f:
+        for line in f:
+            p = line.split()
+            if int(p[0]) == major and int(p[1]) == minor:
+                return int(p[5]) * 512
+    raise RuntimeError(f"{path}: device {major}:{minor} not in /proc/diskstats")
+
+
+def drop_cache(path: Path) -> None:
+    """Evict the file's clean pages from the page cache (what a cold start sees)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def expert_region(path: Path) -> tuple[int, int]:
+    """(first byte, bytes) of the file's routed-expert tensors."""
+    from k3kit.gguf.reader import GGUFFile
+    ts = [t for t in GGUFFile.open(path).tensors if "_exps." in t.name]
+    lo = min(t.offset for t in ts)
+    return lo, max(t.offset + t.nbytes for t in ts) - lo
+
+
+# ---------------------------------------------------------------- steps (run under the lock)
+
+def step_seq(path: Path, gib: float) -> dict[str, Any]:
+    lo, n = expert_region(path)
+    want = min(int(gib * GIB), n // 3) // CHUNK * CHUNK
+    out = {}
+    buf = mmap.mmap(-1, CHUNK)
+    for name, flags, start in (("direct", os.O_DIRECT, lo), ("buffered", 0, lo + want)):
+        start = start // 4096 * 4096
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            for off in range(start, start + want, CHUNK):
+                os.preadv(fd, [buf], off)
+            dt = time.perf_counter() - t0
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        out[name] = want / dt
+    # four sequential streams at once (O_DIRECT): a virtual disk may give more to several requests
+    streams = 4
+    part = want // streams // CHUNK * CHUNK
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+    def stream(i: int) -> None:
+        b = mmap.mmap(-1, CHUNK)
+        start = (lo + 2 * want + i * part) // 4096 * 4096
+        for off in range(start, start + part, CHUNK):
+            os.preadv(fd, [b], off)
+
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out["direct_x4"] = streams * part / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return {"bytes": want, "direct_Bps": out["direct"], "buffered_Bps": out["buffered"],
+            "direct_x4_Bps": out["direct_x4"], "seq_Bps": max(out.values())}
+
+
+def step_check(path: Path, n: int) -> dict[str, Any]:
+    """What the scale check adds to a miss: `n` experts of layer 1 read on the caller's thread
+    (no read-ahead), from storage (cold) and from the page cache, check on and off alternating."""
+    from k3kit.gguf.shards import Model
+    from k3kit.runtime.experts import ExpertStore
+    model = Model.open(path)
+    names = [f"blk.1.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    out: dict[str, Any] = {}
+    for mode in ("cold", "page"):
+        per: dict[bool, list[float]] = {True: [], False: []}
+        check_s = []
+        for rep in range(4):
+            for on in (rep % 2 == 0, rep % 2 == 1):
+                experts = list(range(rep * 2 * n + on * n, rep * 2 * n + on * n + n))
+                cold = "fadvise" if mode == "cold" else False
+                with ExpertStore.from_gguf(model, {1: names}, keep="quantized", read_ahead=False,
+                                           check_scales=on, cold=cold) as st:
+                    if mode == "page":
+                        st.get(1, experts)          # warm the page cache, then time the misses
+                        st.clear()
+                        st.reset_stats()
+                    t0 = time.perf_counter()
+                    for e in experts:
+                        st.get(1, [e])
+                    per[on].append((time.perf_counter() - t0) / n)
+                    if on:
+                        check_s.append(st.stats().check_seconds / n)
+        out[mode] = {"miss_s_check": statistics.median(per[True]),
+                     "miss_s_nocheck": statistics.median(per[False]), "check_s": statistics.median(check_s),
+                     "expert_bytes": sum(model.tensors[x].nbytes // model.tensors[x].shape[2] for x in names)}
+    model.close()
+    return out
+
+
+def quick_seq(path: Path, k: int, n: int = 512 * MIB) -> float:
+    """O_DIRECT sequential bytes/s over `n` bytes of the expert region (the k-th such piece from
+    its end): the limit right before a run. This disk is a virtual one whose bandwidth changes
+    over minutes (bursts of ~700 MB/s, ~100 MB/s when throttled), so each run gets its own."""
+    lo, size = expert_region(path)
+    n = min(n, size // 16) // CHUNK * CHUNK or CHUNK
+    start = max(lo, lo + size - (k + 1) * n - CHUNK) // 4096 * 4096
+    buf = mmap.mmap(-1, CHUNK)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        for off in range(start, start + n, CHUNK):
+            os.preadv(fd, [buf], off)
+        return n / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: int, trunk: str,
+               dtype: str, repeats: int, prefetch: list[str]) -> dict[str, Any]:
+    import torch
+
+    from k3kit.adapters import load_model
+    from k3kit.models.kimi_k3.moe import set_expert_prefetch
+    from k3kit.runtime.engine import generate
+    from k3kit.runtime.loader import LoadOptions
+    from k3kit.runtime.sampling import make_sampling
+
+    torch.set_num_threads(threads)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    t0 = time.perf_counter()
+    lm = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=mode == "cold", trunk=trunk, dtype=dt))
+    load_s = time.perf_counter() - t0
+    adapter = lm.model
+    prompt = lm.codec.encode(PROMPT)
+    runs = []
+    try:
+        for _ in range(repeats):
+            for pf in prefetch:
+                set_expert_prefetch(adapter.model.modules(), pf == "on")
+                lm.reset_expert_cache(cache_mib)
+                drop_cache(path)
+                seq = quick_seq(path, len(runs))
+                marks: list[tuple[float, int]] = []
+
+                def on_token(_: int, marks: list[tuple[float, int]] = marks) -> None:
+                    marks.append((time.perf_counter(), disk_read_bytes(path)))
+
+                d0 = disk_read_bytes(path)
+                r = generate(adapter, prompt, max_tokens=tokens, sampling=make_sampling(0.0, seed=0),
+                             on_token=on_token)
+                d1 = disk_read_bytes(path)
+                s = r.stats
+                es = adapter.store.stats()
+                (ta, da), (tb, db) = marks[0], marks[-1]
+                runs.append({
+                    "prefetch": pf, "tokens": r.token_ids, "decode_tok_s": s.decode_tok_s,
+                    "prefill_tok_s": s.prefill_tok_s, "prompt_tokens": s.prompt_tokens,
+                    "payload_per_token": s.payload_bytes_per_token, "hit_rate": s.expert_cache_hit_rate,
+                    "disk_bytes": d1 - d0, "decode_disk_per_token": (db - da) / max(len(marks) - 1, 1),
+                    "decode_disk_Bps": (db - da) / (tb - ta) if tb > ta else 0.0,
+                    "prefetched": es.prefetched, "prefetch_used": es.prefetch_used,
+                    "wasted_bytes": es.wasted_bytes, "wait_s": es.wait_seconds, "check_s": es.check_seconds,
+                    "misses": es.misses, "read_s": es.read_seconds, "ahead_reads": es.ahead_reads,
+                    "seq_Bps": seq,
+                })
+    finally:
+        lm.close()
+    return {"mode": mode, "load_s": load_s, "peak_rss": status("VmHWM"), "runs": runs,
+            "trunk": trunk, "dtype": dtype, "prompt_ids": prompt}
+
+
+def step_llama(path: Path, variant: str, prompt: list[int], tokens: int, threads: int,
+               anon_limit: int) -> dict[str, Any]:
+    """One greedy run; the result is printed by the caller's subprocess as JSON."""
+    import llama_cpp
+    import numpy as np
+
+    resource.setrlimit(resource.RLIMIT_DATA, (anon_limit, anon_limit))
+    peak_anon = [0]
+
+    t_start = time.perf_counter()
+
+    def watchdog() -> None:
+        k = 0
+        while True:
+            anon = status("RssAnon")
+            peak_anon[0] = max(peak_anon[0], anon)
+            k += 1
+            if k % 100 == 0:    # a progress line: the last JSON line if the step is killed
+                print(json.dumps({"variant": variant, "ok": False, "peak_rss": status("VmHWM"),
+                                  "rss_file": status("RssFile"), "peak_anon": peak_anon[0],
+                                  "error": f"still running after {time.perf_counter() - t_start:.0f} s "
+                                  f"(RSS {status('VmRSS') / GIB:.1f} GiB, of it file pages "
+                                  f"{status('RssFile') / GIB:.1f} GiB)"}), flush=True)
+            if anon > anon_limit:
+                print(json.dumps({"variant": variant, "ok": False, "peak_rss": status("VmHWM"),
+                                  "peak_anon": anon, "error": f"killed: RssAnon {anon / GIB:.1f} GiB "
+                                  f"> {anon_limit / GIB:.1f} GiB"}), flush=True)
+                os._exit(3)
+            time.sleep(0.1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    original = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = original()
+        p.use_extra_bufts = variant == "default"
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    t0 = time.perf_counter()
+    try:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + tokens + 8, n_batch=512,
+                              n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+    except Exception as e:     # the failure is the result: report it
+        return {"variant": variant, "ok": False, "load_s": time.perf_counter() - t0,
+                "peak_rss": status("VmHWM"), "peak_anon": peak_anon[0], "error": f"{type(e).__name__}: {e}"}
+    load_s = time.perf_counter() - t0
+    drop_cache(path)
+    seq = quick_seq(path, 8 + (variant == "default"))
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    ta, da = time.perf_counter(), disk_read_bytes(path)
+    for _ in range(tokens - 1):
+        llm.eval([out[-1]])
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    tb, db = time.perf_counter(), disk_read_bytes(path)
+    res = {"variant": variant, "ok": True, "load_s": load_s, "tokens": out,
+           "prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (tokens - 1) / (tb - ta),
+           "decode_disk_per_token": (db - da) / (tokens - 1), "decode_disk_Bps": (db - da) / (tb - ta),
+           "peak_rss": status("VmHWM"), "rss_file_end": status("RssFile"), "peak_anon": peak_anon[0],
+           "seq_Bps": seq}
+    llm.close()
+    return res
+
+
+# ---------------------------------------------------------------- the driver
+
+def locked(args: list[str], timeout: float) -> dict[str, Any]:
+    """Run this script's step `args` under the machine lock (waiting for it as long as it
+    takes; then `timeout` seconds for the step itself); its last stdout line is JSON."""
+    cmd = ["flock", LOCK, "timeout", "-s", "KILL", str(int(timeout)), sys.executable, __file__, *args]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode in (-9, 137):
+        last = json.loads(lines[-1]) if lines else {}
+        return last | {"ok": False, "error": f"killed after {timeout:.0f} s; last: {last.get('error')}"}
+    if not lines:
+        err = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "error": f"exit {r.returncode}: {err}", "wall_s": time.perf_counter() - t0}
+    final = [ln for ln in lines if "still running" not in ln]     # not a watchdog progress line
+    out: dict[str, Any] = json.loads((final or lines)[-1])
+    out.setdefault("ok", r.returncode == 0)
+    out["exit"] = r.returncode
+    return out
+
+
+def ensure_file(args: argparse.Namespace) -> Path:
+    if args.file:
+        return Path(args.file)
+    from k3kit.gguf.synth import default_name, plan
+    p = plan("k3", args.layers, args.experts)
+    path = Path(args.dir) / (default_name(p.geometry, args.layers, args.experts) + ".gguf")
+    if not path.exists():
+        cmd = ["flock", LOCK, sys.executable, "-m", "k3kit.cli", "synth", "-o", args.dir, "--geometry", "k3",
+               "--layers", str(args.layers), "--experts", str(args.experts), "--json"]
+        print("synthesizing", path, flush=True)
+        subprocess.run(cmd, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
+    return path
+
+
+def fmt_rate(bps: float) -> str:
+    return f"{bps / 1e6:7.0f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--file", help="reuse this GGUF instead of synthesizing one")
+    ap.add_argument("--dir", default="/work/ooc", help="where to synthesize the file")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=896)
+    ap.add_argument("--tokens", type=int, default=16, help="greedy tokens per run")
+    ap.add_argument("--cache-mib", type=float, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trunk", default="quantized", choices=["quantized", "float"])
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, page")
+    ap.add_argument("--prefetch", default="off,on", help="prefetch settings, alternated")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--llama", default="default,norepack", help="llama.cpp variants ('' = none)")
+    ap.add_argument("--seq-gib", type=float, default=4)
+    ap.add_argument("--anon-limit-gib", type=float, default=16)
+    ap.add_argument("--timeout", type=float, default=570, help="seconds per locked step")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--delete", action="store_true", help="delete the synthesized file at the end")
+    ap.add_argument("--allow-small", action="store_true", help="run on a file < 1.3x RAM (smoke test)")
+    ap.add_argument("--step", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.step:     # inside the lock
+        path = Path(args.file)
+        if args.step == "seq":
+            res = step_seq(path, args.seq_gib)
+        elif args.step == "check":
+            res = step_check(path, 8)
+        elif args.step.startswith("k3kit-"):
+            res = step_k3kit(path, args.step[6:], args.tokens, args.cache_mib, args.threads, args.trunk,
+                             args.dtype, args.repeats, args.prefetch.split(","))
+        else:
+            res = step_llama(path, args.step[6:], json.loads(args.prompt_ids), args.tokens, args.threads,
+                             int(args.anon_limit_gib * GIB))
+        print(json.dumps(res), flush=True)
+        return
+
+    path = ensure_file(args)
+    size, ram = path.stat().st_size, mem_total()
+    print(f"file {path}: {size / 1e9:.1f} GB = {size / ram:.2f}x RAM ({ram / GIB:.1f} GiB)", flush=True)
+    if size < 1.3 * ram and not args.allow_small:
+        sys.exit(f"{path}: {size / 1e9:.1f} GB is less than 1.3x RAM; not an out-of-core run")
+    common = ["--file", str(path), "--tokens", str(args.tokens), "--threads", str(args.threads)]
+    results: dict[str, Any] = {"file": str(path), "file_bytes": size, "ram_bytes": ram,
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "args": {k: v for k, v in vars(args).items() if k != "step"}}
+
+    seq = locked(["--step", "seq", "--file", str(path), "--seq-gib", str(args.seq_gib)], args.timeout)
+    results["seq"] = seq
+    limit = seq.get("seq_Bps", 0.0)
+    print(f"sequential read: O_DIRECT {fmt_rate(seq.get('direct_Bps', 0))} MB/s, buffered "
+          f"{fmt_rate(seq.get('buffered_Bps', 0))} MB/s, O_DIRECT 4 streams "
+          f"{fmt_rate(seq.get('direct_x4_Bps', 0))} MB/s -> limit {fmt_rate(limit)} MB/s", flush=True)
+
+    check = locked(["--step", "check", "--file", str(path)], args.timeout)
+    results["check"] = check
+    for mode in ("cold", "page"):
+        c = check.get(mode)
+        if c:
+            print(f"scale check, {mode} miss of {c['expert_bytes'] / 1e6:.1f} MB: "
+                  f"{c['check_s'] * 1e3:.2f} ms check; miss {c['miss_s_check'] * 1e3:.1f} ms with, "
+                  f"{c['miss_s_nocheck'] * 1e3:.1f} ms without", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    k3 = {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        r = locked(["--step", f"k3kit-{mode}", *common, "--cache-mib", str(args.cache_mib), "--trunk",
+                    args.trunk, "--dtype", args.dtype, "--repeats", str(args.repeats), "--prefetch",
+                    args.prefetch], args.timeout)
+        k3[mode] = r
+        if not r.get("runs"):
+            rows.append({"name": f"k3kit {mode}", "error": r.get("error")})
+            continue
+        for pf in args.prefetch.split(","):
+            rs = [x for x in r["runs"] if x["prefetch"] == pf]
+            tps = [x["decode_tok_s"] for x in rs]
+            rows.append({"name": f"k3kit {mode} prefetch {pf}", "peak_rss": r["peak_rss"],
+                         "tok_s": statistics.median(tps), "tok_s_all": tps,
+                         "payload": statistics.median(x["payload_per_token"] for x in rs),
+                         "disk_per_token": statistics.median(x["decode_disk_per_token"] for x in rs),
+                         "disk_Bps": statistics.median(x["decode_disk_Bps"] for x in rs),
+                         "frac": statistics.median(x["decode_disk_Bps"] / x["seq_Bps"] for x in rs),
+                         "seq_Bps": statistics.median(x["seq_Bps"] for x in rs),
+                         "tokens": rs[0]["tokens"], "prefetched": rs[0]["prefetched"],
+                         "prefetch_used": rs[0]["prefetch_used"], "wait_s": rs[0]["wait_s"]})
+    results["k3kit"] = k3
+
+    prompt_ids = next((k["prompt_ids"] for k in k3.values() if k.get("prompt_ids")), [1, 2, 3, 4])
+    llama = {}
+    for variant in [v for v in args.llama.split(",") if v]:
+        r = locked(["--step", f"llama-{variant}", *common, "--anon-limit-gib", str(args.anon_limit_gib),
+                    "--prompt-ids", json.dumps(prompt_ids)], args.timeout)
+        llama[variant] = r
+        row = {"name": f"llama.cpp {variant}", "peak_rss": r.get("peak_rss", 0)}
+        if r.get("ok"):
+            row |= {"tok_s": r["decode_tok_s"], "disk_per_token": r["decode_disk_per_token"],
+                    "disk_Bps": r["decode_disk_Bps"], "tokens": r["tokens"], "seq_Bps": r["seq_Bps"],
+                    "frac": r["decode_disk_Bps"] / r["seq_Bps"]}
+        else:
+            row["error"] = r.get("error")
+        rows.append(row)
+    results["llama"] = llama
+    results["rows"] = rows
+
+    print(f"\n{'run':<28} {'peak RSS GiB':>12} {'tok/s':>7} {'payload MB/tok':>14} {'disk MB/tok':>11} "
+          f"{'disk MB/s':>9} {'limit MB/s':>10} {'of limit':>8}")
+    for row in rows:
+        if "tok_s" not in row:
+            print(f"{row['name']:<28} {row.get('peak_rss', 0) / GIB:12.2f}  FAILED: {row.get('error')}")
+            continue
+        payload = f"{row['payload'] / 1e6:14.0f}" if "payload" in row else f"{'-':>14}"
+        print(f"{row['name']:<28} {row['peak_rss'] / GIB:12.2f} {row['tok_s']:7.3f} {payload} "
+              f"{row['disk_per_token'] / 1e6:11.0f} {fmt_rate(row['disk_Bps']):>9} "
+              f"{fmt_rate(row['seq_Bps']):>10} {row['frac']:8.2f}")
+    ok_llama = [r for r in rows if r["name"].startswith("llama") and "tok_s" in r]
+    ours = [r for r in rows if r["name"].startswith("k3kit") and "tok_s" in r]
+    for peer in ok_llama:
+        for r in ours:
+            same = sum(a == b for a, b in zip(r["tokens"], peer["tokens"], strict=False))
+            rss = r["peak_rss"] / max(peer["peak_rss"], 1)
+            print(f"ratio {r['name']} / {peer['name']}: tok/s {r['tok_s'] / peer['tok_s']:.2f}x, "
+                  f"peak RSS {rss:.2f}x, same tokens {same}/{len(peer['tokens'])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.delete and not args.file:
+        path.unlink()
+
+
+if __name__ == "__main__":
+    main()

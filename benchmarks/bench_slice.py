@@ -1,0 +1,225 @@
+"""K3-geometry slices: k3kit's quantized trunk vs llama.cpp, prefill and decode, 1 and 2 threads.
+
+    python benchmarks/bench_slice.py [--dir /tmp/C] [--files mxfp4,iq,q4k] [--threads 1,2]
+                                     [--prompt 64] [--tokens 16] [--reps 2] [--configs ...]
+                                     [--lock /tmp/k3bench.lock] [--keep]
+
+Files (`k3kit synth --geometry k3 --layers 2 --experts 16`, full K3 vocabulary, one at a time,
+deleted after use unless --keep):
+  mxfp4  Q8_0 trunk, MXFP4 experts;
+  iq     Q8_0 trunk, IQ1_S gate/up + IQ3_XXS down experts;
+  q4k    Q4_K trunk (`--trunk-type Q4_K`: the trunk `k3kit requant --to Q4_K` makes), MXFP4 experts.
+Each run is its own process (one loaded model at a time, peak RSS measured per run); a round
+(llama.cpp, then each k3kit configuration) holds flock(2) on LOCK, so that timed runs on a
+shared machine do not overlap; rounds repeat `--reps` times, so the sides alternate. Every
+run makes two requests of the same prompt on one load (greedy, prefill `--prompt` tokens then
+`--tokens` decoded) and reports the second: warm (llama.cpp's pages mapped; k3kit's expert
+cache as the first request left it).
+k3kit configurations (`--configs`, comma list of MODE:DTYPE:CACHE_MIB):
+  ggml:f32:4096   the int8-activation mode (ggml's arithmetic), every expert cached;
+  ggml:f32:128    the same through a 128 MiB expert cache (most experts re-read per token);
+  float:bf16:4096 float32-activation kernels, bf16 compute (dequantize + bf16 GEMM for many rows).
+always `--trunk quantized`, native expert kernels. llama.cpp: llama-cpp-python, F32 KV cache, its
+default weight repacking (`--llama-no-repack` turns it off). Prints a markdown table: median tok/s
+of the reps with the spread (min-max), the ratio k3kit / llama.cpp of the medians, peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = {
+    "mxfp4": [],
+    "iq": ["--expert-type", "IQ1_S", "--expert-type-down", "IQ3_XXS"],
+    "q4k": ["--trunk-type", "Q4_K"],
+}
+
+
+def prompt_tokens(n: int) -> list[int]:
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    from engine_models import prompts
+    return list(prompts(1, 400, seed=3, lo=n, hi=n)[0])
+
+
+def child_llama(path: str, threads: int, n_prompt: int, n_gen: int, repack: bool) -> dict:
+    import llama_cpp
+    import numpy as np
+    original = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():  # type: ignore[no-untyped-def]
+        p = original()
+        p.use_extra_bufts = repack
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    prompt = prompt_tokens(n_prompt)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+
+    def last_token() -> int:
+        """Greedy pick from the last evaluated row (without logits_all, `llm.scores` has no rows)."""
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
+
+    out = {}
+    for _ in range(2):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        tok = last_token()
+        toks = [tok]
+        for _ in range(n_gen):
+            llm.eval([tok])
+            tok = last_token()
+            toks.append(tok)
+        t2 = time.perf_counter()
+        out = {"prefill": n_prompt / (t1 - t0), "decode": n_gen / (t2 - t1), "tokens": toks}
+    llm.close()
+    return out
+
+
+def child_k3(path: str, threads: int, n_prompt: int, n_gen: int, mode: str, dtype: str, cache: float) -> dict:
+    import torch
+
+    from k3kit.adapters import load_model
+    from k3kit.kernels import qmatmul
+    from k3kit.runtime.engine import generate
+    from k3kit.runtime.loader import DTYPES, LoadOptions
+    from k3kit.runtime.sampling import make_sampling
+    torch.set_num_threads(threads)
+    qmatmul.DEFAULT_ARITH = mode       # every QuantizedMatrix made from here on (trunk and experts)
+    prompt = prompt_tokens(n_prompt)
+    options = LoadOptions(dtype=DTYPES[dtype], expert_cache_mib=cache, expert_kernel="native",
+                          trunk="quantized")
+    out = {}
+    with load_model(Path(path), options) as loaded:
+        for _ in range(2):
+            r = generate(loaded.model, prompt, max_tokens=n_gen + 1, sampling=make_sampling(0.0, seed=0),
+                         prefill_chunk=512)
+            out = {"prefill": r.stats.prefill_tok_s, "decode": r.stats.decode_tok_s,
+                   "tokens": list(r.token_ids)}
+    return out
+
+
+def run_child(argv: list[str]) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", *argv], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"child {' '.join(argv)} failed:\n{p.stderr[-3000:]}")
+    r: dict = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"<!-- {' '.join(argv[:1] + argv[2:])}: prefill {r['prefill']:.2f} decode {r['decode']:.2f} tok/s, "
+          f"RSS {r['rss_mib']:.0f} MiB -->", flush=True)
+    return r
+
+
+@contextlib.contextmanager
+def machine_lock(path: str) -> Iterator[None]:
+    """Hold flock(2) on `path` (as `flock PATH cmd` does) for the duration; '' holds nothing."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def cell(vals: list[float]) -> str:
+    return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--files", default="mxfp4,iq,q4k")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--configs", default="ggml:f32:4096,ggml:f32:128,float:bf16:4096")
+    ap.add_argument("--lock", default="/tmp/k3bench.lock", help="flock file of every timed run ('': none)")
+    ap.add_argument("--llama-no-repack", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the synthesized files")
+    ap.add_argument("--child", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    if args.child:
+        kind, path, threads, n_prompt, n_gen, *rest = args.child
+        if kind == "llama":
+            r = child_llama(path, int(threads), int(n_prompt), int(n_gen), rest[0] == "1")
+        else:
+            r = child_k3(path, int(threads), int(n_prompt), int(n_gen), rest[0], rest[1], float(rest[2]))
+        r["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(r))
+        return
+    configs = [c.split(":") for c in args.configs.split(",")]
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"prompt {args.prompt}, decode {args.tokens} (greedy), second request of two per load; "
+          f"{args.reps} reps alternating; llama.cpp repack {'off' if args.llama_no_repack else 'on'}")
+    print("| file | threads | engine | prefill tok/s | decode tok/s | prefill x | decode x | peak RSS MiB | "
+          "same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.files.split(","):
+        out = Path(args.dir) / f"slice-{name}"
+        if out.exists():
+            shutil.rmtree(out)
+        subprocess.run(["k3kit", "synth", "--geometry", "k3", "--layers", "2", "--experts", "16",
+                        "-o", str(out), "--name", f"k3slice-{name}", *FILES[name]],
+                       check=True, capture_output=True)
+        path = str(next(out.glob("*.gguf")))
+        try:
+            results: dict[str, dict[str, list[dict]]] = {t: {} for t in args.threads.split(",")}
+            for _ in range(args.reps):
+                with machine_lock(args.lock):    # a round per hold: llama.cpp then each config, per threads
+                    for threads, res in results.items():
+                        base = [path, threads, str(args.prompt), str(args.tokens)]
+                        res.setdefault("llama.cpp", []).append(
+                            run_child(["llama", *base, "0" if args.llama_no_repack else "1"]))
+                        for mode, dtype, cache in configs:
+                            res.setdefault(f"k3kit {mode} {dtype} {cache} MiB", []).append(
+                                run_child(["k3", *base, mode, dtype, cache]))
+            for threads, res in results.items():
+                peer = res["llama.cpp"]
+                pp = statistics.median(r["prefill"] for r in peer)
+                tg = statistics.median(r["decode"] for r in peer)
+                for label, runs in res.items():
+                    p = [r["prefill"] for r in runs]
+                    d = [r["decode"] for r in runs]
+                    same = "" if label == "llama.cpp" else \
+                        f"{sum(r['tokens'] == peer[0]['tokens'] for r in runs)}/{len(runs)}"
+                    print(f"| {name} | {threads} | {label} | {cell(p)} | {cell(d)} | "
+                          f"{statistics.median(p) / pp:.2f} | {statistics.median(d) / tg:.2f} | "
+                          f"{max(r['rss_mib'] for r in runs):.0f} | {same} |", flush=True)
+        finally:
+            if not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

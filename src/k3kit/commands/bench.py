@@ -1,0 +1,112 @@
+"""`k3kit bench`: measure a model on this machine in llama-bench's terms (k3kit.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from k3kit.errors import K3Error
+
+NAME = "bench"
+HELP = "measure prompt/decode tok/s, expert payload and acceptance (llama-bench's pp/tg rows)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3kit.commands.generate import add_draft_arguments, add_model_arguments
+
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="GGUF file or any shard (default: the shipped mini K3)")
+    parser.add_argument("-p", "--n-prompt", type=int, default=512, metavar="N",
+                        help="prompt tokens of each pp test (512); 0: no pp row, prompts at their own length")
+    parser.add_argument("-n", "--n-gen", type=int, default=128, metavar="N",
+                        help="tokens decoded after the prompt in each tg test (128; 0: no tg row)")
+    parser.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
+                        help="repetitions of each test, one workload prompt each (5)")
+    parser.add_argument("--workload", default="stdlib", metavar="NAME|FILE",
+                        help="stdlib (held-out code, default), humaneval, gsm8k, chat, "
+                        "or a JSONL file of {\"prompt\": ...} lines")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="run each value (repeat for a cartesian product); keys: block_size, "
+                        "verify_budget, confidence_threshold, expert_cache_mib, expert_kernel, threads")
+    parser.add_argument("--concurrency", metavar="N1,N2", default=None,
+                        help="also start `k3kit serve` and drive N concurrent API clients "
+                        "(aggregate tok/s, TTFT)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="add llama.cpp's AR rows on the same GGUF and prompts (llama-cpp-python)")
+    parser.add_argument("--profile-experts", metavar="OUT.json", default=None,
+                        help="record how often each layer routes to each expert (a `plan --profile` / "
+                        "`--pin-experts` file)")
+    parser.add_argument("-o", "--output", default="md", choices=("md", "json", "jsonl", "csv"),
+                        help="what to print (md)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="write results.json, report.md and PNG plots here")
+    parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                        help="prompt rows per pass (llama-bench's n_batch; 512)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_arguments(parser)
+    add_draft_arguments(parser)
+
+
+def stdlib_docs() -> list[str]:
+    """The held-out stdlib files the mini model never trained on (k3kit.mini.corpus)."""
+    from k3kit.mini.corpus import build_corpus
+    return build_corpus().heldout_docs
+
+
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The model and draft flags for the `k3kit serve` child of --concurrency."""
+    out = ["--expert-cache-mib", str(args.expert_cache_mib), "--expert-kernel", args.expert_kernel,
+           "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    if getattr(args, "trunk", None):
+        out += ["--trunk", args.trunk]
+    out += ["--expert-prefetch", getattr(args, "expert_prefetch", "auto"), "--arith", args.arith]
+    if getattr(args, "pin_experts", None):
+        out += ["--pin-experts", args.pin_experts]
+    if args.draft is not None:
+        out += ["--draft", args.draft, "--verify-budget", args.verify_budget,
+                "--confidence-threshold", str(args.confidence_threshold), "--feature-ring", args.feature_ring]
+        if getattr(args, "draft_device", None):
+            out += ["--draft-device", args.draft_device]
+        if args.block_size is not None:
+            out += ["--block-size", str(args.block_size)]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3kit.bench.config import Config, parse_concurrency
+    from k3kit.bench.report import render, write_outputs
+    from k3kit.bench.run import BenchOptions, run_bench
+    from k3kit.commands.generate import check_draft_args, default_model, draft_path
+
+    check_draft_args(args)
+    if args.expert_cache_mib < 0:
+        raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
+    if args.threads < 0:
+        raise K3Error(f"--threads {args.threads}: must be >= 0")
+    model = Path(args.model) if args.model else default_model()
+    draft = draft_path(args)
+    from k3kit.runtime.speculative import parse_budget
+    parse_budget(args.verify_budget)
+    base = Config(expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+                  threads=args.threads, block_size=args.block_size, verify_budget=args.verify_budget,
+                  confidence_threshold=args.confidence_threshold)
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise K3Error(f"{out_dir}: --out must be a directory")
+    opts = BenchOptions(
+        model=model, base=base, draft=draft, n_prompt=args.n_prompt, n_gen=args.n_gen, reps=args.repetitions,
+        workload=args.workload, sweeps=args.sweep, concurrency=parse_concurrency(args.concurrency),
+        llama_cpp=args.llama_cpp, profile_out=Path(args.profile_experts) if args.profile_experts else None,
+        pin_profile=Path(args.pin_experts) if getattr(args, "pin_experts", None) else None,
+        device=args.device, dtype_name=args.dtype, trunk=getattr(args, "trunk", None),
+        expert_prefetch=getattr(args, "expert_prefetch", "auto"), arith=args.arith,
+        prefill_chunk=args.prefill_chunk, feature_ring=args.feature_ring,
+        draft_device=getattr(args, "draft_device", None), serve_args=serve_args(args),
+        stdlib_docs=stdlib_docs, show_progress=not args.no_progress)
+    result = run_bench(opts, command=["k3kit", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else [])
+    if out_dir is not None:
+        written = write_outputs(result, out_dir)
+        print(f"k3kit: wrote {', '.join(p.name for p in written)} to {out_dir}", file=sys.stderr)
+    sys.stdout.write(render(result, args.output))
+    return 0

@@ -1,0 +1,283 @@
+"""The continuous-batching scheduler (k3kit.serve.batch): its pass rules on a toy BatchedModel, and
+batch invariance on the shipped mini K3 in process (logits compared bit for bit through logprobs).
+The same properties over HTTP with the real openai client are in test_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from k3kit.runtime.protocols import BatchedModel
+from k3kit.runtime.sampling import make_sampling
+from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.scheduler import FinishEvent, GenerationRequest, QueueFull, TokenEvent
+
+V = 32
+EOS = 31
+
+
+class ToyCodec:
+    n_vocab = V
+
+    def decode_bytes(self, ids):
+        return b"".join(bytes([97 + t % 26]) for t in ids if t != EOS)
+
+    def streamer(self):
+        from k3kit.tokenizer.codec import TextStream
+        return TextStream(self)
+
+    def stop_ids(self):
+        return {EOS}
+
+
+class ToyBatched:
+    """Next token = (sum of the sequence's ids so far) % 30; records every pass."""
+
+    context_length = 4096
+    vocab_size = V
+
+    def __init__(self, invariant_rows: int = 4, fail_on: int | None = None, hold_after: int | None = None):
+        self.batch_invariant_rows = invariant_rows
+        self.fail_on = fail_on
+        self.hold_after = hold_after          # close the gate after this many passes
+        self.states: dict[int, list[int]] = {}
+        self.next = 1
+        self.passes: list[list[tuple[int, int]]] = []      # per pass: (handle, rows)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    @property
+    def sequences(self) -> int:
+        return len(self.states)
+
+    def open_sequence(self) -> int:
+        h, self.next = self.next, self.next + 1
+        self.states[h] = []
+        return h
+
+    def close_sequence(self, seq: int) -> None:
+        self.states.pop(seq, None)
+
+    def adopt_sequence(self) -> int:
+        raise AssertionError("no single-sequence state here")
+
+    def forward_batch(self, rows):
+        assert self.gate.wait(10)
+        self.passes.append([(h, len(ids)) for h, ids in rows])
+        if len(self.passes) == self.hold_after:
+            self.gate.clear()
+        out = torch.full((len(rows), V), -5.0)
+        for i, (h, ids) in enumerate(rows):
+            if self.fail_on is not None and self.fail_on in ids:
+                raise RuntimeError("boom")
+            self.states[h] += list(ids)
+            out[i, sum(self.states[h]) % 30] = 5.0
+        return out
+
+
+def request(prompt, max_tokens=4, temperature=0.0, seed=1, logprobs=None):
+    return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, logprobs=logprobs,
+                             sampling=make_sampling(temperature, 1.0, 0, seed))
+
+
+async def collect(stream):
+    tokens, lps, finish = [], [], None
+    async for ev in stream:
+        if isinstance(ev, TokenEvent):
+            tokens += ev.tokens
+            lps += [(x.token, x.logprob, x.top) for x in ev.logprobs or ()]
+        else:
+            finish = ev
+    return tokens, lps, finish
+
+
+def expected_tokens(prompt, n):
+    seq, out = list(prompt), []
+    for _ in range(n):
+        t = sum(seq) % 30
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+def test_toy_is_a_batched_model():
+    assert isinstance(ToyBatched(), BatchedModel)
+
+
+def test_passes_respect_the_limit_and_fixed_prompt_chunks():
+    """limit = min(max_batch, invariant rows) = 4; prompt chunks of max_batch = 6 rows from the start:
+    a 6-row chunk (> 4) runs alone, a shorter last chunk joins a mixed pass; outputs are right."""
+    model = ToyBatched(invariant_rows=4)
+    sched = BatchScheduler(model, ToyCodec(), max_batch=6, max_queue=8)
+    prompts = [[1, 2, 3], [4] * 15, [5], [6, 7], [2] * 9]
+
+    async def main():
+        model.gate.clear()
+        streams = [sched.submit(request(p, max_tokens=5)) for p in prompts]
+        model.gate.set()
+        return await asyncio.gather(*[collect(s) for s in streams])
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        sched.close()
+    for p, (tokens, _, finish) in zip(prompts, results, strict=True):
+        assert tokens == expected_tokens(p, 5) and finish.reason == "length"
+    chunks: dict[int, list[int]] = {}
+    for ps in model.passes:
+        rows = sum(n for _, n in ps)
+        assert rows <= 6
+        assert rows <= 4 or len(ps) == 1              # over the invariant limit: one sequence only
+        assert len({h for h, _ in ps}) == len(ps)
+        for h, n in ps:
+            chunks.setdefault(h, []).append(n)
+    # each prompt cut in chunks of 6 from its start, then one row per pass
+    for h, p in zip(sorted(chunks), prompts, strict=True):
+        want = [min(6, len(p) - i) for i in range(0, len(p), 6)] + [1] * 4
+        assert chunks[h] == want
+    assert model.sequences == 0 and sched.stats().active == 0
+
+
+def test_decoders_take_turns_and_state_is_freed_on_cancel():
+    """More decoders than rows per pass: round robin; a cancelled sequence's state is freed at the
+    next pass and its FinishEvent comes only after that."""
+    model = ToyBatched(invariant_rows=2, hold_after=1)
+    sched = BatchScheduler(model, ToyCodec(), max_batch=8, max_queue=0)
+
+    async def main():
+        model.gate.clear()
+        streams = [sched.submit(request([i + 1], max_tokens=6)) for i in range(5)]
+        with pytest.raises(QueueFull):                       # 8 slots: 5 + 3 more fit, the 9th not
+            for _ in range(4):
+                sched.submit(request([1], max_tokens=1))
+        model.gate.set()
+        first = await streams[0].__anext__()
+        assert isinstance(first, TokenEvent)
+        sched.cancel(streams[0].id)
+        model.gate.set()                      # the 2nd pass runs after the cancel
+        results = await asyncio.gather(*[collect(s) for s in streams])
+        return results
+
+    try:
+        results = asyncio.run(main())
+        assert results[0][2].reason == "cancelled"
+        for i, (tokens, _, finish) in enumerate(results[1:], start=1):
+            assert finish.reason == "length" and tokens == expected_tokens([i + 1], 6)
+        assert all(sum(n for _, n in ps) <= 2 for ps in model.passes)
+        assert model.sequences == 0
+        st = sched.stats()
+        assert st.active == 0 and st.requests["cancelled"] == 1 and st.rejected == 1
+    finally:
+        sched.close()
+
+
+def test_a_failing_pass_fails_its_requests_only():
+    model = ToyBatched(invariant_rows=8, fail_on=13)
+    sched = BatchScheduler(model, ToyCodec(), max_batch=8, max_queue=8)
+
+    async def main():
+        bad = await collect(sched.submit(request([13])))
+        good = await collect(sched.submit(request([3])))
+        return bad, good
+
+    try:
+        bad, good = asyncio.run(main())
+    finally:
+        sched.close()
+    assert bad[2].reason == "error" and "boom" in bad[2].error
+    assert good[2].reason == "length" and good[0] == expected_tokens([3], 4)
+    assert model.sequences == 0
+
+
+# ---- batch invariance on the shipped mini K3 ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mini():
+    from k3kit.adapters import load_model
+    from k3kit.mini.paths import shipped_gguf
+    from k3kit.runtime.loader import LoadOptions
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)           # 2 shared cores: two torch threads are slower than one
+    loaded = load_model(shipped_gguf(), LoadOptions())
+    yield loaded
+    loaded.close()
+    torch.set_num_threads(threads)
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    lengths = [4, 80, 9, 1, 33, 20, 2, 12][:n]        # 80 rows > 64 invariant rows: a pass of its own
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def _run(sched, reqs, delays):
+    async def one(r, d):
+        await asyncio.sleep(d)
+        return await collect(sched.submit(r))
+
+    async def main():
+        return await asyncio.gather(*[one(r, d) for r, d in zip(reqs, delays, strict=True)])
+    return asyncio.run(main())
+
+
+def test_greedy_output_is_batch_invariant(mini):
+    """A request's tokens AND the logits rows that chose them (log-probs, bit for bit) are the same
+    alone and among 1, 3 and 7 others of different lengths arriving at different times; the
+    batch's passes really mix sequences."""
+    model = mini.model
+    assert model.batch_invariant_rows == 64                 # MXFP4 experts, float32 compute
+    sched = BatchScheduler(model, mini.codec, loaded=mini, max_batch=128, max_queue=8)
+    budgets = [8, 3, 6, 9, 4, 5, 7, 3]
+    reqs = [request(p, max_tokens=b, logprobs=1) for p, b in zip(_prompts(8, model.vocab_size), budgets,
+                                                                      strict=True)]
+    try:
+        alone = [_run(sched, [r], [0])[0] for r in reqs]
+        mixed_rows = 0
+        for others in (1, 3, 7):
+            group = reqs[:others + 1]
+            delays = [0.02 * ((i * 3) % (others + 1)) for i in range(others + 1)]
+            got = _run(sched, group, delays)
+            for i, (a, b) in enumerate(zip(alone, got, strict=False)):
+                assert b[2].reason == a[2].reason, (others, i)
+                assert b[0] == a[0], (others, i)
+                assert b[1] == a[1], f"request {i} among {others} others: logits differ"
+            mixed_rows = max(mixed_rows, sched.stats().batch_rows)
+        assert model.sequences == 0
+    finally:
+        sched.close()
+
+
+def test_seeded_sampling_repeats_alone_and_batched(mini):
+    model = mini.model
+    sched = BatchScheduler(model, mini.codec, loaded=mini, max_batch=16, max_queue=8)
+    prompts = [p[:12] for p in _prompts(4, model.vocab_size)]
+    sampled = request(prompts[0], max_tokens=10, temperature=1.0, seed=77)
+    others = [request(p, max_tokens=6, temperature=0.8, seed=i) for i, p in enumerate(prompts[1:])]
+    try:
+        a = _run(sched, [sampled], [0])[0]
+        b = _run(sched, [sampled], [0])[0]
+        c = _run(sched, [*others, sampled], [0, 0, 0, 0.01])[-1]
+        other_seed = _run(sched, [request(prompts[0], max_tokens=10, temperature=1.0, seed=78)], [0])[0]
+    finally:
+        sched.close()
+    assert a[0] == b[0] == c[0] and len(a[0]) == 10
+    assert other_seed[0] != a[0]                             # the seed matters
+
+
+def test_events_end_with_one_finish(mini):
+    sched = BatchScheduler(mini.model, mini.codec, loaded=mini, max_batch=4, max_queue=8)
+
+    async def main():
+        st = sched.submit(request([1, 2, 3], max_tokens=3))
+        return [ev async for ev in st]
+
+    try:
+        events = asyncio.run(main())
+    finally:
+        sched.close()
+    assert isinstance(events[-1], FinishEvent) and sum(isinstance(e, FinishEvent) for e in events) == 1
+    assert sum(len(e.tokens) for e in events if isinstance(e, TokenEvent)) <= 3
