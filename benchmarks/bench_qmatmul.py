@@ -28,7 +28,6 @@ against it (the "of bw" column: a one-row product is a stream over the weight by
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from k3kit.bench.run import cpu_info
 from k3kit.kernels import qmatmul
 from k3kit.kernels.dequant import dequantize
 from k3kit.kernels.qmatmul import QuantizedMatrix
@@ -74,17 +74,6 @@ def best(f: Callable[[], object], reps: int, clock: Callable[[], float]) -> floa
         f()
         times.append(clock() - t)
     return min(times)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def memory_bandwidth(reps: int = 5) -> float:
@@ -125,7 +114,7 @@ def main() -> None:
     kernel = qmatmul._qmatmul
     levels = [lv for lv in args.levels.split(",") if LEVELS[lv] <= LEVELS[kernel.simd()]]
     bw = memory_bandwidth()
-    print(f"{cpu_model()}; threads {args.threads}; best of {args.reps} ({args.clock} clock); "
+    print(f"{cpu_info()}; threads {args.threads}; best of {args.reps} ({args.clock} clock); "
           f"CPU paths: {kernel.simd()} and below; int8 path: {kernel.simd_i8()}; "
           f"memory bandwidth (numpy sum, 1 thread): {bw:.1f} GB/s")
     rng = np.random.default_rng(0)

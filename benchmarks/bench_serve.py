@@ -499,12 +499,8 @@ def main() -> None:
                 agree[name] = sum(a == b for a, b in zip(t, texts[peer_name], strict=False)) / max(1, len(t))
         print("greedy texts equal to llama.cpp's at concurrency 1: "
               + ", ".join(f"{k}: {100 * v:.0f}%" for k, v in agree.items()))
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from k3kit.bench.run import cpu_info
+    cpu = cpu_info()
     meta = {"model": str(args.model), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
             "threads": args.threads, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
             "max_batch": args.max_batch, "expert_cache_mib": args.expert_cache_mib, "draft": args.draft,

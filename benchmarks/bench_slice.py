@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -40,6 +39,8 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from k3kit.bench.run import cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {
@@ -140,17 +141,6 @@ def machine_lock(path: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def cell(vals: list[float]) -> str:
     return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
 
@@ -179,7 +169,7 @@ def main() -> None:
         print(json.dumps(r))
         return
     configs = [c.split(":") for c in args.configs.split(",")]
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+    print(f"{cpu_info()}, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"prompt {args.prompt}, decode {args.tokens} (greedy), second request of two per load; "
           f"{args.reps} reps alternating; llama.cpp repack {'off' if args.llama_no_repack else 'on'}")
     print("| file | threads | engine | prefill tok/s | decode tok/s | prefill x | decode x | peak RSS MiB | "
