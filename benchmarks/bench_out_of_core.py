@@ -8,8 +8,9 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
   seq      the disk's sequential read bandwidth on the file itself: --seq-gib of its expert region
            read in 16 MiB requests with O_DIRECT, and buffered after POSIX_FADV_DONTNEED (the
            larger is "the physical limit" below)
-  k3kit    one process per read mode (`page`: through the page cache; `cold`: fadvise around
-           every read, what `k3kit generate --cold` does), the model loaded once, then greedy
+  k3kit    one process per read mode (`page`: through the page cache; `cold`: what `k3kit
+           generate --cold` does, O_DIRECT reads straight into the cache's buffers; `fadvise`:
+           the previous --cold, pread with fadvise around every read), the model loaded once, then greedy
            runs of --tokens tokens with a --cache-mib expert cache, prefetch off and on
            alternating (--repeats each), the file dropped from the page cache before each run
   llama    llama-cpp-python's low-level API as users run it (mmap), `default` (its loader tries
@@ -23,8 +24,15 @@ bytes the disk delivered per decoded token and the decode-phase disk MB/s (from 
 of the file's device, between the first and the last generated token), and that rate as a
 fraction of the disk's sequential bandwidth measured right before that run (512 MiB, O_DIRECT:
 this machine's virtual disk gives ~700 MB/s in bursts and ~100 MB/s when throttled, so one
-figure at the start would not describe a run minutes later). The last lines print k3kit /
+figure at the start would not describe a run minutes later), and the issue's figure: the routed
+expert payload delivered (payload per token x tok/s) as a fraction of that limit. Bytes read on
+a wrong prefetch guess count as disk traffic, never as payload. The last lines print k3kit /
 llama.cpp ratios.
+
+--threads: on this 2-core machine one compute thread leaves the other core to the readers (and
+to whatever else runs); with 2, a reader or another process that takes a core stalls every
+2-thread product at its barrier (measured on a loaded machine: a 5.8 MB MXFP4 product 1.0 ms
+with 1 thread, 12-16 ms with 2). Compare both with two runs.
 
 Prefetch: each k3kit run is made with prefetch off and on (`--expert-prefetch off|on` on the
 CLI; `auto`, the default, turns it on when the cache cannot hold every expert).
@@ -215,7 +223,8 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     torch.set_num_threads(threads)
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     t0 = time.perf_counter()
-    lm = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=mode == "cold", trunk=trunk, dtype=dt))
+    cold = {"cold": True, "fadvise": "fadvise", "page": False}[mode]
+    lm = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=cold, trunk=trunk, dtype=dt))
     load_s = time.perf_counter() - t0
     adapter = lm.model
     prompt = lm.codec.encode(PROMPT)
@@ -248,7 +257,7 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
                     "prefetched": es.prefetched, "prefetch_used": es.prefetch_used,
                     "wasted_bytes": es.wasted_bytes, "wait_s": es.wait_seconds, "check_s": es.check_seconds,
                     "misses": es.misses, "read_s": es.read_seconds, "ahead_reads": es.ahead_reads,
-                    "seq_Bps": seq,
+                    "seq_Bps": seq, "guesses": es.guesses, "guesses_right": es.guesses_right,
                 })
     finally:
         lm.close()
@@ -374,7 +383,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trunk", default="quantized", choices=["quantized", "float"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, page")
+    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, fadvise, page")
     ap.add_argument("--prefetch", default="off,on", help="prefetch settings, alternated")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--llama", default="default,norepack", help="llama.cpp variants ('' = none)")
@@ -448,9 +457,14 @@ def main() -> None:
                          "disk_per_token": statistics.median(x["decode_disk_per_token"] for x in rs),
                          "disk_Bps": statistics.median(x["decode_disk_Bps"] for x in rs),
                          "frac": statistics.median(x["decode_disk_Bps"] / x["seq_Bps"] for x in rs),
+                         "payload_frac": statistics.median(x["payload_per_token"] * x["decode_tok_s"]
+                                                           / x["seq_Bps"] for x in rs),
                          "seq_Bps": statistics.median(x["seq_Bps"] for x in rs),
                          "tokens": rs[0]["tokens"], "prefetched": rs[0]["prefetched"],
-                         "prefetch_used": rs[0]["prefetch_used"], "wait_s": rs[0]["wait_s"]})
+                         "prefetch_used": sum(x["prefetch_used"] for x in rs),
+                         "prefetched_all": sum(x["prefetched"] for x in rs), "wait_s": rs[0]["wait_s"],
+                         "guesses": sum(x.get("guesses", 0) for x in rs),
+                         "guesses_right": sum(x.get("guesses_right", 0) for x in rs)})
     results["k3kit"] = k3
 
     prompt_ids = next((k["prompt_ids"] for k in k3.values() if k.get("prompt_ids")), [1, 2, 3, 4])
@@ -471,15 +485,19 @@ def main() -> None:
     results["rows"] = rows
 
     print(f"\n{'run':<28} {'peak RSS GiB':>12} {'tok/s':>7} {'payload MB/tok':>14} {'disk MB/tok':>11} "
-          f"{'disk MB/s':>9} {'limit MB/s':>10} {'of limit':>8}")
+          f"{'disk MB/s':>9} {'limit MB/s':>10} {'of limit':>8} {'payload MB/s':>11} {'of limit':>8}")
     for row in rows:
         if "tok_s" not in row:
             print(f"{row['name']:<28} {row.get('peak_rss', 0) / GIB:12.2f}  FAILED: {row.get('error')}")
             continue
         payload = f"{row['payload'] / 1e6:14.0f}" if "payload" in row else f"{'-':>14}"
+        rate = f"{row['payload'] * row['tok_s'] / 1e6:11.0f}" if "payload" in row else f"{'-':>11}"
+        pfrac = f"{row['payload_frac']:8.2f}" if "payload" in row else f"{'-':>8}"
+        hits = (f"  prefetch reads used {row['prefetch_used']}/{row['prefetched_all']}, guesses right "
+                f"{row['guesses_right']}/{row['guesses']}" if row.get("guesses") else "")
         print(f"{row['name']:<28} {row['peak_rss'] / GIB:12.2f} {row['tok_s']:7.3f} {payload} "
               f"{row['disk_per_token'] / 1e6:11.0f} {fmt_rate(row['disk_Bps']):>9} "
-              f"{fmt_rate(row['seq_Bps']):>10} {row['frac']:8.2f}")
+              f"{fmt_rate(row['seq_Bps']):>10} {row['frac']:8.2f} {rate} {pfrac}{hits}")
     ok_llama = [r for r in rows if r["name"].startswith("llama") and "tok_s" in r]
     ours = [r for r in rows if r["name"].startswith("k3kit") and "tok_s" in r]
     for peer in ok_llama:

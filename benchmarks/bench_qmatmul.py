@@ -3,6 +3,7 @@
     python benchmarks/bench_qmatmul.py [--types Q8_0,Q4_K,...] [--shapes 7168x2048,7168x16384]
                                        [--rows 1,8,32,64,128] [--threads 1] [--reps 3] [--clock wall|cpu]
                                        [--levels avx512,avx2,scalar] [--paths] [--no-torch] [--no-int8]
+                                       [--int8-paths]
 
 Shapes are ggml order, n_in x n_out (7168 x 2048: a K3 expert; 7168 x 16384: a trunk-sized
 matrix); random valid blocks with realistic scales. Per type, shape and row count, in one run:
@@ -17,6 +18,10 @@ matrix); random valid blocks with realistic scales. Per type, shape and row coun
   int8      the "ggml" mode (matmul_q8): x rounded to ggml's Q8_0/Q8_K blocks, integer dot
             products (AVX512-VNNI where present), with its GB/s of weight bytes; then the ratios
             native / int8 and deq+bf16 / int8 (> 1: int8 is faster);
+  d256 / d512 / panels (--int8-paths)  matmul_q8 forced onto each of its paths (the same bits):
+            the 256-bit direct path (the one AVX2 runs), the 512-bit direct path (AVX512-VNNI),
+            the panels; timed in turns (d256, d512, panels, d256, ...) so that a noisy machine
+            slows all three alike; median (min-max) ms, and d256 / d512;
 and checks the native product against the float64 product of the dequantized matrix (max error
 relative to the largest output). Before the tables it measures this machine's memory bandwidth
 (a numpy sum over a 512 MiB array, which one thread streams) so that one-row GB/s can be read
@@ -104,6 +109,8 @@ def main() -> None:
     ap.add_argument("--paths", action="store_true", help="also time the per-row tiles and the panels forced")
     ap.add_argument("--no-torch", action="store_true", help="skip the dequantize + GEMM and bf16 columns")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation (ggml mode) columns")
+    ap.add_argument("--int8-paths", action="store_true",
+                    help="also time matmul_q8's 256-bit direct path, 512-bit direct path and panels in turns")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not qmatmul.native_available():
@@ -125,6 +132,7 @@ def main() -> None:
             + ([] if args.no_torch else ["deq+bf16 GEMM", "deq+f32 GEMM", "bf16 GEMM (pre-dequantized)"])
             + ([] if args.no_int8 else ["int8 (ggml)", "GB/s", "of bw", "native/int8"]
                + ([] if args.no_torch else ["deq+bf16/int8"]))
+            + (["d256", "d512", "panels", "d256/d512"] if args.int8_paths else [])
             + ["err"]) + " |")
         for name in args.types.split(","):
             qtype = T[name]
@@ -168,6 +176,17 @@ def main() -> None:
                               f"{t_native / t8:.2f}"]
                     if not args.no_torch:
                         cells.append(f"{t_deq / t8:.2f}")
+                if args.int8_paths:
+                    runs = {path: [] for path in (0, 2, 1)}
+                    for _ in range(max(args.reps, 5)):
+                        for path, ts in runs.items():
+                            t = clock()
+                            kernel.matmul_q8(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, -1,
+                                             args.threads, 1, path)
+                            ts.append(clock() - t)
+                    cells += [f"{np.median(ts) * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})"
+                              for ts in runs.values()]
+                    cells.append(f"{np.median(runs[0]) / np.median(runs[2]):.2f}")
                 print(f"| {name} | {m} | " + " | ".join(cells) + f" | {err:.1e} |", flush=True)
 
 

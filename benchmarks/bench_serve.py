@@ -1,28 +1,36 @@
-"""Serving throughput: `k3kit serve` (AR and with a draft) vs llama.cpp over HTTP, N concurrent clients.
+"""Serving throughput: `k3kit serve` (AR and with a draft) vs llama.cpp's server, N concurrent clients.
 
     python benchmarks/bench_serve.py [--model PATH] [--concurrency 1,2,4,8,16] [--requests 2]
                                      [--max-tokens 32] [--threads 2] [--max-batch 256]
-                                     [--expert-cache-mib 256] [--draft default|PATH|none]
-                                     [--peer auto|llama_cpp.server|shim|none] [--repeat 1]
-                                     [--out DIR]
+                                     [--expert-cache-mib 256] [--draft default|PATH|none] [--ctx 1024]
+                                     [--peer auto|llama-server|llama_cpp.server|shim|none]
+                                     [--llama-server PATH] [--slots N] [--repeat 1] [--out DIR]
 
 Every server is a subprocess on a free loopback port, started once and kept for the whole run:
-  * k3kit AR:    `k3kit serve MODEL --max-batch B --threads T --expert-cache-mib M`
-  * k3kit draft: the same with `--draft D` (skipped with --draft none);
-  * llama.cpp:   `python -m llama_cpp.server` (llama-cpp-python) when its dependencies import,
-                 else "shim": the same library's `Llama.create_completion` behind a small
-                 OpenAI-shaped HTTP server in this file (`--serve-llama`), one request at a time
-                 under a lock, which is what llama_cpp.server does with one model. AMX weight
-                 repacking is off there, as in bench_decode.py (it crashes on this CPU).
+  * k3kit AR:     `k3kit serve MODEL --max-batch B --threads T --expert-cache-mib M --ctx C`
+  * k3kit draft:  the same with `--draft D` (skipped with --draft none);
+  * llama-server: llama.cpp's C++ server built from the tree vendored in the llama-cpp-python sdist
+                  (`python benchmarks/llama_server.py`, ~30 min once; or --llama-server PATH /
+                  $K3KIT_LLAMA_SERVER): `-np SLOTS -c C*SLOTS --cont-batching -t T -tb T`, SLOTS =
+                  the highest concurrency, so every client has a slot of the same C as k3kit's
+                  sequences and all decoding slots share one batch per pass, as k3kit's do. Prompt
+                  caching is off (`--no-cache-prompt`: k3kit has none, and the prompts repeat) and so
+                  is weight repacking (`--no-repack`: its AMX path crashes on this CPU, as in
+                  bench_decode.py). This is the peer `--peer auto` picks when the binary exists.
+  * llama_cpp.server / shim (older, serial peers): `python -m llama_cpp.server` when its
+                  dependencies import, else llama-cpp-python's `Llama.create_completion` behind a small
+                  OpenAI-shaped HTTP server in this file (`--serve-llama`), one request at a time.
 Each client is a thread that sends `--requests` streamed greedy /v1/completions requests one
-after the other (fixed prompts, `max_tokens`, temperature 0) over http.client (stdlib). At each
-concurrency the servers take turns (k3kit AR, k3kit draft, llama.cpp), `--repeat` sweeps.
+after the other (fixed prompts, `max_tokens`, temperature 0) over http.client (stdlib); the same
+client code drives every server. At each concurrency the servers take turns, one at a time (the
+others idle), and the order flips on every other sweep of `--repeat`.
 
 Reported per server and concurrency: aggregate generated tok/s (completion tokens of all requests
 / wall time from the first request sent to the last one finished), time to first token (p50, the
 first streamed chunk of a token), and for k3kit the expert payload per generated token (the difference of
 /metrics' k3kit_expert_payload_bytes_total and k3kit_generated_tokens_total over the step), plus
-the ratio k3kit / llama.cpp at the same concurrency. Writes DIR/bench_serve.json and
+the ratio k3kit / llama.cpp at the same concurrency and the issue's goal figures at 8 clients
+(k3kit AR vs 4x its own single stream, and vs llama.cpp). Writes DIR/bench_serve.json and
 DIR/bench_serve.png. A repeated sweep reports the median and the min..max spread, and the ratio
 of medians and of bests (the machine's other load only ever slows a step down).
 """
@@ -43,6 +51,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from k3kit.bench.concurrency import llama_server_cmd
 
 PROMPTS = [
     "import os\nimport sys\n\ndef main(",
@@ -126,7 +136,7 @@ def start(name: str, cmd: list[str], port: int, out: Path, has_metrics: bool) ->
 def k3kit_cmd(args: argparse.Namespace, port: int, draft: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "k3kit.cli", "serve", str(args.model), "--port", str(port),
            "--threads", str(args.threads), "--max-batch", str(args.max_batch),
-           "--expert-cache-mib", str(args.expert_cache_mib)]
+           "--expert-cache-mib", str(args.expert_cache_mib), "--ctx", str(args.ctx)]
     return cmd + (["--draft", draft] if draft else [])
 
 
@@ -135,7 +145,43 @@ def llama_server_importable() -> bool:
     return r.returncode == 0
 
 
+def llama_server_binary(args: argparse.Namespace) -> Path | None:
+    """--llama-server, else what benchmarks/llama_server.py finds ($K3KIT_LLAMA_SERVER, its build, PATH)."""
+    if args.llama_server:
+        p = Path(args.llama_server)
+        if not (p.is_file() and os.access(p, os.X_OK)):
+            raise SystemExit(f"--llama-server {p}: not an executable file")
+        return p
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import llama_server
+    try:
+        return llama_server.find_binary()
+    except llama_server.BuildError as e:
+        raise SystemExit(f"bench_serve.py: {e}") from None
+
+
+def choose_peer(args: argparse.Namespace) -> str:
+    """--peer auto: llama-server when a binary is there, else llama_cpp.server, else the shim."""
+    if args.peer == "llama-server" and llama_server_binary(args) is None:
+        raise SystemExit("--peer llama-server: no binary; build it with `python benchmarks/llama_server.py` "
+                         "or pass --llama-server PATH")
+    if args.peer != "auto":
+        return str(args.peer)
+    if llama_server_binary(args) is not None:
+        return "llama-server"
+    peer = "llama_cpp.server" if llama_server_importable() else "shim"
+    print(f"no llama-server binary (build one with `python benchmarks/llama_server.py`): using {peer}, "
+          "llama-cpp-python serving ONE request at a time, not llama.cpp's batching server", flush=True)
+    return peer
+
+
 def llama_cmd(args: argparse.Namespace, port: int, peer: str) -> list[str]:
+    if peer == "llama-server":
+        binary = llama_server_binary(args)
+        assert binary is not None
+        return llama_server_cmd(binary, Path(args.model), port, args.slots, args.ctx, args.threads)
     if peer == "llama_cpp.server":
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(args.model), "--port", str(port),
                 "--host", "127.0.0.1", "--n_threads", str(args.threads),
@@ -390,6 +436,26 @@ def print_table(rows: list[dict[str, Any]], peer: str | None) -> None:
               f"{ratio:>28s}")
 
 
+def goal_figures(rows: list[dict[str, Any]], server: str, peer: str | None,
+                 n: int = 8) -> dict[str, Any] | None:
+    """Issue 13's goal at n clients: aggregate tok/s >= 4x the server's own single stream, >= the peer's."""
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    if (server, n) not in by or (server, 1) not in by:
+        return None
+    mine, single = by[(server, n)]["tok_s"], by[(server, 1)]["tok_s"]
+    g: dict[str, Any] = {"clients": n, "tok_s": mine, "single_stream_tok_s": single,
+                         "vs_single_stream": mine / single, "goal_vs_single_stream": 4.0}
+    text = (f"goal at {n} clients: {server} {mine:.2f} tok/s = {mine / single:.2f}x its single stream "
+            f"({single:.2f} tok/s; goal >= 4x: {'met' if mine >= 4 * single else 'NOT met'})")
+    if peer and (peer, n) in by:
+        theirs = by[(peer, n)]["tok_s"]
+        g.update(peer=peer, peer_tok_s=theirs, vs_peer=mine / theirs)
+        text += (f", {mine / theirs:.2f}x {peer} ({theirs:.2f} tok/s; goal >= 1x: "
+                 f"{'met' if mine >= theirs else 'NOT met'})")
+    g["text"] = text
+    return g
+
+
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -424,8 +490,8 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
 
 # ----------------------------------------------------------------------------- main
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the shipped mini K3)")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
@@ -434,28 +500,56 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--expert-cache-mib", type=float, default=256.0)
     ap.add_argument("--draft", default="default", help="k3kit --draft (default, a path, or none)")
-    ap.add_argument("--peer", default="auto", choices=("auto", "llama_cpp.server", "shim", "none"))
-    ap.add_argument("--ctx", type=int, default=1024, help="llama.cpp context (n_ctx)")
+    ap.add_argument("--peer", default="auto",
+                    choices=("auto", "llama-server", "llama_cpp.server", "shim", "none"))
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="llama-server binary (default: "
+                    "$K3KIT_LLAMA_SERVER, else the one benchmarks/llama_server.py built, else PATH)")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="llama-server parallel slots (-np; default: the highest --concurrency)")
+    ap.add_argument("--ctx", type=int, default=1024, help="context per sequence (k3kit --ctx; llama.cpp "
+                    "-c CTX*SLOTS for llama-server, n_ctx for the serial peers)")
     ap.add_argument("--repeat", type=int, default=1, help="sweeps (servers alternate within each)")
+    ap.add_argument("--time-budget", type=float, default=0.0, metavar="S",
+                    help="start no further sweep that would end after S seconds of sweeping (0: no limit), "
+                    "to keep a run under a shared machine lock short")
     ap.add_argument("--out", default="bench_serve_out")
     ap.add_argument("--serve-llama", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[int]]:
+    """The options and the concurrency levels; a bad value exits with one line."""
+    args = parser().parse_args(argv)
     if args.model is None:
         from k3kit.mini.paths import shipped_gguf
         args.model = str(shipped_gguf())
+    if not Path(args.model).is_file():
+        raise SystemExit(f"{args.model}: no such model file")
+    if args.serve_llama:
+        return args, []
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        raise SystemExit(f"--concurrency {args.concurrency}: expected comma-separated integers") from None
+    if not levels or min(levels) < 1:
+        raise SystemExit(f"--concurrency {args.concurrency}: every level must be >= 1")
+    if args.slots is None:
+        args.slots = max(levels)
+    if args.slots < 1 or args.ctx < 1 or args.requests < 1 or args.max_tokens < 1:
+        raise SystemExit("--slots, --ctx, --requests and --max-tokens must be >= 1")
+    return args, levels
+
+
+def main() -> None:
+    args, levels = parse_args()
     if args.serve_llama:
         serve_llama(args)
         return
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    peer = args.peer
-    if peer == "auto":
-        peer = "llama_cpp.server" if llama_server_importable() else "shim"
-        if peer == "shim":
-            print("llama_cpp.server does not import (missing: sse_starlette, starlette_context?): "
-                  "using the in-file shim over llama-cpp-python's Llama", flush=True)
+    peer = choose_peer(args)
     servers: list[Server] = []
     try:
         p = free_port()
@@ -467,15 +561,21 @@ def main() -> None:
         peer_name = None
         if peer != "none":
             p = free_port()
-            peer_name = f"llama.cpp ({peer})"
+            peer_name = "llama-server" if peer == "llama-server" else f"llama.cpp ({peer})"
             servers.append(start(peer_name, llama_cmd(args, p, peer), p, out, False))
         for s in servers:                          # one warm-up request each (first-touch costs)
             complete(s, PROMPTS[0], 4)
-        levels = [int(x) for x in args.concurrency.split(",")]
         steps: list[Step] = []
+        t_run = time.monotonic()
+        sweeps = 0
         for rep in range(args.repeat):
+            t_sweep = time.monotonic()
+            if rep and args.time_budget and (t_sweep - t_run) / rep + (t_sweep - t_run) > args.time_budget:
+                print(f"--time-budget {args.time_budget:g} s: stopping after {rep} sweep(s)", flush=True)
+                break
             for n in levels:
-                for s in servers:
+                # one server at a time, the order flipped every other sweep (no server always goes first)
+                for s in (servers if rep % 2 == 0 else servers[::-1]):
                     st = run_step(s, n, args.requests, args.max_tokens)
                     steps.append(st)
                     pay = ("" if st.payload_per_token is None
@@ -484,12 +584,16 @@ def main() -> None:
                             else f", <= {st.max_batch_sequences:.0f} seq/pass")
                     print(f"[{rep}] {s.name:22s} c={n:2d}: {st.tokens} tokens in {st.seconds:.2f} s = "
                           f"{st.tok_s:.2f} tok/s, TTFT p50 {st.ttft_p50:.3f} s{pay}{seqs}", flush=True)
+            sweeps = rep + 1
     finally:
         for s in servers:
             s.stop()
 
     rows = summarize(steps)
     print_table(rows, peer_name)
+    goal = goal_figures(rows, "k3kit AR", peer_name)
+    if goal:
+        print(goal["text"])
     # greedy agreement at concurrency 1 (same prompts, same order): informative, not a check
     texts = {s.server: s.texts for s in steps if s.concurrency == 1}
     agree = {}
@@ -504,13 +608,14 @@ def main() -> None:
     meta = {"model": str(args.model), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
             "threads": args.threads, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
             "max_batch": args.max_batch, "expert_cache_mib": args.expert_cache_mib, "draft": args.draft,
-            "peer": peer, "repeat": args.repeat, "command": " ".join(sys.argv)}
+            "peer": peer, "peer_command": llama_cmd(args, 0, peer) if peer != "none" else None,
+            "slots": args.slots, "ctx": args.ctx, "repeat": sweeps, "command": " ".join(sys.argv)}
     from k3kit._io import write_json
-    write_json(out / "bench_serve.json", {"meta": meta, "rows": rows, "greedy_agreement_c1": agree,
-                                          "steps": [asdict(s) for s in steps]})
+    write_json(out / "bench_serve.json", {"meta": meta, "rows": rows, "goal_at_8": goal,
+                                          "greedy_agreement_c1": agree, "steps": [asdict(s) for s in steps]})
     png = plot(rows, out, f"{Path(args.model).name}: {args.threads} threads, {args.max_tokens} tokens x "
                f"{args.requests} requests per client, k3kit expert cache {args.expert_cache_mib:g} MiB, "
-               f"{args.repeat} sweep(s), {time.strftime('%Y-%m-%d')}")
+               f"{sweeps} sweep(s), {time.strftime('%Y-%m-%d')}")
     print(f"wrote {out / 'bench_serve.json'} and {png}")
 
 

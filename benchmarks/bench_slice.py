@@ -17,6 +17,8 @@ run makes two requests of the same prompt on one load (greedy, prefill `--prompt
 cache as the first request left it).
 k3kit configurations (`--configs`, comma list of MODE:DTYPE:CACHE_MIB):
   ggml:f32:4096   the int8-activation mode (ggml's arithmetic), every expert cached;
+  ggml-d256:f32:4096  the same with the int8 kernels' 256-bit direct path (the one before the
+                  512-bit path) for few rows: the same bits, the previous speed;
   ggml:f32:128    the same through a 128 MiB expert cache (most experts re-read per token);
   float:bf16:4096 float32-activation kernels, bf16 compute (dequantize + bf16 GEMM for many rows).
 always `--trunk quantized`, native expert kernels. llama.cpp: llama-cpp-python, F32 KV cache, its
@@ -103,6 +105,8 @@ def child_k3(path: str, threads: int, n_prompt: int, n_gen: int, mode: str, dtyp
     from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.runtime.sampling import make_sampling
     torch.set_num_threads(threads)
+    if mode == "ggml-d256":            # the int8 kernels before the 512-bit direct path (same bits)
+        mode, qmatmul.I8_PATH = "ggml", 3
     qmatmul.DEFAULT_ARITH = mode       # every QuantizedMatrix made from here on (trunk and experts)
     prompt = prompt_tokens(n_prompt)
     options = LoadOptions(dtype=DTYPES[dtype], expert_cache_mib=cache, expert_kernel="native",

@@ -23,11 +23,19 @@ Q8_0/MXFP4 matmuls is emulated; the Q8_K rounding ggml applies to the activation
 and i-quant weights is not (k3kit.models.kimi_k3.mxfp4.input_kind), which is most of the Q4_K
 trunk's divergence (0.0013 here; ~0.0005 with Q8_K rounding emulated in an experiment).
 
-Measured at 64 positions (-s prints them): IQ1_S+IQ3_XXS 0.00033 / 98.4% top-1, Q2_K 0.00041 /
-93.8%, Q4_K trunk 0.0013 / 92.2% (float trunk) and 0.0014 / 95.3% (--trunk quantized); the
-shipped mini at 256 positions 0.000009 / 99.6%. On the mini (32 experts, top-4) positions where
-any MoE layer's 4th and 5th selection scores are within NEAR_TIE are counted as router near-ties
-and their top-1 flips printed separately (measured: 43 such positions, no flip there).
+Measured at 64 positions (-s prints them), float arithmetic: IQ1_S+IQ3_XXS 0.00033 / 98.4% top-1,
+Q2_K 0.00041 / 93.8%, Q4_K trunk 0.0013 / 92.2% (float trunk) and 0.0013 / 95.3% (--trunk
+quantized); the default arithmetic on the CPU (`--arith auto` = ggml's: activations rounded to
+Q8_0 / Q8_K blocks by the kernels, so the Q8_K rounding above is llama.cpp's too), quantized
+trunk: IQ1_S+IQ3_XXS 0.00039 / 98.4%, Q2_K 0.00050 / 96.9%, Q4_K trunk 0.00042 / 98.4%, held to
+half the KL bound. The IQ1_S / Q2_K means move by ~1e-4 between the arithmetics, in a direction
+that depends on the setting (with ggml parity, as here, float's is lower; without it ggml's is:
+IQ1_S+IQ3_XXS 0.00042 / 95.3% float, 0.00034 / 98.4% ggml), so only the Q4_K trunk's drop is
+clear. The shipped mini at 256 positions: 0.000009 / 99.6% with ggml parity in either
+arithmetic; as a user runs it (no parity, quantized trunk) 0.000035 / 99.6% in float and
+0.0000078 / 100% in ggml's, held to 0.00003 / 99%. On the mini (32 experts, top-4) positions
+where any MoE layer's 4th and 5th selection scores are within NEAR_TIE are counted as router
+near-ties and their top-1 flips printed separately (measured: 41-45 such positions, no flip there).
 """
 
 from __future__ import annotations
@@ -42,7 +50,6 @@ import torch
 
 from k3kit.adapters import load_model
 from k3kit.gguf.synth import K3, synthesize
-from k3kit.kernels import qmatmul
 from k3kit.models.kimi_k3.moe import Router
 from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.perplexity import NpyBase, PerplexityResult, evaluate, plan_chunks
@@ -93,18 +100,19 @@ class RouterGaps:
         return torch.stack(per_layer).amin(0).numpy() < NEAR_TIE
 
 
-def kl_vs_llama(path: Path, n_pos: int, tmp: Path, trunk: str = "float",
-                mode: str = "float") -> tuple[PerplexityResult, np.ndarray, str]:
+def kl_vs_llama(path: Path, n_pos: int, tmp: Path, trunk: str = "float", mode: str = "float",
+                parity: bool = True) -> tuple[PerplexityResult, np.ndarray, str]:
     """k3kit's perplexity run over the text's first n_pos tokens with llama.cpp's logits as the base:
     (result, router near-tie per position, which kernels ran).
 
     k3kit runs BATCH rows per forward, so the native kernels (<= NATIVE_MAX_ROWS rows) multiply
     the quantized experts (and a quantized trunk) as they do in decoding and short prefills.
-    `mode` is QuantizedMatrix's arith for every quantized matrix made during the run
-    ("ggml": int8 activation blocks and integer dot products, as ggml-cpu)."""
-    default_arith = qmatmul.DEFAULT_ARITH
-    qmatmul.DEFAULT_ARITH = mode        # read as each matrix is made: the trunk at load, experts when cached
-    loaded = load_model(path, LoadOptions(expert_cache_mib=512, ggml_parity=True, trunk=trunk))
+    `mode` is the load's arithmetic (`--arith`) for every quantized matrix, trunk and experts
+    ("ggml": int8 activation blocks and integer dot products, as ggml-cpu; "auto": the default).
+    `parity`: LoadOptions.ggml_parity (`perplexity --ggml-parity`), off as a user runs k3kit."""
+    options = LoadOptions(expert_cache_mib=512, ggml_parity=parity, trunk=trunk, arith=mode)
+    mode = options.arith                 # "auto" resolved: the arithmetic that runs
+    loaded = load_model(path, options)
     try:
         codec = loaded.codec
         ids = codec.encode(TEXT, add_bos=True)[:n_pos]
@@ -122,11 +130,11 @@ def kl_vs_llama(path: Path, n_pos: int, tmp: Path, trunk: str = "float",
         gaps = RouterGaps(loaded.model.model)
         with torch.no_grad():
             result = evaluate(loaded.model, ids, plan, base=NpyBase(tmp / "llama.npy"), batch=BATCH)
-        kernels = f"experts {loaded.expert_kernel}, trunk {loaded.memory().trunk}, {mode} mode"
+        kernels = (f"experts {loaded.expert_kernel}, trunk {loaded.memory().trunk}, {mode} mode"
+                   + ("" if parity else ", no parity"))
         return result, gaps.near_ties(n_pos), kernels
     finally:
         loaded.close()
-        qmatmul.DEFAULT_ARITH = default_arith
 
 
 def report(name: str, r: PerplexityResult, ties: np.ndarray, kernels: str) -> str:
@@ -161,8 +169,7 @@ def slices(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,trunk,mode", [(c, "float", "float") for c in CASES]
-                         + [("q4_k-trunk", "quantized", "float"), ("q4_k-trunk", "quantized", "ggml"),
-                            ("iq1_s-iq3_xxs", "quantized", "ggml")])
+                         + [(c, "quantized", m) for c in CASES for m in ("float", "auto")])
 def test_k3_slice_kl_from_llama_cpp(case, trunk, mode, slices, tmp_path):
     r, ties, kernels = kl_vs_llama(slices(case), N_POS_SLICE, tmp_path, trunk=trunk, mode=mode)
     line = report(f"{case}, {trunk} trunk, {mode} mode", r, ties, kernels)
@@ -170,15 +177,24 @@ def test_k3_slice_kl_from_llama_cpp(case, trunk, mode, slices, tmp_path):
     assert r.compared >= 64
     assert r.kl_mean is not None and r.top1_agreement is not None
     assert r.kl_mean <= 0.002 and r.top1_agreement >= 0.85, line
+    if "ggml mode" in kernels:     # llama.cpp's arithmetic: half the KL bound (measured <= 0.0005, >= 96.9%)
+        assert r.kl_mean <= 0.001 and r.top1_agreement >= 0.90, line
 
 
-def test_shipped_mini_kl_from_llama_cpp(tmp_path):
+@pytest.mark.parametrize("mode,parity", [("float", True), ("auto", True), ("auto", False)])
+def test_shipped_mini_kl_from_llama_cpp(mode, parity, tmp_path):
+    """The must-hold bound in both arithmetics with ggml parity on, and as a user runs it (the
+    default load: quantized trunk, `--arith auto`, no parity). In ggml's arithmetic the bound is
+    tighter: measured 0.0000078 / 100% as a user runs it (float there: 0.000035 / 99.6%), and
+    0.0000087 / 99.6% with parity (float 0.0000089 / 99.6%)."""
     try:
         from k3kit.mini.paths import shipped_gguf
         path = Path(shipped_gguf())
     except Exception as e:      # not built in this checkout
         pytest.skip(str(e))
-    r, ties, kernels = kl_vs_llama(path, N_POS_MINI, tmp_path)
+    r, ties, kernels = kl_vs_llama(path, N_POS_MINI, tmp_path, trunk="quantized", mode=mode, parity=parity)
     line = report("shipped mini", r, ties, kernels)
     assert r.kl_mean is not None and r.top1_agreement is not None
     assert r.kl_mean <= 0.0002 and r.top1_agreement >= 0.93, line
+    if "ggml mode" in kernels:
+        assert r.kl_mean <= 0.00003 and r.top1_agreement >= 0.99, line

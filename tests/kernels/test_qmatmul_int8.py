@@ -85,16 +85,22 @@ def setup(qtype: T, n_out: int, k: int, seed: int) -> tuple[np.random.Generator,
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matches_float64_product_on_every_path(qtype: T) -> None:
-    """k = 2560 / 2592: two whole groups of lanes and a partial one; rows around the tile heights."""
-    k = 2560 if GGML_QUANT_SIZES[qtype][0] == 256 else 2592
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "partial"])
+def test_matches_float64_product_on_every_path(qtype: T, whole: bool) -> None:
+    """Whole groups of lanes (k = 2560: 5 groups of 512 values, 10 of 256) or a partial last one
+    (k = 2304 / 2592); rows around the tile heights and the 512-bit direct path's passes (8, 4,
+    then 1-3 rows). Paths: 0 the 256-bit direct path, 1 panels, 2 the 512-bit direct path."""
+    qk = GGML_QUANT_SIZES[qtype][0]
+    if not whole and qk == 256 and qtype in (T.Q6_K, T.Q2_K, T.Q3_K, T.IQ2_XS, T.IQ1_M):
+        pytest.skip("16-value lanes: a group is one 256-value block, never partial")
+    k = 2560 if whole else 2304 if qk == 256 else 2592
     n_out = 13
     rng, raw = setup(qtype, n_out, k, 0)
     w = weights(qtype, raw, n_out, k)
-    for m in (1, 2, 3, 5, 9):
+    for m in (1, 2, 3, 5, 8, 15):
         x = activations(rng, m, k)
         xd = dequantize_q8(q8(x, ACT_TYPE[qtype]), ACT_TYPE[qtype], m, k).astype(np.float32)
-        ys = [product(qtype, raw, x, n_out, simd, path=path) for simd in SIMD for path in (0, 1)]
+        ys = [product(qtype, raw, x, n_out, simd, path=path) for simd in SIMD for path in (0, 1, 2)]
         check_bound(ys[0], xd, w)
         for y in ys[1:]:
             np.testing.assert_array_equal(y, ys[0])
@@ -115,7 +121,7 @@ def test_row_independent_of_row_count(qtype: T) -> None:
         np.testing.assert_array_equal(product(qtype, raw, x[a:b], n_out), many[a:b])
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.IQ1_S], ids=lambda t: t.name)
 def test_threads_give_the_same_bits(qtype: T) -> None:
     n_out, k = 390, 4096           # >= 2^19 weights per thread for 3 threads: the call really splits
     rng, raw = setup(qtype, n_out, k, 20)
@@ -123,7 +129,8 @@ def test_threads_give_the_same_bits(qtype: T) -> None:
         x = activations(rng, m, k)
         one = product(qtype, raw, x, n_out, threads=1)
         for threads in (2, 3, 64):
-            np.testing.assert_array_equal(product(qtype, raw, x, n_out, threads=threads), one)
+            for path in (-1, 2):
+                np.testing.assert_array_equal(product(qtype, raw, x, n_out, threads=threads, path=path), one)
 
 
 def test_rejects_bad_calls() -> None:

@@ -4,6 +4,11 @@ Reference = the K3Model the checkpoint was written from, recomputing the whole s
 every token with its own (module) experts: no state, no expert store, no chunking. The engine
 = GGUF trunk + ExpertStore + chunked prefill + incremental decode. Greedy output must agree
 token for token for 10 prompts x 64 tokens at three expert-cache sizes.
+
+The engine runs the float arithmetic (`--arith float`, pinned: ARITH): the reference is a float
+torch model, and only float32 products of the exact weight values can agree with it token for
+token on a random model's near-flat logits. ggml's arithmetic (the default on the CPU) rounds
+activations to int8 blocks and is held to llama.cpp instead (tests/interop).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from k3kit.runtime.sampling import Sampler, make_sampling
 from k3kit.runtime.speculative.loop import ar_generate
 
 N_PROMPTS, N_TOKENS = 10, 64
+ARITH = "float"
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +54,12 @@ def test_greedy_equals_torch_reference(tiny, cache, kernel):
     if kernel == "native" and not native_available():
         pytest.skip("native kernel not built")
     path, model, refs = tiny
-    probe = load_model(path, LoadOptions(expert_cache_mib=0, expert_kernel=kernel)).model
+    probe = load_model(path, LoadOptions(arith=ARITH, expert_cache_mib=0, expert_kernel=kernel)).model
     all_mib, one_mib = _expert_mib(probe)
     n_moe = len(probe.store.layers)
     probe.close()
     mib = {"all": all_mib, "quarter": all_mib / 4, "one_per_layer": one_mib * n_moe}[cache]
-    adapter = load_model(path, LoadOptions(expert_cache_mib=mib, expert_kernel=kernel)).model
+    adapter = load_model(path, LoadOptions(arith=ARITH, expert_cache_mib=mib, expert_kernel=kernel)).model
     assert adapter.store.keep == ("quantized" if kernel == "native" else "dequantized")
     greedy = make_sampling(0.0, seed=0)
     misses = hits = 0
@@ -81,7 +87,7 @@ def test_greedy_equals_torch_reference(tiny, cache, kernel):
 def test_prefill_chunking_and_decode_agree_with_one_pass(tiny):
     """Logits of the last prompt row do not depend on the chunk size (state carried correctly)."""
     path, model, _ = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=1)).model
+    adapter = load_model(path, LoadOptions(arith=ARITH, expert_cache_mib=1)).model
     p = prompts(1, 500, seed=5, lo=30, hi=30)[0]
     try:
         with torch.no_grad():
@@ -100,7 +106,7 @@ def test_prefill_chunking_and_decode_agree_with_one_pass(tiny):
 
 def test_sampling_reproducible_and_temperature_zero_is_greedy(tiny):
     path, _, refs = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=4)).model
+    adapter = load_model(path, LoadOptions(arith=ARITH, expert_cache_mib=4)).model
     p = prompts(N_PROMPTS, 500)[0]
     try:
         runs = {}
@@ -138,7 +144,7 @@ def test_sampler_filters():
 
 def test_stop_tokens_end_generation(tiny):
     path, _, refs = tiny
-    adapter = load_model(path, LoadOptions(expert_cache_mib=4)).model
+    adapter = load_model(path, LoadOptions(arith=ARITH, expert_cache_mib=4)).model
     p = prompts(N_PROMPTS, 500)[0]
     try:
         stop = refs[0][5]

@@ -5,7 +5,11 @@ Greedy tokens must equal the float trunk's on the shipped mini K3 and a tiny syn
 trunk, as `k3kit requant` makes). The two compute the same products in a different order
 (native kernel: float32 sums over the exact file values; float trunk: torch over weights
 rounded to the compute dtype), so where the float run's top-1 / top-2 logit margin is below
-NEAR_TIE a divergence is reported (printed, `-s` shows it), not failed.
+NEAR_TIE a divergence is reported (printed, `-s` shows it), not failed. Both loads pin `--arith float`:
+the claim is that products on the file's bytes equal products on the dequantized weights to
+float32 rounding, which ggml's arithmetic (the CPU default: activations rounded to int8 blocks,
+as llama.cpp does) does not make, by design (measured: up to 0.15 on logits of scale 0.5, Q4_K
+synth file in bf16); ggml's arithmetic is held to llama.cpp in tests/interop instead.
 
 Memory, on a K3-geometry slice (hidden 7168, 8 heads, 2 layers, 4 MXFP4 experts, Q8_0 trunk)
 in a subprocess: peak RSS <= (RSS of the interpreter after importing the engine) + the
@@ -39,6 +43,7 @@ from k3kit.runtime.loader import LoadOptions
 
 MIB = 1 << 20
 NEAR_TIE = 0.01
+ARITH = "float"      # see the module doc
 CACHE_MIB = 64
 
 
@@ -74,8 +79,9 @@ def test_quantized_trunk_generates_the_float_trunks_tokens(which, synth_q4k):
     if not path.exists():
         pytest.skip("shipped mini model not built")
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
-    flo = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=64, trunk="float")).model
-    qua = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=64, trunk="quantized")).model
+    flo = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=64, trunk="float", arith=ARITH)).model
+    qua = load_model(path, LoadOptions(dtype=dtype, expert_cache_mib=64, trunk="quantized",
+                                       arith=ARITH)).model
     try:
         mf, mq = flo.memory(), qua.memory()
         assert (mf.trunk, mq.trunk) == ("float", "quantized")

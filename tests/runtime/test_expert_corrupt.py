@@ -50,12 +50,14 @@ def _generate(path: Path, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
-def test_generate_names_file_tensor_expert_and_block(files, kernel):
+@pytest.mark.parametrize("args", [("--expert-kernel", "auto"), ("--expert-kernel", "torch"), ("--cold",)])
+def test_generate_names_file_tensor_expert_and_block(files, args):
+    """Whichever path read the expert: the caller's thread, a background reader (quantized kernel),
+    or a background O_DIRECT read straight into the cache's buffer (--cold)."""
     good, bad = files
-    ok = _generate(good, "--expert-kernel", kernel)
+    ok = _generate(good, *args)
     assert ok.returncode == 0, ok.stderr
-    r = _generate(bad, "--expert-kernel", kernel)
+    r = _generate(bad, *args)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
@@ -63,8 +65,9 @@ def test_generate_names_file_tensor_expert_and_block(files, kernel):
                         f"MXFP4 block {BLOCK} has a non-finite scale; the file is corrupt")
 
 
+@pytest.mark.parametrize("cold", [False, "direct"])
 @pytest.mark.parametrize("read_ahead", [True, False])
-def test_store_raises_on_the_miss_and_serves_the_valid_experts(files, read_ahead):
+def test_store_raises_on_the_miss_and_serves_the_valid_experts(files, read_ahead, cold):
     """Both read paths (the caller's thread, the background read-ahead) check; the valid experts
     of the same tensor still load, and nothing corrupt is cached."""
     _, bad = files
@@ -73,12 +76,14 @@ def test_store_raises_on_the_miss_and_serves_the_valid_experts(files, read_ahead
     spec = {1: [ExpertTensor(bad, by_name[n].offset, by_name[n].ggml_type, tuple(by_name[n].shape[:2]),
                              by_name[n].shape[2], n)
                 for n in (TENSOR, "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight")]}
-    with ExpertStore(spec, cache_mib=1, keep="quantized", read_ahead=read_ahead) as store:
+    with ExpertStore(spec, cache_mib=1, keep="quantized", read_ahead=read_ahead, cold=cold) as store:
         store.plan(1, [0, 1, 2, 3])
         for e in (0, 1):
             store.get(1, [e])
-        with pytest.raises(CorruptBlockError, match=f"expert {EXPERT} .*block {BLOCK} has a non-finite"):
+        with pytest.raises(CorruptBlockError) as err:
             store.get(1, [EXPERT])
+        assert str(err.value) == (f"{bad}: tensor {TENSOR} expert {EXPERT} (layer 1): MXFP4 block {BLOCK} "
+                                  "has a non-finite scale; the file is corrupt")
         assert not store.is_cached(1, EXPERT)
         store.get(1, [3])
         assert store.stats().check_seconds > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from concurrent.futures import wait
 from pathlib import Path
 
@@ -464,3 +465,108 @@ def test_prefetch_reads_the_guess_and_only_fetches_change_the_cache(tmp_path):
         assert s.wasted_bytes == 2 * per and s.bytes_read == 5 * per
         assert s.io_bytes == s.bytes_read + s.wasted_bytes
         assert not store.is_cached(1, 6) and store._cache.in_flight == 0
+
+
+def _misaligned_file(tmp_path: Path, n_experts: int = 6) -> tuple[Path, dict[int, list[ExpertTensor]], bytes]:
+    """Two projections at odd offsets whose expert size is no multiple of 4096, so every expert's
+    slice sits at another offset within a page (what O_DIRECT must read around)."""
+    rng = np.random.default_rng(5)
+    shape = (1056, 96)     # 53,856 bytes of MXFP4 per expert
+    datas = [_random_quant(T.MXFP4, shape[0] * shape[1] * n_experts, rng) for _ in range(2)]
+    junk = rng.integers(0, 256, 1000, dtype=np.uint8)
+    path = tmp_path / "odd.bin"
+    blob = np.concatenate([junk[:333], datas[0], junk[333:], datas[1], junk[:77]])
+    path.write_bytes(blob.tobytes())
+    spec = {0: [ExpertTensor(path, 333, T.MXFP4, shape, n_experts, "gate"),
+                ExpertTensor(path, 333 + datas[0].size + 667, T.MXFP4, shape, n_experts, "up")]}
+    return path, spec, blob.tobytes()
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_direct_reads_land_in_the_cache_buffer_with_the_same_bytes(tmp_path, read_ahead):
+    """cold="direct" (what cold=True means): each quantized miss is read by O_DIRECT straight into
+    the buffer the cache keeps, never through the scratch buffer; the bytes, the payload ledger
+    and the results equal those of the page-cache store, also when evicted buffers are reused for
+    slices at other offsets within a page."""
+    path, spec, blob = _misaligned_file(tmp_path)
+    order = [5, 0, 3, 1, 4, 2, 0, 5]
+    n = spec[0][0].expert_nbytes
+    with ExpertStore(spec, cache_mib=0.25, keep="quantized", cold=True, read_ahead=read_ahead) as store:
+        if not store.direct_io:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        assert store.cold == "direct"
+        with ExpertStore(spec, cache_mib=0.25, keep="quantized", read_ahead=False) as plain:
+            for i in range(0, len(order), 3):
+                batch = order[i:i + 3]
+                store.plan(0, batch)
+                got, want = store.get(0, batch), plain.get(0, batch)
+                for e in batch:
+                    for t, w, x in zip(spec[0], got[e], want[e], strict=True):
+                        start = t.offset + e * n
+                        assert bytes(w.raw.numpy()) == blob[start:start + n] == bytes(x.raw.numpy())
+                        assert w.raw.data_ptr() % 4096 == start % 4096      # laid out around its span
+                        assert w.raw.data_ptr() in store._cache._direct
+                        xin = torch.randn(2, t.shape[0])
+                        assert torch.equal(w.matmul(xin), x.matmul(xin))
+            s, p = store.stats(), plain.stats()
+            assert (s.misses, s.hits, s.bytes_read) == (p.misses, p.hits, p.bytes_read)
+            assert s.evictions > 0 and s.io_bytes >= s.bytes_read
+        assert store._direct._buf is None and not store._scratches     # no bounce buffer was used
+
+
+def test_a_dropped_guess_stops_reading_and_the_ledger_adds_up(tmp_path):
+    """Guesses still being read when the real plan comes are told to stop after their current
+    slice; whatever they read is wasted_bytes, never a cached expert, and io = payload + wasted."""
+    path, spec1 = _big_expert_file(tmp_path, n_experts=8)
+    spec = {0: spec1[0], 1: spec1[0] * 3}      # layer 1: three projections over the same bytes
+    with ExpertStore(spec, cache_mib=64, keep="quantized", read_threads=2) as store:
+        store.prefetch(1, [0, 1, 2, 3, 4, 5])
+        store.plan(1, [6, 7])                  # none guessed right: every guess is dropped
+        got = store.get(1, [6, 7])
+        store.clear()                          # waits for the stopped reads
+        s = store.stats()
+        assert s.bytes_read == 2 * store.expert_nbytes(1) and s.prefetch_used == 0
+        assert s.io_bytes == s.bytes_read + s.wasted_bytes
+        assert s.wasted_bytes <= s.prefetched * store.expert_nbytes(1)
+        assert store._cache.in_flight == 0 and not store._stops
+    with ExpertStore(spec, cache_mib=64, keep="quantized", read_ahead=False) as plain:
+        want = plain.get(1, [6, 7])
+    for e in (6, 7):
+        assert [bytes(w.raw.numpy()) for w in got[e]] == [bytes(w.raw.numpy()) for w in want[e]]
+
+
+def test_a_stopped_read_reports_what_it_read(tmp_path):
+    from k3kit.runtime.experts.store import _Stopped
+    path, spec1 = _big_expert_file(tmp_path, n_experts=2)
+    with ExpertStore(spec1, cache_mib=64, keep="quantized") as store:
+        stop = threading.Event()
+        stop.set()
+        buffers = [store._buffer(t, 1) for t in store.layers[0]]
+        with pytest.raises(_Stopped) as err:
+            store._read_expert(0, 1, buffers, stop)
+        assert (err.value.io_bytes, err.value.payload) == (0, 0)
+
+
+@pytest.mark.parametrize("precision", [0.0, 0.5])
+def test_prefetch_is_scored_and_read_only_while_it_guesses_well_enough(tmp_path, precision):
+    """Each hint is scored against the plan that follows (read or not). With prefetch_precision
+    (default 0.5), hints stop being read once fewer than that share were right, and are still
+    scored; with 0 every hint is read."""
+    from k3kit.runtime.experts.store import PRECISION_WARMUP
+    path, spec1 = _big_expert_file(tmp_path, n_experts=8)
+    spec = {0: spec1[0], 1: spec1[0]}
+    with ExpertStore(spec, cache_mib=64, keep="quantized", read_threads=1,
+                     prefetch_precision=precision) as store:
+        rounds = PRECISION_WARMUP // 4
+        for _ in range(rounds):
+            store.plan(0, [0])
+            store.prefetch(1, [0, 1, 2, 3])        # one right of four: precision 0.25
+            store.plan(1, [3, 4])
+        s = store.stats()
+        assert (s.guesses, s.guesses_right) == (4 * rounds, rounds)
+        store.plan(0, [0])
+        store.prefetch(1, [5, 6])
+        queued = {k for k in (*store._queue, *store._pending) if k[0] == 1}
+        assert queued == (set() if precision else {(1, 5), (1, 6)})
+        store.plan(1, [5])
+        assert store.stats().guesses == 4 * rounds + 2 and store.stats().guesses_right == rounds + 1

@@ -3,10 +3,12 @@ import pytest
 from k3kit.errors import K3Error
 from k3kit.runtime.cost import expected_unique
 from k3kit.runtime.speculative.schedule import (
+    Claim,
     DepthAcceptance,
     ExpertLayer,
     PassRates,
     ScheduleConfig,
+    allocate_widths,
     choose_width,
     expected_tokens,
     hit_fraction,
@@ -156,3 +158,39 @@ def test_quantized_cache_misses_cost_only_the_read():
     full = [ExpertLayer(32, 4, 24576, 13056, 13056, cached=32, dequant_on_miss=f) for f in (True, False)]
     assert verify_seconds(4, moe=[full[0]] * 5, cache_bytes=1 << 30, **geo) == \
         verify_seconds(4, moe=[full[1]] * 5, cache_bytes=1 << 30, **geo)
+
+
+# ---- allocate_widths: verify widths for sequences sharing one pass ---------------------------------
+
+def _pass_cost(n: int) -> float:
+    """A verify pass: 9 ms, +1.6 ms per row (the mini K3's calibration)."""
+    return 9e-3 + 1.6e-3 * (n - 1)
+
+
+def test_allocate_alone_takes_likely_rows_and_stops_at_unlikely_ones():
+    sure = Claim(prefix_survival([0.95] * 7), 8)
+    assert allocate_widths([sure], _pass_cost, 1, 1, 63) == [8]
+    doubtful = Claim(prefix_survival([0.9, 0.1, 0.9, 0.9, 0.9, 0.9, 0.9]), 8)
+    assert allocate_widths([doubtful], _pass_cost, 1, 1, 63) == [2]
+    assert allocate_widths([Claim([0.0] * 7, 8)], _pass_cost, 1, 1, 63) == [1]
+    assert allocate_widths([sure], _pass_cost, 1, 1, 3) == [4]          # the row limit
+    assert allocate_widths([Claim(prefix_survival([0.95] * 7), 3)], _pass_cost, 1, 1, 63) == [3]
+
+
+def test_allocate_a_draft_must_pay_for_itself():
+    surv = prefix_survival([0.7] * 7)
+    assert allocate_widths([Claim(surv, 8, draft_cost=2e-3)], _pass_cost, 1, 1, 63)[0] > 1
+    assert allocate_widths([Claim(surv, 8, draft_cost=0.2)], _pass_cost, 1, 1, 63) == [1]
+
+
+def test_allocate_more_users_less_speculation():
+    """The same claims in a pass that already serves more users get fewer extra rows in total, and
+    none once a row costs more than the pass's tokens per second can afford."""
+    surv = prefix_survival([0.8, 0.7, 0.6, 0.5, 0.5, 0.5, 0.5])
+    extra = []
+    for users in (1, 2, 4, 8, 16):
+        claims = [Claim(surv, 8, draft_cost=4e-3) for _ in range(users)]
+        widths = allocate_widths(claims, _pass_cost, users, users, 64 - users)
+        assert sum(widths) - users <= 64 - users
+        extra.append((sum(widths) - users) / users)
+    assert extra == sorted(extra, reverse=True) and extra[0] > 0 and extra[-1] == 0

@@ -281,3 +281,169 @@ def test_events_end_with_one_finish(mini):
         sched.close()
     assert isinstance(events[-1], FinishEvent) and sum(isinstance(e, FinishEvent) for e in events) == 1
     assert sum(len(e.tokens) for e in events if isinstance(e, TokenEvent)) <= 3
+
+
+def test_max_sequences_bounds_open_states_not_rows():
+    """--max-sequences 2: never more than 2 states open; the rest wait in the queue and all finish."""
+    model = ToyBatched(invariant_rows=8)
+    seen = []
+    forward = model.forward_batch
+
+    def spy(rows):
+        seen.append(model.sequences)
+        return forward(rows)
+    model.forward_batch = spy
+    sched = BatchScheduler(model, ToyCodec(), max_batch=8, max_queue=8, max_sequences=2)
+
+    async def main():
+        streams = [sched.submit(request([i + 1], max_tokens=3)) for i in range(5)]
+        return await asyncio.gather(*[collect(s) for s in streams])
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        sched.close()
+    for i, (tokens, _, finish) in enumerate(results):
+        assert finish.reason == "length" and tokens == expected_tokens([i + 1], 3)
+    assert max(seen) == 2 and model.sequences == 0
+
+
+# ---- batched speculative decoding on the shipped mini K3 + its drafter ---------------------------
+
+@pytest.fixture(scope="module")
+def spec_session():
+    from k3kit.adapters.session import open_session
+    from k3kit.mini.paths import shipped_draft, shipped_gguf
+    from k3kit.runtime.loader import LoadOptions
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    session = open_session(shipped_gguf(), LoadOptions(), draft=shipped_draft())
+    yield session
+    session.close()
+    torch.set_num_threads(threads)
+
+
+def _spec_factory(session):
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    stop = session.codec.stop_ids()
+
+    def build(target, sampler):
+        return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=stop)
+    return build
+
+
+def test_verify_block_is_the_committed_segment_and_commits_a_prefix(spec_session):
+    """A verify block's rows are bit for bit the rows a committed segment of the same ids gets (alone
+    or beside another sequence); committing its first n rows leaves the state a sequence that ran
+    those n rows has: the next row's logits agree bit for bit; the plain sequence beside it is
+    unaffected."""
+    model = spec_session.model
+    g = torch.Generator().manual_seed(3)
+    prompt, block = (torch.randint(0, model.vocab_size, (k,), generator=g).tolist() for k in (7, 5))
+    a, b, c = (model.open_sequence() for _ in range(3))
+    try:
+        for h in (a, b, c):
+            model.forward_batch([(h, prompt)])
+        ref = model.verify_batch([(a, block)])[0].logits                 # committed: last row
+        got = model.verify_batch([(b, block), (c, block[:1])], verify={b}, capture={b})
+        assert got[0].logits.shape[0] == len(block) and torch.equal(got[0].logits[-1], ref[-1])
+        assert got[0].taps is not None and got[0].taps.shape[0] == len(block)
+        assert model.sequence_position(b) == len(prompt)               # nothing committed yet
+        model.commit_sequence(b, 3)
+        assert model.sequence_position(b) == len(prompt) + 3
+        d = model.open_sequence()
+        model.forward_batch([(d, prompt)])
+        model.forward_batch([(d, block[:3])])
+        nxt = [9]
+        assert torch.equal(model.forward_batch([(b, nxt)]), model.forward_batch([(d, nxt)]))
+        model.close_sequence(d)
+    finally:
+        for h in (a, b, c):
+            model.close_sequence(h)
+    assert model.sequences == 0
+
+
+def test_batched_speculation_greedy_equals_ar(spec_session):
+    """With the draft, every request's greedy output is the AR output token for token, alone and
+    among 1, 3 and 7 others of different lengths arriving at different times; blocks really were
+    verified and accepted in shared passes; every state, ring and draft context is freed after."""
+    model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
+    texts = ["import os", "def add(a, b):", "class Foo:", "# a comment", "for i in range(10):", "x = [",
+             "print(", "while True:"]
+    budgets = [20, 9, 14, 6, 17, 11, 8, 12]
+    reqs = [request(codec.encode(t), max_tokens=b) for t, b in zip(texts, budgets, strict=True)]
+    ar = BatchScheduler(model, codec, max_batch=64, max_queue=16)
+    try:
+        ref = [_run(ar, [r], [0])[0][0] for r in reqs]
+    finally:
+        ar.close()
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_spec_factory(spec_session))
+    try:
+        alone = [_run(sp, [r], [0])[0][0] for r in reqs]
+        assert alone == ref
+        for others in (1, 3, 7):
+            n = others + 1
+            got = _run(sp, reqs[:n], [0.02 * ((i * 3) % n) for i in range(n)])
+            assert [g[0] for g in got] == ref[:n], f"among {others} others"
+        st = sp.stats()
+        assert st.spec_proposed > 0 and st.spec_accepted > 0 and st.spec_committed > st.spec_passes
+    finally:
+        sp.close()
+    assert model.sequences == 0 and draft.contexts == 0
+
+
+def test_batched_speculation_seeded_sampling_repeats(spec_session):
+    model, codec = spec_session.model, spec_session.codec
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_spec_factory(spec_session))
+    r = request(codec.encode("import os"), max_tokens=12, temperature=1.0, seed=99)
+    try:
+        a, b = (_run(sp, [r], [0])[0][0] for _ in range(2))
+        other = _run(sp, [request(codec.encode("import os"), max_tokens=12, temperature=1.0, seed=98)], [0])
+        assert sp.stats().spec_proposed > 0
+    finally:
+        sp.close()
+    assert a == b and len(a) == 12 and other[0][0] != a
+
+
+def test_batched_speculation_cancel_frees_everything(spec_session):
+    """16 concurrent requests, 4 cancelled after their first tokens: the others finish with their AR
+    output; no sequence state, ring or draft context is left."""
+    model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
+    prompts = [codec.encode(t) for t in ("import os", "def add(a, b):", "class Foo:", "x = [")]
+    ar = BatchScheduler(model, codec, max_batch=64, max_queue=32)
+    try:
+        ref = [_run(ar, [request(p, max_tokens=6)], [0])[0][0] for p in prompts]
+    finally:
+        ar.close()
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=32, max_sequences=8,
+                        step_factory=_spec_factory(spec_session))
+
+    async def one(i):
+        cancel = i % 4 == 1
+        st = sp.submit(request(prompts[i % 4], max_tokens=40 if cancel else 6))
+        tokens = []
+        async for ev in st:
+            if isinstance(ev, TokenEvent):
+                tokens += ev.tokens
+                if cancel:
+                    sp.cancel(st.id)
+            else:
+                return i, tokens, ev.reason
+
+    async def main():
+        return await asyncio.gather(*[one(i) for i in range(16)])
+
+    try:
+        results = asyncio.run(main())
+        for i, tokens, reason in results:
+            if i % 4 == 1:
+                assert reason == "cancelled"
+            else:
+                assert (tokens, reason) == (ref[i % 4], "length")
+        assert sp.stats().active == 0
+    finally:
+        sp.close()
+    assert model.sequences == 0 and draft.contexts == 0

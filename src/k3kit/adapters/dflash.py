@@ -20,6 +20,7 @@ loads as is: `legacy_view` reads it the way `k3kit draft fix` would rewrite it.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -76,12 +77,24 @@ class _Rows:
         return cast(Tensor, self.buf)[self.off:self.off + self.n]
 
 
+class _Context:
+    """The draft's context K/V for one feature ring: per layer, rows for positions [begin, end)."""
+
+    def __init__(self, n_layers: int, begin: int, version: int):
+        self.rows = [(_Rows(), _Rows()) for _ in range(n_layers)]
+        self.begin = self.end = begin
+        self.version = version
+
+
 class DSparkDrafter:
     """Adapts a DSparkDraft to the runtime's Draft protocol.
 
     Keeps the per-layer K/V of the context rows: they depend only on committed features, so
-    each committed position is projected once, when the ring first holds it. `max_context`
-    bounds the attention window (None: whatever the ring holds).
+    each committed position is projected once, when the ring first holds it. One context per
+    feature ring (a server drafts for many sequences, each with its own ring, in turn): `sync`
+    selects the ring's context, so switching sequences rebuilds nothing; a context goes when its
+    ring is garbage (weakly keyed) or at `release(ring)`. `max_context` bounds the attention
+    window (None: whatever the ring holds).
     """
 
     def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256,
@@ -100,15 +113,26 @@ class DSparkDrafter:
         self.block_size = block_size or draft.cfg.block_size
         self.has_markov = draft.markov_head is not None
         self.has_confidence = draft.confidence_head is not None
-        self._rows: list[tuple[_Rows, _Rows]] = []
-        self._begin = self._end = 0
-        self._ring_version: tuple[int, int] | None = None
+        self._contexts: weakref.WeakKeyDictionary[FeatureRing, _Context] = weakref.WeakKeyDictionary()
+        self._ctx: _Context | None = None        # the last synced ring's (draft_block reads it)
 
     def place(self, device: torch.device) -> None:
-        """Run the draft on `device`; its context K/V is rebuilt there from the ring at the next sync."""
+        """Run the draft on `device`; context K/V is rebuilt there from the rings at the next sync."""
         self.draft.place(device)
         self.device = device
-        self._rows, self._begin, self._end, self._ring_version = [], 0, 0, None
+        self._contexts = weakref.WeakKeyDictionary()
+        self._ctx = None
+
+    def release(self, ring: FeatureRing) -> None:
+        """Forget `ring`'s context K/V (its sequence ended)."""
+        ctx = self._contexts.pop(ring, None)
+        if ctx is not None and ctx is self._ctx:
+            self._ctx = None
+
+    @property
+    def contexts(self) -> int:
+        """Rings whose context K/V is held."""
+        return len(self._contexts)
 
     @property
     def n_proposals(self) -> int:
@@ -120,37 +144,38 @@ class DSparkDrafter:
 
     @property
     def context_span(self) -> tuple[int, int]:
-        return self._begin, self._end
+        return (self._ctx.begin, self._ctx.end) if self._ctx is not None else (0, 0)
 
     def context(self) -> list[tuple[Tensor, Tensor]] | None:
         """Per-layer (K, V) of the context rows currently held."""
-        if self._end == self._begin:
+        ctx = self._ctx
+        if ctx is None or ctx.end == ctx.begin:
             return None
-        return [(k.view(), v.view()) for k, v in self._rows]
+        return [(k.view(), v.view()) for k, v in ctx.rows]
 
     @torch.no_grad()
     def sync(self, ring: FeatureRing) -> None:
         begin = ring.start
         if self.max_context is not None:
             begin = max(begin, ring.length - self.max_context)
-        key = (id(ring), ring.version)
-        if key != self._ring_version or self._end > ring.length or begin > self._end:
-            self._rows = [(_Rows(), _Rows()) for _ in self.draft.layers]     # rebuild from the ring
-            self._begin = self._end = begin
-            self._ring_version = key
-        if begin > self._begin:                                             # slide the window
-            for k, v in self._rows:
-                k.drop_front(begin - self._begin)
-                v.drop_front(begin - self._begin)
-            self._begin = begin
-        while ring.length > self._end:          # chunked: a long prompt's taps are wide
-            end = min(ring.length, self._end + self.chunk)
-            feats = ring.get(self._end, end).to(self.device)       # the target's taps cross here
-            new = self.draft.context_kv(feats, torch.arange(self._end, end, device=self.device))
-            for (k, v), (nk, nv) in zip(self._rows, new, strict=True):
+        ctx = self._contexts.get(ring)
+        if ctx is None or ctx.version != ring.version or ctx.end > ring.length or begin > ctx.end:
+            ctx = _Context(len(self.draft.layers), begin, ring.version)   # rebuild from the ring
+            self._contexts[ring] = ctx
+        self._ctx = ctx
+        if begin > ctx.begin:                                              # slide the window
+            for k, v in ctx.rows:
+                k.drop_front(begin - ctx.begin)
+                v.drop_front(begin - ctx.begin)
+            ctx.begin = begin
+        while ring.length > ctx.end:           # chunked: a long prompt's taps are wide
+            end = min(ring.length, ctx.end + self.chunk)
+            feats = ring.get(ctx.end, end).to(self.device)         # the target's taps cross here
+            new = self.draft.context_kv(feats, torch.arange(ctx.end, end, device=self.device))
+            for (k, v), (nk, nv) in zip(ctx.rows, new, strict=True):
                 k.append(nk)
                 v.append(nv)
-            self._end = end
+            ctx.end = end
 
     @torch.no_grad()
     def draft_block(self, anchor: int, position: int) -> DraftBlock:

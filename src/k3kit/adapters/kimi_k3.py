@@ -29,7 +29,7 @@ next planned miss being read in the background.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -90,9 +90,53 @@ class StoreExperts:
 
 @dataclass
 class _Pending:
-    captured: Captured
+    captured: Captured | None
     n_rows: int
     ids: list[int]
+
+
+class SequenceTarget:
+    """One open sequence of a K3Adapter as a runtime Target (K3Adapter.sequence_target)."""
+
+    def __init__(self, adapter: K3Adapter, seq: int):
+        self.adapter, self.seq = adapter, seq
+        self.vocab_size = adapter.vocab_size
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.adapter.tap_layers
+
+    @property
+    def position(self) -> int:
+        return self.adapter.sequence_position(self.seq)
+
+    def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
+        """A one-entry pass; all_logits=False (a prompt chunk) commits at once, like the
+        single-sequence prefill's verify + commit(all)."""
+        a, cap = self.adapter, {self.seq} if capture else set()
+        if all_logits:
+            return a.verify_batch([(self.seq, ids)], verify={self.seq}, capture=cap)[0]
+        out = a.verify_batch([(self.seq, ids)], capture=cap)[0]
+        a._seq_pending[self.seq] = _Pending(None, len(ids), list(ids))
+        return out
+
+    def commit(self, n: int) -> None:
+        self.adapter.commit_sequence(self.seq, n)
+
+    def rollback(self) -> None:
+        self.adapter.commit_sequence(self.seq, 0)
+
+    def cost(self, n_rows: int) -> float:
+        return self.adapter.cost(n_rows)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.adapter.embed(ids)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.adapter.head(hidden)
+
+    def counters(self) -> dict[str, int]:
+        return self.adapter.counters()
 
 
 class K3Adapter:
@@ -130,6 +174,7 @@ class K3Adapter:
         self._cost_cached: tuple | None = None     # cost(): cached-expert counts per cache state
         self._pending: _Pending | None = None
         self._seqs: dict[int, K3State] = {}       # open_sequence's states, by handle
+        self._seq_pending: dict[int, _Pending] = {}   # verify_batch's uncommitted blocks, by handle
         self._next_seq = 1
         self._invariant_rows: int | None = None
         if len(set(self.layer_dev)) > 1:
@@ -208,23 +253,24 @@ class K3Adapter:
         if not 0 <= n <= p.n_rows:
             raise ValueError(f"cannot commit {n} of {p.n_rows} verified rows")
         self._pending = None
-        if self._replayable(p.captured, n):
+        if p.captured is not None and self._replayable(p.captured, n):
             commit_rows(self.state, p.captured, n)
             self.replay_fast_commits += n > 0
         else:
             self._full_replay(p.ids[:n])
         self.history += p.ids[:n]
 
-    def _replayable(self, captured: Captured, n: int) -> bool:
+    def _replayable(self, captured: Captured, n: int, state: K3State | None = None) -> bool:
         """Can commit_rows apply these captured rows to the committed state as it is now?"""
-        if captured.start_pos != self.state.pos or n > captured.n_rows:
+        state = self.state if state is None else state
+        if captured.start_pos != state.pos or n > captured.n_rows:
             return False
-        for il, layer in enumerate(self.state.layers):
+        for il, layer in enumerate(state.layers):
             if isinstance(layer, KDAState):
                 rows = captured.kda.get(il)
                 if rows is None or rows.n_rows < n or rows.k.shape[0] != layer.S.shape[0]:
                     return False
-            elif layer.length < self.state.pos + n:
+            elif layer.length < state.pos + n:
                 return False
         return True
 
@@ -260,6 +306,7 @@ class K3Adapter:
     def close_sequence(self, seq: int) -> None:
         """Free a sequence's state (unknown handles are ignored: closing twice is harmless)."""
         self._seqs.pop(seq, None)
+        self._seq_pending.pop(seq, None)
 
     @property
     def sequences(self) -> int:
@@ -316,18 +363,76 @@ class K3Adapter:
     def forward_batch(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Tensor:
         """Run (sequence, token ids) entries in one pass, each committed to its sequence; float32
         logits [len(rows), V] of each entry's last row. A sequence appears at most once."""
+        return torch.cat([o.logits for o in self.verify_batch(rows)])
+
+    @torch.no_grad()
+    def verify_batch(self, rows: Sequence[tuple[int, Sequence[int]]], *, verify: Collection[int] = (),
+                     capture: Collection[int] = ()) -> list[VerifyOutput]:
+        """forward_batch with speculative verification (runtime.protocols.SpeculativeBatchedModel).
+
+        An entry whose sequence is in `verify` is a verify block [anchor, proposals...]: its rows
+        are NOT committed (KDA state pristine, MLA rows pending; ReplaySSM as `verify`) and every
+        row's logits come back; `commit_sequence(seq, n)` then keeps the first n. A one-row block
+        commits at once (the row a plain decoding sequence would run: the same floats, and its
+        commit can only be 1). Other entries commit and return their last row's logits. Entries
+        whose sequence is in `capture` also return their rows' tap features (`set_taps`)."""
         seqs = [sid for sid, _ in rows]
         if len(set(seqs)) != len(seqs):
             raise ValueError("a sequence appears twice in one pass")
-        segments = []
+        segments, spec, cap, ids_of = [], [], [], []
         for sid, ids in rows:
             state = self._state_of(sid)
             t = self._ids(ids)[0]
             if state.pos + t.numel() > self.context_length:
                 raise ValueError(f"sequence {sid}: {state.pos + t.numel()} positions exceed the context "
                                  f"({self.context_length})")
+            self._seq_pending.pop(sid, None)        # a new pass drops an uncommitted block
             segments.append((t, state))
-        return self.model.forward_batch(segments, experts=self.experts).float()
+            spec.append(sid in verify and t.numel() > 1)
+            cap.append(sid in capture)
+            ids_of.append(t.tolist())
+        outs = self.model.forward_segments(segments, experts=self.experts, speculative=spec, capture=cap,
+                                           capture_layers=self.tap_layers, capture_mode=self.capture_mode)
+        result = []
+        for (sid, _), o, ids, sp, cp in zip(rows, outs, ids_of, spec, cap, strict=True):
+            if sid in verify:
+                self._seq_pending[sid] = _Pending(o.captured, len(ids), ids) if sp else _Pending(None, 1, ids)
+            taps = o.taps
+            if cp and taps is None:                 # no tap layers set: zero-width features
+                taps = o.logits.new_zeros(len(ids), 0)
+            result.append(VerifyOutput(o.logits.float(), taps.float() if taps is not None else None))
+        return result
+
+    def commit_sequence(self, seq: int, n: int) -> None:
+        """Keep the first n rows of `seq`'s last verify block (see `commit`): KDA replays them from
+        the captured inputs; if the capture does not fit the state, the rows run again."""
+        state = self._state_of(seq)
+        p = self._seq_pending.pop(seq, None)
+        if p is None:
+            if n:
+                raise ValueError(f"sequence {seq}: commit without a pending verify")
+            return
+        if not 0 <= n <= p.n_rows:
+            raise ValueError(f"sequence {seq}: cannot commit {n} of {p.n_rows} verified rows")
+        if p.captured is None:                      # a one-row block, committed by the pass
+            if n != p.n_rows:
+                raise ValueError(f"sequence {seq}: a one-row block commits its row, not {n}")
+            return
+        if self._replayable(p.captured, n, state):
+            commit_rows(state, p.captured, n)
+            self.replay_fast_commits += n > 0
+        else:
+            for layer in state.mla_caches():
+                layer.truncate(state.pos)
+            if n:
+                self.model(self._ids(p.ids[:n]), state, experts=self.experts, logits="none")
+            self.replay_full_replays += 1
+
+    def sequence_target(self, seq: int) -> SequenceTarget:
+        """Sequence `seq` seen as a runtime Target (what a SpeculativeDecoder drives): its verify
+        is a one-entry verify_batch, its commit commit_sequence."""
+        self._state_of(seq)
+        return SequenceTarget(self, seq)
 
     # -- for the scheduler and the draft ---------------------------------------------------
     def cost(self, n_rows: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,49 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._err.close()
+
+
+def llama_server_cmd(binary: Path, model: Path, port: int, slots: int, ctx: int, threads: int) -> list[str]:
+    """llama.cpp's server as the peer of k3kit serve: one slot of ctx tokens per client (-np, -c is the
+    total) and continuous batching, so every decoding slot shares one batch per pass as k3kit's
+    sequences do; the same threads for decode and prompt. Prompt caching off: k3kit has none and a
+    benchmark's prompts repeat. Weight repacking off: its AMX path crashes on this CPU (Zen 4)."""
+    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(ctx * slots), "--cont-batching",
+            "-t", str(threads), "-tb", str(threads), "--no-cache-prompt", "--no-repack"]
+
+
+class LlamaServer(Server):
+    """A `llama-server` child process on 127.0.0.1 and a free port, ready once /health answers 200."""
+
+    def __init__(self, binary: Path, model: Path, slots: int, ctx: int, threads: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        self._err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(llama_server_cmd(binary, model, port, slots, ctx, threads),
+                                     stdout=self._err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     text=True)
+        self.url = f"http://127.0.0.1:{port}"
+        t_end = time.monotonic() + LOAD_TIMEOUT
+        while time.monotonic() < t_end and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.close_with_error()
+
+    def close_with_error(self) -> None:
+        rc = self.proc.poll()
+        self._err.seek(0)
+        lines = [x for x in self._err.read().splitlines() if x.strip()]
+        self.close()
+        why = lines[-1].strip() if lines else "no output"
+        raise K3Error(f"llama-server did not start ({'exit ' + str(rc) if rc is not None else 'timeout'}): "
+                      f"{why[:300]}")
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int) -> ClientResult:

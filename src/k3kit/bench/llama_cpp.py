@@ -1,5 +1,9 @@
 """`--llama-cpp`: llama.cpp's autoregressive rows on the same GGUF and the same prompts.
 
+Also where llama.cpp's C++ `llama-server` is found (`find_llama_server`): the peer of the serving
+benchmarks, built from the llama.cpp tree vendored in the llama-cpp-python sdist by
+benchmarks/llama_server.py (its wheel ships no server binary).
+
 Driven through llama-cpp-python (the `interop` extra) exactly as k3kit's own rows are: one
 repetition = reset, evaluate the prompt (a `pp` sample), then greedy-decode n_gen tokens one
 `eval` at a time (a `tg` sample), after one warm-up run. F32 KV cache (k3kit keeps its MLA
@@ -10,6 +14,8 @@ latents in f32 on the CPU), n_batch = k3kit's prefill chunk, and the CPU "extra 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +25,39 @@ from typing import Any
 import numpy as np
 
 from k3kit.errors import K3Error
+
+SDIST = "llama_cpp_python-0.3.36"        # the pinned llama-cpp-python, as the interop tests use it
+LLAMA_SERVER_ENV = "K3KIT_LLAMA_SERVER"   # an explicit llama-server binary
+LLAMA_SERVER_DIR_ENV = "K3KIT_LLAMA_SERVER_DIR"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k3kit"
+
+
+def llama_server_dir() -> Path:
+    """Where benchmarks/llama_server.py extracts (src/) and builds (build/) llama.cpp."""
+    return Path(os.environ.get(LLAMA_SERVER_DIR_ENV) or cache_dir() / "llama-server" / SDIST)
+
+
+def built_llama_server(root: Path | None = None) -> Path:
+    return (root or llama_server_dir()) / "build" / "bin" / "llama-server"
+
+
+def find_llama_server() -> Path | None:
+    """$K3KIT_LLAMA_SERVER, else the binary benchmarks/llama_server.py built, else `llama-server` on
+    PATH; None when there is none."""
+    explicit = os.environ.get(LLAMA_SERVER_ENV)
+    if explicit:
+        p = Path(explicit)
+        if not (p.is_file() and os.access(p, os.X_OK)):
+            raise K3Error(f"{p}: ${LLAMA_SERVER_ENV} is not an executable file")
+        return p
+    p = built_llama_server()
+    if p.is_file() and os.access(p, os.X_OK):
+        return p
+    on_path = shutil.which("llama-server")
+    return Path(on_path) if on_path else None
 
 
 @dataclass

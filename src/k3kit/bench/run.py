@@ -41,7 +41,7 @@ class BenchOptions:
     dtype_name: str = "f32"
     trunk: str | None = None
     expert_prefetch: str = "auto"
-    arith: str = "float"
+    arith: str = "auto"
     prefill_chunk: int = 512
     feature_ring: str = "f16"
     draft_device: str | None = None

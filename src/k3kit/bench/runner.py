@@ -49,7 +49,7 @@ class RunSpec:
     dtype: torch.dtype = torch.float32
     trunk: str | None = None             # None: the loader's default
     expert_prefetch: str = "auto"
-    arith: str = "float"
+    arith: str = "auto"
     prefill_chunk: int = 512             # llama-bench's n_batch
     feature_ring: str = "f16"
     draft_device: str | None = None

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wrap the prompt as one user turn with the file's chat template "
                         "(the Kimi format when the file has none)")
     parser.add_argument("--cold", action="store_true",
-                        help="read experts around the page cache, so payload = storage traffic")
+                        help="read experts around the page cache (O_DIRECT; pread + fadvise where the "
+                        "filesystem refuses it), so payload = storage traffic")
     parser.add_argument("--stats", action="store_true", help="print speed, cache and memory figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     add_draft_arguments(parser)
@@ -58,10 +59,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trunk", default="quantized", choices=("quantized", "float"),
                         help="quantized: keep the trunk matrices as the file's bytes (mapped) and "
                         "multiply them from those (quantized); float: dequantize them to --dtype at load")
-    parser.add_argument("--arith", default="float", choices=("float", "ggml"),
-                        help="products on quantized bytes: float (float32 activations; exact to "
-                        "float32 rounding) or ggml (activations rounded to int8 blocks as llama.cpp "
-                        "does: faster on the CPU, closest to llama.cpp's numbers) (float)")
+    parser.add_argument("--arith", default="auto", choices=("auto", "float", "ggml"),
+                        help="products on quantized bytes: ggml (activations rounded to int8 blocks as "
+                        "llama.cpp does: its numbers, and faster on the CPU), float (float32 "
+                        "activations; exact to float32 rounding), or auto: ggml on the CPU when the "
+                        "native extension is built, float on CUDA or without it; --stats/--json "
+                        "name the one that ran per type (auto)")
     parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (0 = default)")
     parser.add_argument("--pin-experts", metavar="PROFILE.json", default=None,
                         help="keep the experts a routing profile (`k3kit bench --profile-experts`) picks "

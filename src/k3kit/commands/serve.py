@@ -24,9 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", default=None,
                         help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV}, else none)")
     parser.add_argument("--max-batch", type=int, default=256, metavar="N",
-                        help="rows per target pass and sequences served at once (256); prompts are "
-                        "prefilled in chunks of N rows. With --draft a request alone decodes "
-                        "speculatively and joins the shared passes when others arrive")
+                        help="rows per target pass (256); prompts are prefilled in chunks of N rows. "
+                        "With --draft the verify blocks of the speculating sequences share the pass "
+                        "with everyone's rows, their widths picked by the cost model")
+    parser.add_argument("--max-sequences", type=int, default=64, metavar="N",
+                        help="sequences holding state at once (64); more wait in the queue. Each holds "
+                        "its own state: on the full K3 about 180 MB of KDA recurrent state plus its MLA "
+                        "latents, which grow with its length, and with --draft its feature ring")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests that may wait for the model; one more is answered 429 (64)")
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
@@ -39,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
+                             ("--max-sequences", args.max_sequences, 1),
                              ("--max-queue", args.max_queue, 0), ("--threads", args.threads, 0)):
         if value < low:
             raise K3Error(f"{flag} {value}: must be >= {low}")
@@ -98,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
             raise
 
     config = ServeConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
-                         max_queue=args.max_queue, ctx=args.ctx,
+                         max_sequences=args.max_sequences, max_queue=args.max_queue, ctx=args.ctx,
                          max_body_bytes=int(args.max_body_mib * (1 << 20)))
     return serve(path, load, config)

@@ -1324,7 +1324,7 @@ static void i8tiles_scalar(const i8job_t *jb, const uint8_t *wq, const float *ws
 }
 
 #ifdef K3_X86
-#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,bmi2"
 
 /* 8 x 8 transpose of 32-bit elements. */
 __attribute__((target(AVX2_TARGET))) INLINE void transpose8(__m256i r[8]) {
@@ -1555,12 +1555,15 @@ __attribute__((target(AVX2_TARGET))) static void i8tiles_avx2(const i8job_t *jb,
 }
 
 /* ---- few rows: the direct path ----------------------------------------------------------------
- * Below the type's direct_below rows (4-12) a panel costs more than it saves (the transposed store and reload
- * of every value, for one or two rows of x): each W row's sub-blocks are decoded into registers
- * and multiplied with x's bytes in natural order, one 8-lane integer dot product per sub-block,
- * and the partial sums folded into the group's 16 lane sums by a fixed tree of horizontal adds.
- * The integer sums are exact either way, and the float operations per lane are the panel
- * path's, so the two paths give the same bits. */
+ * Below the type's direct_below rows (4-12; fast_below, 12-40, on AVX512-VNNI) a panel costs more
+ * than it saves (the transposed store and reload of every value, for a few rows of x): each W
+ * row's sub-blocks are decoded into registers and multiplied with x's bytes in natural order, and
+ * the partial sums folded into the group's 16 lane sums by a fixed tree. The integer sums are
+ * exact either way, and the float operations per lane are the panel path's, so the paths give the
+ * same bits. Two forms: the 256-bit one below (AVX2, and VNNI when forced: path 0), one 8-lane
+ * integer dot product per sub-block, the lanes' float work on two 8-lane halves through memory;
+ * and the 512-bit one after the type definitions ("fast direct path", what AVX512-VNNI runs),
+ * about 1.5-3x faster for one row. */
 #define I8_DIRECT_ROWS 8    /* x rows per pass over W on the direct path */
 /* How far ahead in W's row the direct path asks for blocks: one row streams at a time, so
  * further than the tiles' PREFETCH_BYTES (measured: 768 -> 2048 bytes took a one-row Q4_K
@@ -1666,10 +1669,10 @@ __attribute__((target(AVX2_TARGET))) INLINE __m256i dot_avx2(__m256i q, __m256i 
     DEFINE_I8PANEL_SCALAR(T, NAME_LC) DEFINE_I8PANEL_VEC(T, NAME_LC)                                 \
     DEFINE_I8DIRECT(T, NAME_LC, avx2, AVX2_TARGET, 0) DEFINE_I8DIRECT(T, NAME_LC, vnni, VNNI_TARGET, 1)
 #define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_avx2}, \
-                          {NULL, i8direct_##NAME_LC##_avx2, i8direct_##NAME_LC##_vnni}
+                          {NULL, i8direct_##NAME_LC##_avx2, i8direct_##NAME_LC##_vnni, i8direct_##NAME_LC##_fast}
 #else
 #define DEFINE_I8(T, NAME_LC) DEFINE_I8PANEL_SCALAR(T, NAME_LC)
-#define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_scalar}, {NULL, NULL, NULL}
+#define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_scalar}, {NULL, NULL, NULL, NULL}
 #endif
 
 /* Columns [n0, n1) of an int8 product: panels of I8_NP rows x I8_KC values, each decoded once
@@ -1717,25 +1720,487 @@ DEFINE_I8(IQ1_S, iq1_s)
 DEFINE_I8(IQ1_M, iq1_m)
 DEFINE_I8(MXFP4, mxfp4)
 
+/* ---- few rows on AVX512-VNNI: the fast direct path ---------------------------------------------
+ * The direct path's arithmetic, bit for bit, arranged for 512-bit registers. A group's W values
+ * are decoded straight into 8 (G = 32) or 4 (G = 16) vectors of 64 bytes, vector m holding
+ * sub-blocks 2m and 2m + 1 in natural order, already as vpdpbusd's unsigned operand q + B with a
+ * per-type bias B (T_FDB: 0 for the K-quants whose values are unsigned, 32 for Q6_K, 4 for Q3_K,
+ * 128 otherwise; each integer sum is then corrected by -B X), so x's bytes multiply as they lie.
+ * One vpdpbusd per 64 values; a fixed tree of in-lane unpacks and adds folds the partial sums to
+ * the group's 16 lane sums (one vpermd puts them in lane order); the lanes' float operations run
+ * on one 16-lane vector whose accumulator stays in a register for the whole W row. Scales are made
+ * as vectors in lane order where that is cheap. RT rows of x (1-4) share each decoded group. The
+ * integer sums are exact and the float operations per lane are the other paths', so the bits are
+ * theirs. A partial last group (k not a multiple of 16 G) decodes its present sub-blocks one by one
+ * and gives the missing ones a zero operand and zero scales, as the other paths do. */
+#ifdef K3_X86
+#define FD_ROWS 8   /* rows of x per pass over W (passes of 8, 4, then 1-3) */
+
+#define Q8_0_FDB 128
+#define Q4_K_FDB 0
+#define Q5_K_FDB 0
+#define Q6_K_FDB 32
+#define Q2_K_FDB 0
+#define Q3_K_FDB 4
+#define IQ2_XXS_FDB 128
+#define IQ2_XS_FDB 128
+#define IQ3_XXS_FDB 128
+#define IQ1_S_FDB 128
+#define IQ1_M_FDB 128
+#define MXFP4_FDB 128
+
+/* Where fold8 / fold4 leave lane p's sum, and (G = 16) where scales_T_v leaves lane p's scale. */
+static const int32_t FD_PERM8[16] __attribute__((aligned(64))) = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+static const int32_t FD_PERM4[16] __attribute__((aligned(64))) = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+static const int32_t FD_SIDX16[16] __attribute__((aligned(64))) = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+
+__attribute__((target(VNNI_TARGET))) INLINE __m512 cat8(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
+__attribute__((target(VNNI_TARGET))) INLINE __m512i bcast32(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+/* 16-bit shift counts: a in the low 256 bits, b in the high. */
+__attribute__((target(VNNI_TARGET))) INLINE __m512i counts(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)a)), _mm256_set1_epi16((short)b), 1);
+}
+
+/* 8 vectors of (sub-block 2i | 2i + 1) partial sums -> 16 sums, sub-block u at FD_PERM8[u]. */
+__attribute__((target(VNNI_TARGET))) INLINE __m512i fold8(const __m512i *p) {
+    __m512i t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+}
+/* 4 vectors of 16-value chunks 4i .. 4i + 3 (one per 128-bit lane) -> 16 sums, chunk c at 4 (c % 4) + c / 4. */
+__attribute__((target(VNNI_TARGET))) INLINE __m512i fold4(const __m512i *p) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+/* One decoded group times RT rows of x: the lanes' float operations of lanes256, 16 at once. */
+__attribute__((target(VNNI_TARGET))) INLINE void fd_group(const __m512i *z, const int NZ, __m512 ws, __m512 mn,
+                                                         const int has_min, const int bias, const xlane_t *xl,
+                                                         const int8_t *xq, int64_t xs, int64_t lx, int64_t ls,
+                                                         const int RT, __m512 *acc) {
+    const __m512i perm = _mm512_load_si512(NZ == 8 ? FD_PERM8 : FD_PERM4);
+    const int shift = bias == 128 ? 0 : bias == 32 ? 2 : 5;
+    for (int t = 0; t < RT; t++) {
+        __m512i p[8];
+        for (int m = 0; m < NZ; m++)
+            p[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[m], _mm512_loadu_si512(xq + t * xs + 64 * m));
+        __m512i s = _mm512_permutexvar_epi32(perm, NZ == 8 ? fold8(p) : fold4(p));
+        if (bias) s = _mm512_add_epi32(s, _mm512_srai_epi32(_mm512_loadu_si512(xl->corr + lx + t * ls), shift));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), ws);
+        acc[t] = _mm512_fmadd_ps(f, _mm512_loadu_ps(xl->dx + lx + t * ls), acc[t]);
+        if (has_min) acc[t] = _mm512_fnmadd_ps(mn, _mm512_loadu_ps(xl->dxs + lx + t * ls), acc[t]);
+    }
+}
+
+/* Per type: fdq_T, sub-block u of a group as the biased operand (from qv_T); zqg_T, the group's
+ * vectors with sub-blocks from nsub on zero; zsg_T, its lane scales through scales_T_v (the
+ * direct path's way; sub-blocks from nsub on zero). */
+#define DEFINE_FD_GENERIC(T, NAME_LC)                                                              \
+    __attribute__((target(VNNI_TARGET))) INLINE __m256i fdq_##NAME_LC(const uint8_t *gp, int u) {  \
+        const __m256i q = qv_##NAME_LC(gp + (u / (T##_QK / 32)) * T##_BYTES, u % (T##_QK / 32));   \
+        return T##_FDB ? _mm256_add_epi8(q, _mm256_set1_epi8((char)T##_FDB)) : q;                  \
+    }                                                                                              \
+    __attribute__((target(VNNI_TARGET))) INLINE void zqg_##NAME_LC(const uint8_t *gp, int nsub, __m512i *z) { \
+        for (int m = 0; m < I8_G(T) / 4; m++) {                                                    \
+            const __m256i a = 2 * m < nsub ? fdq_##NAME_LC(gp, 2 * m) : _mm256_setzero_si256();    \
+            const __m256i b = 2 * m + 1 < nsub ? fdq_##NAME_LC(gp, 2 * m + 1) : _mm256_setzero_si256(); \
+            z[m] = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);                            \
+        }                                                                                          \
+    }                                                                                              \
+    __attribute__((target(VNNI_TARGET))) INLINE void zsg_##NAME_LC(const uint8_t *gp, int nsub, __m512 *ws, \
+                                                                  __m512 *wm) {                    \
+        const int G = I8_G(T), spg = 16 * G / 32, spb = T##_QK / 32;                               \
+        float s[16], mn[16] = {0}, so[16] __attribute__((aligned(64))), mo[16] __attribute__((aligned(64))); \
+        for (int u = 0; u < spg; u++)                                                              \
+            for (int h = 0; h < 32 / G; h++) {                                                     \
+                const uint8_t *blk = gp + (u / spb) * T##_BYTES;                                   \
+                if (u < nsub && u % spb == 0 && h == 0) scales_##NAME_LC##_v(blk, s, mn);          \
+                so[lane_of(G, u, h)] = u < nsub ? s[SIDX(T, u % spb, h)] : 0.0f;                   \
+                mo[lane_of(G, u, h)] = u < nsub ? mn[SIDX(T, u % spb, h)] : 0.0f;                  \
+            }                                                                                      \
+        *ws = _mm512_load_ps(so);                                                                  \
+        *wm = _mm512_load_ps(mo);                                                                  \
+    }
+
+DEFINE_FD_GENERIC(Q8_0, q8_0)
+DEFINE_FD_GENERIC(Q4_K, q4_k)
+DEFINE_FD_GENERIC(Q5_K, q5_k)
+DEFINE_FD_GENERIC(Q6_K, q6_k)
+DEFINE_FD_GENERIC(Q2_K, q2_k)
+DEFINE_FD_GENERIC(Q3_K, q3_k)
+DEFINE_FD_GENERIC(IQ2_XXS, iq2_xxs)
+DEFINE_FD_GENERIC(IQ2_XS, iq2_xs)
+DEFINE_FD_GENERIC(IQ3_XXS, iq3_xxs)
+DEFINE_FD_GENERIC(IQ1_S, iq1_s)
+DEFINE_FD_GENERIC(IQ1_M, iq1_m)
+DEFINE_FD_GENERIC(MXFP4, mxfp4)
+
+/* IQ types: grid rows fetched by gathers, and each 64 values' sign bits (ksigns: the 7 stored
+ * bits of each 8-value run plus their parity as the eighth) made in a 64-bit word and applied
+ * as a mask; the biased operand is then q + 128. */
+__attribute__((target(VNNI_TARGET))) INLINE __mmask64 ksigns8(uint64_t fields) {
+    const uint64_t s = _pdep_u64(fields, 0x7F7F7F7F7F7F7F7FULL);
+    uint64_t t = s ^ (s >> 4);
+    t ^= t >> 2;
+    t ^= t >> 1;
+    return _cvtu64_mask64(s | ((t & L8) << 7));
+}
+__attribute__((target(VNNI_TARGET))) INLINE __m512i signed_biased(__m512i g, __mmask64 neg) {
+    return _mm512_xor_si512(_mm512_mask_sub_epi8(g, neg, _mm512_setzero_si512(), g), _mm512_set1_epi8((char)0x80));
+}
+/* IQ2_XXS (two blocks a group): sub-blocks 2t, 2t + 1 are the 16 bytes at 2 + 16 t (4 grid
+ * indices and a word of signs and scale, twice). */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_iq2_xxs_g(const uint8_t *gp, __m512i *z) {
+    const __m128i pick = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int s = 0; s < 2; s++)
+        for (int t = 0; t < 4; t++) {
+            const uint8_t *p = gp + s * IQ2_XXS_BYTES + 2 + 16 * t;
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p), pick));
+            const __m512i g = _mm512_i32gather_epi64(idx, (const long long *)IQ2XXS_GRID, 8);
+            const uint64_t f = (rd32(p + 4) & 0x0FFFFFFFu) | (uint64_t)(rd32(p + 12) & 0x0FFFFFFFu) << 28;
+            z[4 * s + t] = signed_biased(g, ksigns8(f));
+        }
+}
+/* IQ3_XXS: sub-blocks 2t, 2t + 1: 16 grid indices at 2 + 16 t, their sign words at 66 + 8 t. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_iq3_xxs_g(const uint8_t *gp, __m512i *z) {
+    for (int s = 0; s < 2; s++)
+        for (int t = 0; t < 4; t++) {
+            const uint8_t *b = gp + s * IQ3_XXS_BYTES;
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * t)));
+            const __m512i g = _mm512_i32gather_epi32(idx, (const int *)IQ3XXS_GRID, 4);
+            const uint64_t f = (rd32(b + 66 + 8 * t) & 0x0FFFFFFFu) | (uint64_t)(rd32(b + 70 + 8 * t) & 0x0FFFFFFFu) << 28;
+            z[4 * s + t] = signed_biased(g, ksigns8(f));
+        }
+}
+/* IQ1_S: sub-blocks 2t, 2t + 1: grid indices qs[8 t ..] | 3 bits of the qh words 2t, 2t + 1
+ * each, the rows (8 grid values each) plus 1 + 128, minus 2 where the word's delta bit is set. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_iq1_s_g(const uint8_t *gp, __m512i *z) {
+    for (int s = 0; s < 2; s++)
+        for (int t = 0; t < 4; t++) {
+            const uint8_t *b = gp + s * IQ1_S_BYTES;
+            const uint32_t w = rd32(b + 34 + 4 * t);
+            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * t)));
+            /* index bits 8-10 of value l of word h: bits 3 l .. 3 l + 2 of w >> 16 h, moved to 8 */
+            const __m256i hw = _mm256_set_m128i(_mm_set1_epi32((int)(w >> 8)), _mm_set1_epi32((int)(w << 8)));
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(hw, _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9)),
+                                                _mm256_set1_epi32(0x700));
+            const __m512i g = _mm512_i32gather_epi64(_mm256_or_si256(lo, hi), (const long long *)IQ1S_GRID8, 8);
+            const uint64_t neg = (w & 0x8000u ? 0xFFFFFFFFull : 0) | (w & 0x80000000u ? 0xFFFFFFFF00000000ull : 0);
+            const __m512i v = _mm512_add_epi8(g, _mm512_set1_epi8((char)129));
+            z[4 * s + t] = _mm512_mask_sub_epi8(v, _cvtu64_mask64(neg), v, _mm512_set1_epi8(2));
+        }
+}
+/* MXFP4 (16 blocks a group): blocks 2m, 2m + 1 as [low nibbles | high nibbles] of each, looked
+ * up in kv + 128. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_mxfp4_g(const uint8_t *gp, __m512i *z) {
+    const __m512i kv = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)KV), _mm_set1_epi8((char)0x80)));
+    const __m512i sh = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);   /* 16-bit counts per 128-bit lane */
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i cnt = _mm512_or_si512(sh, _mm512_slli_epi64(sh, 16));
+    const __m512i cnt16 = _mm512_or_si512(cnt, _mm512_slli_epi64(cnt, 32));
+    for (int m = 0; m < 8; m++) {
+        const uint8_t *b = gp + 2 * m * MXFP4_BYTES;
+        const __m256i q2 = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + MXFP4_BYTES + 1)),
+                                            _mm_loadu_si128((const __m128i *)(b + 1)));
+        const __m512i qq = _mm512_shuffle_i64x2(_mm512_castsi256_si512(q2), _mm512_castsi256_si512(q2), 0x50);
+        z[m] = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srlv_epi16(qq, cnt16), m4));
+    }
+}
+
+/* IQ2_XS (one block a group): sub-blocks 2t, 2t + 1 are 8 words at 2 + 16 t (9-bit grid index,
+ * 7-bit sign index). */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_iq2_xs_g(const uint8_t *gp, __m512i *z) {
+    for (int t = 0; t < 4; t++) {
+        const uint8_t *p = gp + 2 + 16 * t;
+        const __m256i idx = _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
+                                             _mm256_set1_epi32(511));
+        const __m512i g = _mm512_i32gather_epi64(idx, (const long long *)IQ2XS_GRID, 8);
+        const uint64_t f = _pext_u64(rd64(p), 0xFE00FE00FE00FE00ULL) | _pext_u64(rd64(p + 8), 0xFE00FE00FE00FE00ULL) << 28;
+        z[t] = signed_biased(g, ksigns8(f));
+    }
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_iq2_xs_g(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    /* lane p: the low (p < 8) or high nibble of scales[p % 8] */
+    const uint64_t v = rd64(gp + 66);
+    const __m128i n = _mm_set_epi64x((long long)((v >> 4) & 0x0F0F0F0F0F0F0F0FULL), (long long)(v & 0x0F0F0F0F0F0F0F0FULL));
+    const __m512 t = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)));
+    *ws = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(f16v(rd16(gp))), t), _mm512_set1_ps(0.25f));
+}
+/* IQ1_M (one block a group): sub-blocks 2t, 2t + 1: grid indices qs[8 t ..] | 3 bits of the
+ * nibbles of qh[4 t .. 4 t + 3], whose fourth bit is each 8 values' delta sign. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_iq1_m_g(const uint8_t *gp, __m512i *z) {
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int t = 0; t < 4; t++) {
+        const uint32_t w = rd32(gp + 32 + 4 * t);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gp + 8 * t)));
+        const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh),
+                                                              _mm256_set1_epi32(7)), 8);
+        const __m512i g = _mm512_i32gather_epi64(_mm256_or_si256(lo, hi), (const long long *)IQ1S_GRID8, 8);
+        const __mmask8 neg = (__mmask8)_pext_u32(w, 0x88888888u);
+        const __m512i delta = _mm512_mask_blend_epi64(neg, _mm512_set1_epi8((char)129), _mm512_set1_epi8(127));
+        z[t] = _mm512_add_epi8(g, delta);
+    }
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_iq1_m_g(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    const uint16_t sc[4] = {rd16(gp + 48), rd16(gp + 50), rd16(gp + 52), rd16(gp + 54)};
+    const float d = f16((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000)));
+    /* lane p: sub-block j = p % 8, half h = p / 8: bits 6 (j % 2) + 3 h of word j / 2 */
+    const __m512i words = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3),
+                                                   _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(gp + 48)))));
+    const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6, 3, 9, 3, 9, 3, 9, 3, 9)),
+                                       _mm512_set1_epi32(7));
+    const __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(s, 1), _mm512_set1_epi32(1));
+    *ws = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(odd)), _mm512_set1_ps(0.125f));
+}
+
+/* Whole groups: zq_T / zs_T. The types without a vector form of their own use the generic ones. */
+#define FD_NSUB(T) (16 * I8_G(T) / 32)
+#define zq_q8_0(gp, z) zqg_q8_0(gp, FD_NSUB(Q8_0), z)
+#define zq_q3_k(gp, z) zqg_q3_k(gp, FD_NSUB(Q3_K), z)
+#define zq_iq2_xxs zq_iq2_xxs_g
+#define zq_iq2_xs zq_iq2_xs_g
+#define zq_iq3_xxs zq_iq3_xxs_g
+#define zq_iq1_s zq_iq1_s_g
+#define zq_iq1_m zq_iq1_m_g
+#define zq_mxfp4 zq_mxfp4_g
+#define zs_iq2_xs zs_iq2_xs_g
+#define zs_iq1_m zs_iq1_m_g
+
+/* Q4_K (two blocks a group): sub-blocks 2t, 2t + 1 are the low and high nibbles of qs[32 t ..]. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_q4_k(const uint8_t *gp, __m512i *z) {
+    const __m512i sh = counts(0, 4), m4 = _mm512_set1_epi8(0x0F);
+    for (int s = 0; s < 2; s++)
+        for (int t = 0; t < 4; t++)
+            z[4 * s + t] = _mm512_and_si512(_mm512_srlv_epi16(bcast32(gp + s * Q4_K_BYTES + 16 + 32 * t), sh), m4);
+}
+/* Q5_K: the same plus bit 2t (2t + 1) of qh[] as the fifth bit. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_q5_k(const uint8_t *gp, __m512i *z) {
+    const __m512i sh = counts(0, 4), m4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    for (int s = 0; s < 2; s++) {
+        const __m512i qh = bcast32(gp + s * Q5_K_BYTES + 16);
+        for (int t = 0; t < 4; t++) {
+            const __m512i lo = _mm512_and_si512(_mm512_srlv_epi16(bcast32(gp + s * Q5_K_BYTES + 48 + 32 * t), sh), m4);
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, counts(2 * t, 2 * t + 1)), one);
+            z[4 * s + t] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+        }
+    }
+}
+/* Q6_K (one block a group): sub-blocks 2m, 2m + 1 = 4h + g, g + 1 (h = m / 2, g = 2 (m % 2)): the
+ * low (m even) or high nibbles of ql[64 h .. 64 h + 63], bits 2g of qh[32 h ..] on top; unsigned. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_q6_k(const uint8_t *gp, __m512i *z) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    for (int m = 0; m < 4; m++) {
+        const int h = m >> 1, g = 2 * (m & 1);
+        const __m512i ql = _mm512_loadu_si512(gp + 64 * h);
+        const __m512i lo = _mm512_and_si512(m & 1 ? _mm512_srli_epi16(ql, 4) : ql, m4);
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(bcast32(gp + 128 + 32 * h), counts(2 * g, 2 * g + 2)), three);
+        z[m] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+    }
+}
+/* Q2_K: sub-blocks 2m, 2m + 1: bits 4 (m % 2) and 4 (m % 2) + 2 of qs[32 (m / 2) ..]. */
+__attribute__((target(VNNI_TARGET))) INLINE void zq_q2_k(const uint8_t *gp, __m512i *z) {
+    const __m512i three = _mm512_set1_epi8(3);
+    for (int m = 0; m < 4; m++)
+        z[m] = _mm512_and_si512(_mm512_srlv_epi16(bcast32(gp + 16 + 32 * (m >> 1)), counts(4 * (m & 1), 4 * (m & 1) + 2)), three);
+}
+
+/* Lane scales as vectors (the same products as scales_T_v, in lane order). */
+__attribute__((target(VNNI_TARGET))) INLINE void k4_scales(const uint8_t *b, __m256 *s, __m256 *mn) {
+    const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
+    const uint64_t sc = (a & 0x3F3F3F3Fu) | (uint64_t)((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t m = (c & 0x3F3F3F3Fu) | (uint64_t)(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
+    *s = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    *mn = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b + 2))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
+}
+#define DEFINE_ZS_K4(NAME_LC, BYTES)                                                                \
+    __attribute__((target(VNNI_TARGET))) INLINE void zs_##NAME_LC(const uint8_t *gp, __m512 *ws, __m512 *wm) { \
+        __m256 s0, m0, s1, m1;                                                                     \
+        k4_scales(gp, &s0, &m0);                                                                   \
+        k4_scales(gp + (BYTES), &s1, &m1);                                                         \
+        *ws = cat8(s0, s1);                                                                        \
+        *wm = cat8(m0, m1);                                                                        \
+    }
+DEFINE_ZS_K4(q4_k, Q4_K_BYTES)
+DEFINE_ZS_K4(q5_k, Q5_K_BYTES)
+
+/* d times 16 bytes (signed or not), then from scales_T_v's order (s[2 j + h]) to lane order. */
+__attribute__((target(VNNI_TARGET))) INLINE __m512 scale16_lanes(__m128i v, int is_signed, float d) {
+    const __m512i i = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    return _mm512_permutexvar_ps(_mm512_load_si512(FD_SIDX16), _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(i)));
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_q6_k(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    *ws = scale16_lanes(_mm_loadu_si128((const __m128i *)(gp + 192)), 1, f16v(rd16(gp + 208)));
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_q2_k(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)gp), low4 = _mm_set1_epi8(0x0F);
+    *ws = scale16_lanes(_mm_and_si128(v, low4), 0, f16v(rd16(gp + 80)));
+    *wm = scale16_lanes(_mm_and_si128(_mm_srli_epi16(v, 4), low4), 0, f16v(rd16(gp + 82)));
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_q3_k(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    uint32_t aux[4];
+    memcpy(aux, gp + 96, 12);
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    const __m128i sc = _mm_sub_epi8(_mm_set_epi32((int)aux[3], (int)aux[2], (int)aux[1], (int)aux[0]), _mm_set1_epi8(32));
+    *ws = scale16_lanes(sc, 1, f16v(rd16(gp + 108)));
+}
+/* IQ2_XXS / IQ3_XXS: d * (0.5 + s) * f with s the top nibble of each sub-block's word. */
+__attribute__((target(VNNI_TARGET))) INLINE __m512 iq_scales(__m512i aux, float d0, float d1, float f) {
+    const __m512 t = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_cvtepi32_ps(_mm512_srli_epi32(aux, 28)));
+    return _mm512_mul_ps(_mm512_mul_ps(cat8(_mm256_set1_ps(d0), _mm256_set1_ps(d1)), t), _mm512_set1_ps(f));
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_iq2_xxs(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    /* sub-block j's word is dword 2 j + 1 from byte 2 of its block */
+    const __m512i idx = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i aux = _mm512_permutex2var_epi32(_mm512_loadu_si512(gp + 2), idx,
+                                                  _mm512_loadu_si512(gp + IQ2_XXS_BYTES + 2));
+    *ws = iq_scales(aux, f16v(rd16(gp)), f16v(rd16(gp + IQ2_XXS_BYTES)), 0.25f);
+}
+__attribute__((target(VNNI_TARGET))) INLINE void zs_iq3_xxs(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    const __m512i aux = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(gp + 66))),
+                                           _mm256_loadu_si256((const __m256i *)(gp + IQ3_XXS_BYTES + 66)), 1);
+    *ws = iq_scales(aux, f16v(rd16(gp)), f16v(rd16(gp + IQ3_XXS_BYTES)), 0.5f);
+}
+/* IQ1_S: (d * (2 s + 1)) / 8 with s bits 12-14 of each sub-block's qh word. */
+__attribute__((target(VNNI_TARGET))) INLINE void zs_iq1_s(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    const __m256i qh = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(gp + IQ1_S_BYTES + 34)),
+                                        _mm_loadu_si128((const __m128i *)(gp + 34)));
+    const __m512i s = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu16_epi32(qh), 12), _mm512_set1_epi32(7));
+    const __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(s, 1), _mm512_set1_epi32(1));
+    const __m512 d = cat8(_mm256_set1_ps(f16v(rd16(gp))), _mm256_set1_ps(f16v(rd16(gp + IQ1_S_BYTES))));
+    *ws = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(odd)), _mm512_set1_ps(0.125f));
+}
+/* MXFP4 (16 blocks a group): E8M0_HALF of each block's exponent byte, computed. */
+__attribute__((target(VNNI_TARGET))) INLINE void zs_mxfp4(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    const __m512i off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(MXFP4_BYTES));
+    const __m512i e = _mm512_and_si512(_mm512_i32gather_epi32(off, gp, 1), _mm512_set1_epi32(0xFF));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 lt2 = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    *ws = _mm512_castsi512_ps(_mm512_mask_blend_epi32(lt2, big, small));
+}
+/* Q8_0 (16 blocks a group): each block's f16 d. */
+__attribute__((target(VNNI_TARGET))) INLINE void zs_q8_0(const uint8_t *gp, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    const __m512i off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(Q8_0_BYTES));
+    const __m512i h = _mm512_i32gather_epi32(off, gp, 1);
+    *ws = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+}
+
+/* Rows n0 .. n1 - 1 of W times rows r0 .. r0 + RT - 1 of x. */
+#define DEFINE_FD(T, NAME_LC, HAS_MIN)                                                              \
+    __attribute__((target(VNNI_TARGET))) INLINE void fdrows_##NAME_LC(const i8job_t *jb, int64_t n0, int64_t n1, \
+                                                                     int64_t r0, const int RT) {    \
+        const xlane_t *xl = jb->xl;                                                                \
+        const int NZ = I8_G(T) / 4;                                                                \
+        const int64_t k = jb->k, rb = k / T##_QK * T##_BYTES, gv = xl->gv, ng = xl->ngroups;       \
+        const int64_t nfull = k / gv, gbytes = gv / T##_QK * T##_BYTES, xs = ng * gv, ls = ng * 16; \
+        const int8_t *xq = xl->xn + r0 * xs;                                                       \
+        const int64_t lx0 = r0 * ls;                                                               \
+        for (int64_t n = n0; n < n1; n++) {                                                        \
+            const uint8_t *ri = jb->w + n * rb;                                                    \
+            __m512 acc[FD_ROWS];                                                                   \
+            for (int t = 0; t < RT; t++) acc[t] = _mm512_setzero_ps();                             \
+            int64_t g = 0;                                                                         \
+            for (; g < nfull; g++) {                                                               \
+                const uint8_t *gp = ri + g * gbytes;                                               \
+                for (int64_t o = 0; o < gbytes; o += 64) __builtin_prefetch(gp + I8_PREFETCH + o);  \
+                __m512i z[8];                                                                      \
+                __m512 ws, wm = _mm512_setzero_ps();                                               \
+                zq_##NAME_LC(gp, z);                                                               \
+                zs_##NAME_LC(gp, &ws, &wm);                                                        \
+                fd_group(z, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
+            }                                                                                      \
+            if (g < ng) {                                                                          \
+                const uint8_t *gp = ri + g * gbytes;                                               \
+                const int nsub = (int)((k - g * gv) / 32);                                         \
+                __m512i z[8];                                                                      \
+                __m512 ws, wm;                                                                     \
+                zqg_##NAME_LC(gp, nsub, z);                                                        \
+                zsg_##NAME_LC(gp, nsub, &ws, &wm);                                                 \
+                fd_group(z, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
+            }                                                                                      \
+            for (int t = 0; t < RT; t++)                                                           \
+                jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc[t]),     \
+                                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1))); \
+        }                                                                                          \
+    }                                                                                              \
+    __attribute__((target(VNNI_TARGET))) static void i8direct_##NAME_LC##_fast(const i8job_t *jb, int64_t n0, \
+                                                                              int64_t n1, int64_t r0, int m) { \
+        for (int r = 0; r < m;) {                                                                  \
+            const int rt = m - r >= 8 ? 8 : m - r >= 4 ? 4 : m - r;                                \
+            switch (rt) {                                                                          \
+            case 1: fdrows_##NAME_LC(jb, n0, n1, r0 + r, 1); break;                                \
+            case 2: fdrows_##NAME_LC(jb, n0, n1, r0 + r, 2); break;                                \
+            case 3: fdrows_##NAME_LC(jb, n0, n1, r0 + r, 3); break;                                \
+            case 4: fdrows_##NAME_LC(jb, n0, n1, r0 + r, 4); break;                                \
+            default: fdrows_##NAME_LC(jb, n0, n1, r0 + r, 8); break;                               \
+            }                                                                                      \
+            r += rt;                                                                               \
+        }                                                                                          \
+    }
+
+DEFINE_FD(Q8_0, q8_0, 0)
+DEFINE_FD(Q4_K, q4_k, 1)
+DEFINE_FD(Q5_K, q5_k, 1)
+DEFINE_FD(Q6_K, q6_k, 0)
+DEFINE_FD(Q2_K, q2_k, 1)
+DEFINE_FD(Q3_K, q3_k, 0)
+DEFINE_FD(IQ2_XXS, iq2_xxs, 0)
+DEFINE_FD(IQ2_XS, iq2_xs, 0)
+DEFINE_FD(IQ3_XXS, iq3_xxs, 0)
+DEFINE_FD(IQ1_S, iq1_s, 0)
+DEFINE_FD(IQ1_M, iq1_m, 0)
+DEFINE_FD(MXFP4, mxfp4, 0)
+#endif
+
+
 /* Per type: lane width G, whether the weights have a min, the activation type (ggml's
  * vec_dot_type: Q8_0 for Q8_0 and MXFP4, Q8_K for the rest), the panel decoders. */
 typedef struct {
-    int ggml_type, G, has_min, act_q8k, direct_below;
+    int ggml_type, G, has_min, act_q8k, direct_below, fast_below;
     i8panel_fn panel[2];   /* scalar, vector */
-    i8direct_fn direct[3]; /* -, AVX2, VNNI */
+    i8direct_fn direct[4]; /* -, AVX2, VNNI, VNNI fast (512-bit) */
 } i8type_t;
 
-/* direct_below: rows below which the direct path runs (panels from there; the same bits).
- * Measured (AVX512-VNNI, 7168 x 2048, 1 thread, 2-8 rows): Q6_K's panels (16-value lanes: half
- * the integer work per float step) lose to the direct path up to 8+ rows, Q4_K's and Q8_0's
- * up to ~6-8, MXFP4's and IQ2_XXS's from 4; the other types take their lane width's figure. */
+/* direct_below: rows below which the direct path runs on AVX2 (panels from there; the same
+ * bits). Measured (AVX512-VNNI, 7168 x 2048, 1 thread, 2-8 rows): Q6_K's panels (16-value lanes:
+ * half the integer work per float step) lose to the direct path up to 8+ rows, Q4_K's and Q8_0's
+ * up to ~6-8, MXFP4's and IQ2_XXS's from 4; the other types take their lane width's figure.
+ * fast_below: the same for the 512-bit direct path on AVX512-VNNI. Measured (7168 x 2048, 1
+ * thread, 1-32 rows, benchmarks/bench_qmatmul.py --int8-paths): it beats the panels up to 8
+ * rows for every type, to 16 for MXFP4, Q4_K, IQ1_M, to ~20 for Q2_K, Q3_K, Q5_K and past 32
+ * for Q6_K; the IQ types with costly grid gathers (IQ1_S, IQ2_XXS, IQ3_XXS) and Q8_0 cross over
+ * between 8 and 16. */
 static const i8type_t I8TYPES[] = {
-    {39, I8_G(MXFP4), 0, 0, 4, I8PANELS(mxfp4)},   {8, I8_G(Q8_0), 0, 0, 8, I8PANELS(q8_0)},
-    {10, I8_G(Q2_K), 1, 1, 12, I8PANELS(q2_k)},    {11, I8_G(Q3_K), 0, 1, 12, I8PANELS(q3_k)},
-    {12, I8_G(Q4_K), 1, 1, 8, I8PANELS(q4_k)},     {13, I8_G(Q5_K), 1, 1, 8, I8PANELS(q5_k)},
-    {14, I8_G(Q6_K), 0, 1, 12, I8PANELS(q6_k)},    {16, I8_G(IQ2_XXS), 0, 1, 4, I8PANELS(iq2_xxs)},
-    {17, I8_G(IQ2_XS), 0, 1, 12, I8PANELS(iq2_xs)}, {18, I8_G(IQ3_XXS), 0, 1, 4, I8PANELS(iq3_xxs)},
-    {19, I8_G(IQ1_S), 0, 1, 4, I8PANELS(iq1_s)},   {29, I8_G(IQ1_M), 0, 1, 12, I8PANELS(iq1_m)},
+    {39, I8_G(MXFP4), 0, 0, 4, 16, I8PANELS(mxfp4)},    {8, I8_G(Q8_0), 0, 0, 8, 12, I8PANELS(q8_0)},
+    {10, I8_G(Q2_K), 1, 1, 12, 24, I8PANELS(q2_k)},     {11, I8_G(Q3_K), 0, 1, 12, 24, I8PANELS(q3_k)},
+    {12, I8_G(Q4_K), 1, 1, 8, 20, I8PANELS(q4_k)},      {13, I8_G(Q5_K), 1, 1, 8, 24, I8PANELS(q5_k)},
+    {14, I8_G(Q6_K), 0, 1, 12, 40, I8PANELS(q6_k)},     {16, I8_G(IQ2_XXS), 0, 1, 4, 12, I8PANELS(iq2_xxs)},
+    {17, I8_G(IQ2_XS), 0, 1, 12, 16, I8PANELS(iq2_xs)}, {18, I8_G(IQ3_XXS), 0, 1, 4, 12, I8PANELS(iq3_xxs)},
+    {19, I8_G(IQ1_S), 0, 1, 4, 12, I8PANELS(iq1_s)},    {29, I8_G(IQ1_M), 0, 1, 12, 16, I8PANELS(iq1_m)},
 };
 
 static const i8type_t *find_i8type(int ggml_type) {
@@ -1920,7 +2385,10 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
  * `variant` as quantize_q8, or Q8_K), then integer dot products (see "int8 activations").
  * simd: -1 best, 0 scalar, 1 AVX2, 2 AVX512-VNNI (capped at what the CPU runs); every level gives
  * the same bits. Output columns split over `threads`. path: -1 by the row count (direct below
- * the type's direct_below rows, panels from there), 0 direct, 1 panels (the same bits; vector levels). */
+ * the type's direct_below rows, or fast_below on AVX512-VNNI, panels from there), 0 the direct
+ * path's 256-bit form, 1 panels, 2 the direct path (512-bit on AVX512-VNNI, else as 0), 3 as -1
+ * but with the 256-bit direct path and its thresholds (the kernels before the 512-bit path, for
+ * benchmarks): the same bits on every path and level. */
 static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
     Py_buffer w, x, y;
     Py_ssize_t n_out, k, m;
@@ -1959,13 +2427,16 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         xl.dxs = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         xl.corr = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         uint8_t *qbuf = malloc((size_t)qbytes + 64);
-        uint8_t *scratch = aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
-        if (!xl.q || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf || !scratch) {
+        const int auto_path = path < 0 || path == 3, d256 = path == 0 || path == 3;
+        const int below = level == 2 && path != 3 ? it->fast_below : it->direct_below;
+        const int direct = level > 0 && (auto_path ? m < below : path == 0 || path == 2);
+        const i8direct_fn dfn = !direct ? NULL : level == 2 && !d256 ? it->direct[3] : it->direct[level];
+        uint8_t *scratch = direct ? NULL : aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
+        if (!xl.q || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf || (!direct && !scratch)) {
             PyErr_NoMemory();
         } else {
-            const int direct = level > 0 && (path < 0 ? m < it->direct_below : path == 0);
             const i8job_t jb = {w.buf, it->panel[level > 0], qt->qk, qt->bytes, n_out, k, m,
-                                it->G, it->has_min, level, &xl, y.buf, direct ? it->direct[level] : NULL};
+                                it->G, it->has_min, level, &xl, y.buf, dfn};
             Py_BEGIN_ALLOW_THREADS
             for (int64_t r = 0; r < m; r++)
                 prepare_x_row((const float *)x.buf + r * k, k, it->act_q8k, variant, it->G, qbuf, &xl, r);
@@ -2180,7 +2651,7 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
     if (use_simd && __builtin_cpu_supports("avx512f")) use_simd = 2;
     use_i8 = use_simd >= 1;
     if (use_simd == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512vnni"))
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2"))
         use_i8 = 2;
 #endif
     return PyModule_Create(&module);

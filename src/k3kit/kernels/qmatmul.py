@@ -99,8 +99,12 @@ ACT_TYPE: dict[GGMLQuantizationType, GGMLQuantizationType] = {
 #            the float kernels' throughput from ~8 rows, the same as them for one row, and
 #            llama.cpp's rounding (lower KL against it).
 ARITHS = ("float", "ggml")
-# What a QuantizedMatrix made without `arith` uses (read at construction: set it before a load).
+# What a QuantizedMatrix made without `arith` uses (read at construction). Loads never rely on it:
+# LoadOptions resolves `--arith auto` (ggml on the CPU with the extension, else float) and passes it.
 DEFAULT_ARITH = "float"
+# matmul_q8's path argument for the "ggml" arithmetic: -1 chooses by the row count (the same bits on
+# every path). Benchmarks set 3 to time the 256-bit direct path that preceded the 512-bit one.
+I8_PATH = -1
 # The most bytes of dequantized weights a product beyond NATIVE_MAX_ROWS holds at once (a chunk
 # of W's rows in the compute dtype; 8 MiB measured as fast as the whole matrix, and stays in L3).
 GEMM_CHUNK_BYTES = 8 << 20
@@ -223,7 +227,7 @@ class QuantizedMatrix:
         xf = x.detach().to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         _qmatmul.matmul_q8(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), self.out_features,
-                           self.in_features, x.shape[0], -1, torch.get_num_threads())
+                           self.in_features, x.shape[0], -1, torch.get_num_threads(), 1, I8_PATH)
         return y.to(x.dtype)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,14 @@ class LoadOptions:
     expert_kernel: str = "auto"          # "native", "torch" or "auto": see expert_keep()
     trunk: str = "quantized"             # "quantized": the file's bytes; "float": dequantized to `dtype`
     expert_prefetch: str = "auto"        # "auto", "on" or "off": see expert_prefetch()
-    arith: str = "float"                 # quantized products: "float" or "ggml" (k3kit.kernels.qmatmul)
+    arith: str = "auto"                  # quantized products: "auto", "float" or "ggml" (check_arith)
+
+    def __post_init__(self) -> None:
+        # Resolved here, once, so that the model, the expert store and `--stats/--json` all see the
+        # arithmetic that runs ("float" or "ggml"), never "auto". The device string is not parsed
+        # (a bad one is reported by `devices` at load, as before).
+        if self.arith == "auto":
+            self.arith = resolve_arith(self.device)
 
     @property
     def devices(self) -> list[torch.device]:
@@ -111,16 +118,39 @@ def check_trunk(trunk: str, devices: Sequence[torch.device]) -> str:
     return trunk
 
 
-def check_arith(arith: str) -> str:
-    """`--arith`: the arithmetic of every product on quantized bytes (trunk and experts).
+ARITH_CHOICES = ("auto", *ARITHS)
 
+
+def resolve_arith(device: str = "cpu") -> str:
+    """What `--arith auto` means for a `--device` string: "ggml" when every device is the CPU
+    and the native extension is built, else "float".
+
+    llama.cpp is the compatibility reference, and ggml's arithmetic is its rounding (lower KL and
+    higher top-1 agreement against it, measured) and the faster one on the CPU. It cannot run on
+    CUDA (the quantized layer dequantizes per product there) or without the extension; a load
+    that touches a CUDA device takes "float" for all of it, so one arithmetic names the run.
+    A type with no native int8 kernel keeps its dequantize-on-use path in either arithmetic.
+    """
+    cuda = any(d.strip().startswith("cuda") for d in device.split(","))
+    return "ggml" if native_available() and not cuda else "float"
+
+
+def check_arith(arith: str, device: str = "cpu") -> str:
+    """`--arith` checked and resolved: the arithmetic of every product on quantized bytes (trunk
+    and experts), "float" or "ggml" (never "auto": the caller hands it on as is).
+
+    auto:  ggml on the CPU with the native extension, float elsewhere (resolve_arith); the default.
     float: float32 activations times the exact weight values (the float32 rounding bound of the
            float64 product; decode rows through the native kernel, many rows by dequantize + GEMM).
     ggml:  llama.cpp's own: activations rounded to Q8_0 / Q8_K blocks, integer dot products
            (each row bitwise independent of the others at any row count; closest to llama.cpp).
+           Where it cannot run (no extension, a tensor on CUDA, a type without an int8 kernel)
+           those products are float's.
     """
+    if arith == "auto":
+        return resolve_arith(device)
     if arith not in ARITHS:
-        raise K3Error(f"--arith {arith!r}: expected one of {', '.join(ARITHS)}")
+        raise K3Error(f"--arith {arith!r}: expected one of {', '.join(ARITH_CHOICES)}")
     return arith
 
 

@@ -47,6 +47,7 @@ embedding and LM head, checks that the two fit and tells the target which layers
 
 BatchedModel — several sequence states per model and one pass over rows of many of them
 (see the class); the continuous-batching server (k3kit.serve.batch) needs only this.
+SpeculativeBatchedModel adds draft-block verification inside those passes, per sequence.
 
 LoadedModel — a model file opened by `k3kit.adapters.load_model`: its `architecture`, the
 `model` object (a CausalModel and Target for a target, a Draft for a draft), the text
@@ -58,7 +59,7 @@ its ledger, memory, the file) is on the LoadedModel so that several sequences ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -118,6 +119,30 @@ class BatchedModel(Protocol):
         """The single-sequence (CausalModel / Target) state becomes an open sequence; the
         single-sequence API starts empty."""
         ...
+
+
+@runtime_checkable
+class SpeculativeBatchedModel(BatchedModel, Protocol):
+    """A BatchedModel that verifies draft blocks inside its shared passes (batched speculation).
+
+    `verify_batch(rows, verify=handles, capture=handles)` is forward_batch returning one
+    VerifyOutput per entry: an entry whose handle is in `verify` is a verify block (rows not
+    committed, every row's logits; `commit_sequence(h, n)` keeps the first n, as Target.commit),
+    the others commit and return their last row; entries in `capture` carry their rows' tap
+    features. `sequence_target(h)` is one sequence as a Target (verify/commit/cost/embed/head),
+    what a SpeculativeDecoder drives; `cost(n)` is the Target cost of a pass of n rows.
+    """
+
+    tap_layers: tuple[int, ...]
+
+    def verify_batch(self, rows: Sequence[tuple[int, Sequence[int]]], *, verify: Collection[int] = (),
+                     capture: Collection[int] = ()) -> list[VerifyOutput]: ...
+
+    def commit_sequence(self, seq: int, n: int) -> None: ...
+
+    def sequence_target(self, seq: int) -> Target: ...
+
+    def cost(self, n_rows: int) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
 """Phase 2 of `k3kit serve`: continuous batching over several sequence states of one model.
 
-One worker thread owns the model (a k3kit.runtime.protocols.BatchedModel). Up to `max_batch`
-requests hold a sequence state at once; more wait in a bounded FIFO (`max_queue`; one more is
-QueueFull -> HTTP 429). Each target pass takes the next row of every decoding sequence plus
-prefill chunks of new ones and runs them through `forward_batch`, so every routed expert the
-rows of all users need is read and multiplied once per pass. Each sequence samples from its own
-last row with its own Sampler (its own seeded generator), through its own SequenceOutput: the
-same limits, stops, text and logprobs as the serial scheduler.
+One worker thread owns the model (a k3kit.runtime.protocols.BatchedModel). Up to
+`max_sequences` requests hold a sequence state at once (K3's: MLA latents, KDA recurrent and
+conv state, with a draft its feature ring and the draft's context K/V); more wait in a bounded
+FIFO (`max_queue`; one more is QueueFull -> HTTP 429). Each target pass takes the next row of
+every decoding sequence plus prefill chunks of new ones, at most `max_batch` rows, and runs them
+through `forward_batch`, so every routed expert the rows of all users need is read and
+multiplied once per pass. Each sequence samples from its own last row with its own Sampler (its
+own seeded generator), through its own SequenceOutput: the same limits, stops, text and logprobs
+as the serial scheduler.
 
 Batch invariance: a request's output must not depend on who else is being served. Attention
 runs per sequence on its own state; what is shared is the row-wise work, and a row's result
@@ -21,13 +23,37 @@ there is independent of the other rows only while the pass holds at most the mod
 A model that guarantees nothing (`batch_invariant_rows` 0: a float trunk, float experts) is
 still batched, up to `max_batch` rows, without the guarantee.
 
-Speculative decoding (`step_factory`, the server's `--draft`): a request that arrives while
-nothing else runs or waits decodes with the SpeculativeDecoder on the model's single-sequence
-state (the draft proposes, the target verifies a width the cost model picks), as the serial
-scheduler runs it. When another request arrives, that sequence's state is handed to the batch
-(`adopt_sequence`) and it continues as a plain batched decoder: with company, passes are shared
-instead of speculated (one draft context, and a verify block per user would crowd the pass).
-Requests asking for logprobs never start speculatively. Greedy output is the same either way.
+Speculative decoding (`step_factory`, the server's `--draft`; a SpeculativeBatchedModel):
+every decoding sequence that does not ask for logprobs has its own SpeculativeDecoder over its
+own sequence (`sequence_target`), with its own feature ring and draft context. Per pass:
+  1. the plan above (one row per decoder, prompt chunks) fixes R rows; the room left under the
+     row limit is what speculation may use;
+  2. which sequences draft: `allocate_widths` with each sequence's expected acceptance (the
+     running mean of its drafts' confidences; before its first draft, the prior) and the
+     measured draft time, against the cost of the whole pass (PassTiming, below: both in
+     this machine's seconds of the moment): a draft step
+     must pay for itself in expected tokens per second of the pass, so with many users (a
+     long pass, many tokens already) fewer sequences draft, and none when it cannot pay (a
+     sequence that has not drafted for REDRAFT_AFTER passes is judged by the recent drafts of
+     all sequences instead of its own last ones);
+  3. those propose (the draft runs per sequence; it is small), and `allocate_widths` again,
+     now with the draft's confidences (scaled by how many of the proposals they foretold were
+     really accepted) and the draft cost spent, picks each block's width;
+  4. ONE `verify_batch` runs every block [anchor, proposals] (not committed: ReplaySSM) with
+     the other sequences' plain rows and prompt chunks (committed);
+  5. each decoder accepts (greedy, or lossless sampled with its own generator) and commits
+     its accepted rows (`commit_sequence`), its taps going to its ring.
+A verify block is a segment that starts at the anchor, and its rows are the floats a committed
+segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
+plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
+tokens `k3kit generate --temperature 0` picks, alone or in company (tests/serve). Sampled output
+has the target's distribution; its draws depend on whether it drafts and how wide it verifies,
+so a sampled sequence decides both from its own draft alone (`_sampled_blocks`: drafts whenever
+two rows fit, verifies what its confidence passes), never from timing, the expert cache or
+other requests' history, and a seeded request repeats when served the same way.
+"The pass's cost" is PassTiming's: the model's cost(rows) scaled, plus per verify row and per
+block terms, all fitted to the passes measured; prompt rows in a pass count like tokens, so
+speculation does not stretch a pass at the expense of others' prefill.
 
 Cancellation (a client that went away, or shutdown) is seen at the next pass: the sequence ends
 and its state is closed before its FinishEvent goes out, so a client that has its answer never
@@ -44,10 +70,13 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from k3kit.runtime.protocols import BatchedModel, LoadedModel
+from k3kit.runtime.protocols import BatchedModel, LoadedModel, SpeculativeBatchedModel, VerifyOutput
 from k3kit.runtime.sampling import Sampler
+from k3kit.runtime.speculative.proposal import Proposal
+from k3kit.runtime.speculative.schedule import Claim, allocate_widths, prefix_survival
 from k3kit.serve.scheduler import (
     Event,
     FinishEvent,
@@ -64,6 +93,46 @@ from k3kit.tokenizer.codec import TextCodec
 
 log = logging.getLogger("k3kit.serve")
 
+REDRAFT_AFTER = 8        # passes without a draft after which a sequence is judged by everyone's drafts
+
+
+class PassTiming:
+    """What a pass really costs here, learnt from the passes run: seconds ~ a * cost(rows) +
+    b * (verify rows beyond the anchors) + c * (verify blocks), a ridge regression with
+    forgetting (recent passes count most) towards a = 1, b = c = 0. The model's cost() knows the
+    machine's calibrated rates and the experts a pass reads; a sets it to the load of the moment,
+    b and c add what it does not see: a verify block's recurrence runs per sequence and row by
+    row, where single rows of many sequences step together."""
+
+    FORGET = 0.97
+    PRIOR = 4.0             # the prior weighs as much as this many passes
+
+    def __init__(self) -> None:
+        self.xtx = np.zeros((3, 3))
+        self.xty = np.zeros(3)
+        self.theta = np.array([1.0, 0.0, 0.0])
+
+    def record(self, cost: float, extra_rows: int, blocks: int, seconds: float) -> None:
+        x = np.array([cost, extra_rows * 1e-3, blocks * 1e-3])       # b, c in ms: like-sized columns
+        self.xtx = self.FORGET * self.xtx + np.outer(x, x)
+        self.xty = self.FORGET * self.xty + x * seconds
+        scale = self.PRIOR * max(cost, 1e-3) ** 2
+        prior = np.eye(3) * scale
+        theta = np.linalg.solve(self.xtx + prior, self.xty + prior @ np.array([1.0, 0.0, 0.0]))
+        self.theta = np.maximum(theta, [0.1, 0.0, 0.0])
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c) with b and c in seconds."""
+        a, b, c = (float(v) for v in self.theta)
+        return a, b * 1e-3, c * 1e-3
+
+
+def _mean(old: list[float] | None, new: list[float], weight: float) -> list[float]:
+    """A running mean of survival vectors: `weight` on the new one."""
+    if old is None:
+        return list(new)
+    return [(1 - weight) * a + weight * b for a, b in zip(old, new, strict=True)]
+
 
 class _Seq:
     """One admitted request: its stream, output, sampler, model handle and prompt progress."""
@@ -73,7 +142,10 @@ class _Seq:
         self.request = stream.request
         self.cancelled = False
         self.handle: int | None = None
-        self.spec: Any = None                     # the speculative decode step while alone
+        self.dec: Any = None                      # its SpeculativeDecoder (with --draft)
+        self.survival: list[float] | None = None  # its drafts' prefix survival so far (running mean)
+        self.undrafted = 0                        # passes since it last drafted
+        self.block_survival: list[float] | None = None   # what the last block was expected to keep
         self.prompt = list(self.request.prompt_ids)
         self.fed = 0                              # prompt rows already run
         self.sampler = Sampler(self.request.sampling)
@@ -85,6 +157,13 @@ class _Seq:
             self.finish.append(ev)
         else:
             self.stream.post(ev)
+
+    @property
+    def opened(self) -> int:
+        """Its sequence handle (it holds one from admission to retirement)."""
+        if self.handle is None:
+            raise ValueError(f"request {self.request.id} holds no sequence state")
+        return self.handle
 
     @property
     def decoding(self) -> bool:
@@ -99,25 +178,36 @@ class BatchScheduler:
 
     def __init__(self, model: BatchedModel, codec: TextCodec, *, loaded: LoadedModel | None = None,
                  max_batch: int = 256, max_queue: int = 64, prefill_chunk: int | None = None,
-                 invariant_rows: int | None = None, step_factory: StepFactory | None = None) -> None:
-        """`max_batch`: rows per pass at most, and sequences holding state at once.
+                 invariant_rows: int | None = None, step_factory: StepFactory | None = None,
+                 max_sequences: int | None = None) -> None:
+        """`max_batch`: rows per pass at most. `max_sequences`: sequences holding state at once
+        (default max_batch).
         `prefill_chunk`: prompt rows per chunk (default max_batch; never more).
         `invariant_rows`: the mixed-pass row bound (default: the model's batch_invariant_rows;
         0 = no invariance promised, passes fill up to max_batch).
-        `step_factory`: (model, sampler) -> a speculative decode step for a request served alone
-        (the model is then also driven through its single-sequence API)."""
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        `step_factory`: (target, sampler) -> a SpeculativeDecoder for one sequence (its target:
+        the model's `sequence_target(handle)`); needs a SpeculativeBatchedModel."""
+        if max_batch < 1 or max_queue < 0 or (max_sequences is not None and max_sequences < 1):
+            raise ValueError("max_batch and max_sequences must be >= 1 and max_queue >= 0")
         self.model, self.codec, self.loaded = model, codec, loaded
+        self.spec_model: SpeculativeBatchedModel | None = (
+            model if isinstance(model, SpeculativeBatchedModel) else None)
+        if step_factory is not None and self.spec_model is None:
+            log.warning("this model cannot verify draft blocks in a shared pass: serving without the draft")
+            step_factory = None
         self.step_factory = step_factory
-        self._spec: _Seq | None = None            # the one sequence decoding speculatively
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_sequences = max_sequences or max_batch
         self.prefill_chunk = min(prefill_chunk or max_batch, max_batch)
         inv = model.batch_invariant_rows if invariant_rows is None else invariant_rows
         self.limit = min(max_batch, inv) if inv > 0 else max_batch
         if inv <= 0:
             log.warning("this model promises no batch invariance: outputs may differ in the last bits "
                         "with the other requests served at the same time")
+        self._draft_s: float | None = None        # running mean of one draft step, any sequence
+        self._timing = PassTiming()               # measured pass seconds vs the model's cost()
+        self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
+        self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
         self.stop_ids = frozenset(codec.stop_ids())
         self._cv = threading.Condition()
         self._queue: deque[_Seq] = deque()
@@ -137,7 +227,7 @@ class BatchScheduler:
         with self._cv:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
-            free = len(self._active) + len(self._queue) < self.max_batch     # admitted at the next pass
+            free = len(self._active) + len(self._queue) < self.max_sequences     # admitted at the next pass
             if not free and len(self._queue) >= self.max_queue:
                 self._stats.rejected += 1
                 raise QueueFull(f"{len(self._queue)} requests are waiting already (--max-queue "
@@ -163,8 +253,7 @@ class BatchScheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            active = self.model.sequences + (self._spec is not None)
-            return replace(self._stats, active=active, queued=len(self._queue),
+            return replace(self._stats, active=self.model.sequences, queued=len(self._queue),
                            requests=dict(self._stats.requests))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -194,14 +283,14 @@ class BatchScheduler:
                     closing = list(self._active)
                 else:
                     closing = []
-                    while self._queue and len(self._active) < self.max_batch:
+                    while self._queue and len(self._active) < self.max_sequences:
                         seq = self._queue.popleft()
-                        if (self.step_factory is not None and not self._active and not self._queue
-                                and seq.request.logprobs is None):
-                            self._spec = seq           # alone: speculative on the single state
-                        else:
-                            seq.handle = self.model.open_sequence()
+                        seq.handle = self.model.open_sequence()
                         self._active.append(seq)
+                        if (self.step_factory is not None and self.spec_model is not None
+                                and seq.request.logprobs is None):
+                            target = self.spec_model.sequence_target(seq.handle)
+                            seq.dec = self.step_factory(target, seq.sampler)
             if self._closed:
                 for seq in closing:
                     seq.out.cancel("error", "the server is shutting down")
@@ -213,17 +302,9 @@ class BatchScheduler:
             self._retire(cancelled)
             entries: list[tuple[_Seq, list[int]]] = []
             try:
-                spec = self._spec
-                if spec is not None and len(self._active) > 1:
-                    self._demote(spec)
-                    spec = None
-                if spec is not None:
-                    entries = [(spec, [])]
-                    self._run_spec(spec)
-                else:
-                    entries = self._plan()
-                    if entries:
-                        self._run(entries)
+                entries = self._plan()
+                if entries:
+                    self._run(entries)
             except Exception as e:           # the server stays up; this pass's requests fail
                 log.exception("a batched pass failed")
                 for seq in [s for s, _ in entries] or list(self._active):
@@ -267,106 +348,199 @@ class BatchScheduler:
         return entries
 
     def _run(self, entries: list[tuple[_Seq, list[int]]]) -> None:
-        rows = sum(len(r) for _, r in entries)
+        """One target pass: the plan's rows, widened into verify blocks where speculation pays."""
+        blocks = self._speculate(entries)
+        rows = [(s, [*r, *blocks[s][1]] if s in blocks else r) for s, r in entries]
+        n_rows = sum(len(r) for _, r in rows)
         prompt_rows = sum(len(r) for s, r in entries if not s.decoding)
         t0 = time.perf_counter()
-        logits = self.model.forward_batch([(s.handle, r) for s, r in entries])     # type: ignore[misc]
+        batch = [(s.opened, r) for s, r in rows]
+        outs: list[VerifyOutput]
+        if self.spec_model is not None:
+            outs = self.spec_model.verify_batch(
+                batch, verify={s.opened for s, _ in entries if s.decoding and s.dec is not None},
+                capture={s.opened for s, _ in entries if s.dec is not None})
+        else:
+            logits = self.model.forward_batch(batch)
+            outs = [VerifyOutput(logits[i:i + 1], None) for i in range(len(entries))]
         dt = time.perf_counter() - t0
+        if self.spec_model is not None and self.step_factory is not None:
+            cand = [len(c) for _, c in blocks.values()]
+            self._timing.record(self.spec_model.cost(n_rows), sum(cand), sum(1 for n in cand if n), dt)
         prompts_done = 0
-        for i, (s, r) in enumerate(entries):
+        spec = [0, 0, 0, 0]                       # verifies, committed, proposed, accepted
+        for (s, r), out in zip(entries, outs, strict=True):
             if not s.decoding:
                 s.fed += len(r)
+                if s.dec is not None:
+                    if out.taps is None:
+                        raise ValueError("verify_batch returned no tap features for a captured chunk")
+                    s.dec.ring.append(out.taps)
+                    s.dec.stats.prefill_rows += len(r)
                 if not s.decoding:
                     continue                      # a middle chunk: no token yet
                 prompts_done += len(s.prompt)
-            row = logits[i]
-            s.out.push(s.sampler(row), row)
+                row = out.logits[-1]
+                s.out.push(s.sampler(row), row)
+            elif s.dec is not None:
+                props, cand = blocks.get(s, (None, []))
+                tokens = s.dec.accept(props, len(cand) + 1, out)
+                if cand and s.block_survival is not None:     # how well the confidences foretold it
+                    self._foretold = 0.98 * self._foretold + sum(s.block_survival[:len(cand)])
+                    self._accepted = 0.98 * self._accepted + s.dec.last_accepted
+                spec[0] += 1
+                spec[1] += len(tokens)
+                spec[2] += len(cand)
+                spec[3] += s.dec.last_accepted
+                for t in tokens:
+                    if s.out.push(t):
+                        break
+            else:
+                row = out.logits[-1]
+                s.out.push(s.sampler(row), row)
         with self._cv:
             st = self._stats
-            st.batch_rows, st.batch_sequences = rows, len(entries)
+            st.batch_rows, st.batch_sequences = n_rows, len(entries)
             st.prompt_tokens += prompts_done
-            pre = dt * prompt_rows / rows
+            pre = dt * prompt_rows / n_rows
             st.prefill_seconds += pre
             st.decode_seconds += dt - pre
             if prompt_rows and pre > 0:
                 st.last_prefill_tok_s = prompt_rows / pre
-            if rows > prompt_rows and dt > pre:
-                st.last_decode_tok_s = (rows - prompt_rows) / (dt - pre)
+            if n_rows > prompt_rows and dt > pre:
+                st.last_decode_tok_s = (n_rows - prompt_rows) / (dt - pre)
+            st.spec_passes += spec[0]
+            st.spec_committed += spec[1]
+            st.spec_proposed += spec[2]
+            st.spec_accepted += spec[3]
 
-    def _run_spec(self, seq: _Seq) -> None:
-        """One pass of the sequence served alone: a prompt chunk, or one speculative step."""
-        model: Any = self.model
-        t0 = time.perf_counter()
-        if seq.spec is None:                      # first pass: a fresh single-sequence state
-            model.reset()
-            assert self.step_factory is not None
-            seq.spec = self.step_factory(model, seq.sampler)
-        if not seq.decoding:
-            rows = seq.prompt[seq.fed:seq.fed + self.prefill_chunk]
-            logits = seq.spec.prefill(rows)
-            seq.fed += len(rows)
-            dt = time.perf_counter() - t0
-            with self._cv:
-                st = self._stats
-                st.batch_rows, st.batch_sequences = len(rows), 1
-                st.prefill_seconds += dt
-                st.last_prefill_tok_s = len(rows) / dt if dt > 0 else 0.0
-                if seq.decoding:
-                    st.prompt_tokens += len(seq.prompt)
-            if seq.decoding:
-                row = logits[-1]
-                seq.out.push(seq.sampler(row), row)
-            return
-        tokens = seq.spec(seq.out.last, seq.out.remaining)
-        for t in tokens:
-            if seq.out.push(t):
-                break
-        dt = time.perf_counter() - t0
-        with self._cv:
-            st = self._stats
-            st.batch_rows, st.batch_sequences = len(tokens), 1
-            st.decode_seconds += dt
-            st.last_decode_tok_s = len(tokens) / dt if dt > 0 else 0.0
+    def _calibration(self) -> float:
+        """Accepted / expected proposals so far (1 to start): a draft's confidence head may promise
+        more than the target grants (the mini drafter's by about 1.6x), and the widths should be
+        paid for with what is really accepted."""
+        return min(1.0, (self._accepted + 4.0) / (self._foretold + 4.0))
 
-    def _demote(self, seq: _Seq) -> None:
-        """Others arrived: the speculative sequence's state joins the batch as it stands."""
-        self._end_spec(seq)
-        if seq.decoding or seq.fed:
-            with self._cv:
-                seq.handle = self.model.adopt_sequence()
-                self._stats.spec_handoffs += 1
-        else:
-            with self._cv:
-                seq.handle = self.model.open_sequence()
+    def _speculate(self, entries: list[tuple[_Seq, list[int]]]) -> dict[_Seq, tuple[Proposal, list[int]]]:
+        """Steps 2-3 of the module docstring: -> the sequences that verify proposals this pass,
+        with their proposal and the proposals to verify after the anchor."""
+        spec_model = self.spec_model
+        decs = [s for s, _ in entries if s.decoding and s.dec is not None]
+        base_rows = sum(len(r) for _, r in entries)
+        room = self.limit - base_rows
+        if spec_model is None or not decs or room <= 0:
+            return {}
+        fixed = self._sampled_blocks([s for s in decs if not s.dec.sampling.greedy], room)
+        room -= sum(len(c) for _, c in fixed.values())
+        base_rows += sum(len(c) for _, c in fixed.values())
+        decs = [s for s in decs if s.dec.sampling.greedy]
+        if not decs or room <= 0:
+            return fixed
+        # a prompt row is work the pass must do as much as a token: count it, so that speculation
+        # does not slow down the prefill of others because their rows made the pass long
+        base_tokens = sum(1 if s.decoding else len(r) for s, r in entries)
+        scale, row_cost, block_cost = self._timing.coefficients()
 
-    def _end_spec(self, seq: _Seq) -> None:
-        """Stop speculating for `seq`: its decoder's figures go into the stats."""
-        if self._spec is seq:
-            self._spec = None
-        step, seq.spec = seq.spec, None
-        finish = getattr(step, "finish", None)
-        if finish is not None:
-            s = finish().summary()
-            passes = int(s.get("target_passes", 0))
-            hist = list(s.get("acceptance_histogram", []))
-            with self._cv:
-                st = self._stats
-                st.spec_passes += passes
-                st.spec_committed += round(float(s.get("committed_per_pass", 0.0)) * passes)
-                st.spec_proposed += max(int(s.get("verify_rows", 0)) - passes, 0)
-                st.spec_accepted += sum(m * int(n) for m, n in enumerate(hist))
+        def cost(n: int) -> float:
+            return scale * spec_model.cost(n)
+
+        def max_rows(s: _Seq, proposals: int) -> int:
+            return max(1, min(proposals + 1, s.out.remaining))
+
+        # 2. who drafts: the acceptance each has shown so far, its draft time
+        claims = []
+        for s in decs:
+            p = s.dec.draft.n_proposals
+            d = s.dec.draft_seconds if s.dec.draft_seconds is not None else self._draft_s
+            if not s.dec.sampling.greedy:     # no timing in a sampled sequence's choices: its seed repeats
+                d = 0.0
+            budget = s.dec.schedule.budget
+            if budget is not None:        # a fixed verify budget: draft whenever it is > 1
+                claims.append(Claim([1.0] * p, min(max_rows(s, p), budget), 0.0))
+            else:
+                surv = s.survival
+                if surv is None or s.undrafted >= REDRAFT_AFTER:
+                    surv = self._survival      # new, or not drafted for a while: what drafts get lately
+                if surv is None or len(surv) != p:     # nothing seen yet: find out
+                    surv, d = prefix_survival(s.dec.depth.rates(p)), 0.0
+                claims.append(Claim(surv, max_rows(s, p), d or 0.0))
+        widths = allocate_widths(claims, cost, base_rows, base_tokens, room, 0.0, row_cost, block_cost)
+        drafted = [s for s, w in zip(decs, widths, strict=True) if w > 1]
+        for s in decs:
+            s.undrafted = 0 if s in drafted else s.undrafted + 1
+        props: dict[_Seq, Proposal] = {}
+        for s in drafted:
+            pr = s.dec.propose(s.out.last, s.out.remaining)
+            if pr is not None and pr.tokens:
+                props[s] = pr
+                ds = s.dec.draft_seconds
+                if ds is not None:
+                    self._draft_s = ds if self._draft_s is None else 0.8 * self._draft_s + 0.2 * ds
+        if not props:
+            return fixed
+        # 3. widths from the draft's own confidences; its cost is spent
+        order = list(props)
+        claims = []
+        for s in order:
+            conf = s.dec.confidence(props[s])
+            limit = max_rows(s, len(props[s].tokens))
+            sched = s.dec.schedule
+            if sched.threshold > 0:
+                k = 0
+                while k < len(conf) and conf[k] >= sched.threshold:
+                    k += 1
+                limit = min(limit, k + 1)
+            rho = self._calibration()
+            surv = [rho * a for a in prefix_survival(conf)]
+            s.block_survival = surv
+            p = s.dec.draft.n_proposals
+            if len(surv) == p:
+                s.survival = _mean(s.survival, surv, 0.5)
+                self._survival = _mean(self._survival, surv, 0.1)
+            if sched.budget is not None:
+                claims.append(Claim([1.0] * len(conf), min(limit, sched.budget), 0.0))
+            else:
+                claims.append(Claim(surv, limit, 0.0))
+        spent = sum(s.dec.draft_seconds or 0.0 for s in order if s.dec.sampling.greedy)
+        widths = allocate_widths(claims, cost, base_rows, base_tokens, room, spent, row_cost, block_cost)
+        fixed.update({s: (props[s], props[s].tokens[:w - 1]) for s, w in zip(order, widths, strict=True)})
+        return fixed
+
+    def _sampled_blocks(self, decs: list[_Seq], room: int) -> dict[_Seq, tuple[Proposal, list[int]]]:
+        """Sampled sequences' blocks, picked from nothing but their own draft: proposing draws from
+        the sequence's generator, so whether it drafts and how wide it verifies must not depend on
+        timing, on the expert cache or on what other requests taught the allocator, or a seeded
+        request would not repeat. Each drafts whenever two rows fit and verifies the leading
+        proposals its confidence passes (`schedule.threshold`; all of them without one)."""
+        out: dict[_Seq, tuple[Proposal, list[int]]] = {}
+        for s in decs:
+            if room < 2 or s.dec.schedule.budget == 1 or s.out.remaining <= 1:
+                continue
+            pr = s.dec.propose(s.out.last, s.out.remaining)
+            if pr is None or not pr.tokens:
+                continue
+            conf = s.dec.confidence(pr)
+            k = len(pr.tokens)
+            if s.dec.schedule.threshold > 0:
+                k = 0
+                while k < len(conf) and conf[k] >= s.dec.schedule.threshold:
+                    k += 1
+            if s.dec.schedule.budget is not None:
+                k = min(k, s.dec.schedule.budget - 1)
+            k = min(k, room - 1, s.out.remaining - 1)
+            out[s] = (pr, pr.tokens[:k])
+            room -= k
+            s.block_survival = None
+        return out
 
     def _retire(self, done: list[_Seq]) -> None:
         """Free finished sequences' states, count them, then post their FinishEvents."""
         if not done:
             return
         for seq in done:
-            if self._spec is seq:
-                self._end_spec(seq)
-                try:
-                    self.model.reset()            # type: ignore[attr-defined]  # the single state
-                except Exception:
-                    log.exception("model reset failed")
+            dec, seq.dec = seq.dec, None
+            release = getattr(getattr(dec, "draft", None), "release", None)
+            if release is not None:
+                release(dec.ring)                 # the draft's context K/V for this sequence
         with self._cv:
             for seq in done:
                 if seq.handle is not None:

@@ -41,7 +41,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
-    max_batch: int = 256            # rows per target pass and sequences at once (serial: the prefill chunk)
+    max_batch: int = 256            # rows per target pass (serial: the prefill chunk)
+    max_sequences: int = 64         # sequences holding state at once (batching only)
     max_queue: int = 64
     ctx: int | None = None          # None: the model's context length
     max_body_bytes: int = DEFAULT_MAX_BODY
@@ -49,12 +50,13 @@ class ServeConfig:
 
 
 def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
-    """Continuous batching when the model holds several sequences (with a draft: speculative for a
-    request served alone, see k3kit.serve.batch); the serial worker for a model without that."""
+    """Continuous batching when the model holds several sequences (with a draft: batched speculative
+    verification, see k3kit.serve.batch); the serial worker for a model without that."""
     model = session.model
     if isinstance(model, BatchedModel):
         return BatchScheduler(model, session.codec, loaded=session.target, max_batch=config.max_batch,
-                              max_queue=config.max_queue, step_factory=step)
+                              max_queue=config.max_queue, step_factory=step,
+                              max_sequences=config.max_sequences)
     return SerialScheduler(model, session.codec, loaded=session.target, step_factory=step,
                            max_queue=config.max_queue, prefill_chunk=config.max_batch)
 
@@ -105,8 +107,8 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
     """Serve until interrupted. `load` runs on a background thread; returns the exit code."""
     import uvicorn
 
-    if config.max_queue < 0 or config.max_batch < 1:
-        raise K3Error("--max-queue must be >= 0 and --max-batch >= 1")
+    if config.max_queue < 0 or config.max_batch < 1 or config.max_sequences < 1:
+        raise K3Error("--max-queue must be >= 0, --max-batch and --max-sequences >= 1")
     mid = model_id(path)
     sock = bind(config.host, config.port)
     port = sock.getsockname()[1]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -25,9 +26,10 @@ from k3kit.layers.moe import ExpertProvider
 from k3kit.layers.norm import rms_norm
 from k3kit.layers.quantized_linear import QuantizedLinear
 
+from .activations import l2_norm
 from .attn_res import res_mix
 from .config import K3ModelConfig
-from .kda import KDA, KDARows
+from .kda import KDA, KDARows, causal_conv, delta_rule
 from .kda import commit_rows as kda_commit_rows
 from .kda import output_rows as kda_output_rows
 from .kda import project_rows as kda_project_rows
@@ -224,9 +226,35 @@ class K3Model(nn.Module):
         here, which takes each row as a matrix-vector product (`_row_product`), because torch's
         GEMM sums a row differently for 1-3 rows than for more.
         """
+        outs = self.forward_segments(segments, experts=experts)
+        return torch.cat([o.logits for o in outs])
+
+    def forward_segments(self, segments: Sequence[tuple[Tensor, K3State]], *,
+                         experts: ExpertProvider | None = None, speculative: Sequence[bool] = (),
+                         capture: Sequence[bool] = (), capture_layers: Iterable[int] = (),
+                         capture_mode: str = "raw") -> list[SegmentOutput]:
+        """forward_batch with a speculative mode per segment (batched speculative verification).
+
+        A segment with `speculative[i]` is a verify block: its rows run after its committed state
+        exactly as a committed segment of the same rows would (the same per-sequence recurrence,
+        the same row-wise products), but KDA state is left untouched and its MLA rows stay pending
+        past `state.pos` (ReplaySSM); it returns every row's logits and the `Captured` rows that
+        `commit_rows` applies for the accepted prefix. Other segments commit and return their last
+        row's logits. `capture[i]`: return the segment's tap features (the inputs of
+        `capture_layers`, concatenated, one row per row) for a draft's feature ring."""
         cfg = self.cfg
         if not segments:
             raise ValueError("no segments")
+        if capture_mode not in ("raw", "mixed"):
+            raise ValueError(f"capture_mode must be 'raw' or 'mixed', got {capture_mode!r}")
+        n_seg = len(segments)
+        spec = list(speculative) or [False] * n_seg
+        cap = list(capture) or [False] * n_seg
+        if len(spec) != n_seg or len(cap) != n_seg:
+            raise ValueError("one speculative / capture flag per segment")
+        taps = list(capture_layers) if any(cap) else []
+        if any(not 0 <= il <= cfg.num_layers for il in taps):
+            raise ValueError(f"capture layers must be in 0..{cfg.num_layers}")
         lengths = [int(ids.numel()) for ids, _ in segments]
         if min(lengths) < 1:
             raise ValueError("every segment needs at least one row")
@@ -238,21 +266,26 @@ class K3Model(nn.Module):
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
+        captured = [Captured(state.pos, n) if sp else None
+                    for (_, state), n, sp in zip(segments, lengths, spec, strict=True)]
         eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
         tokens = torch.cat([ids.reshape(-1) for ids, _ in segments])[None]     # [1, N]
         bank: list[Tensor] = []
+        tapped: dict[int, Tensor] = {}
         stream = self.embed(tokens)
 
         layers = cast("Sequence[K3Layer]", self.layers)
         for il, layer in enumerate(layers):
             mixed = res_mix(bank, stream, layer.attn_res_score, eps) if bs > 0 else stream
+            if il in taps:
+                tapped[il] = stream if capture_mode == "raw" else mixed
             banked = bs > 0 and il % bs == 0
             if banked:
                 bank.append(stream)
             h = rms_norm(mixed, layer.attn_norm, eps)
             states = [state.layers[il] for _, state in segments]
             if isinstance(layer.attn, KDA):
-                a = _kda_rows(layer.attn, h, cast("list[KDAState]", states), bounds)
+                a = _kda_rows(layer.attn, h, cast("list[KDAState]", states), bounds, spec, captured, il)
             else:
                 a = _mla_rows(layer.attn, h, cast("list[MLACache]", states), bounds)
             stream = a if banked else stream + a
@@ -262,27 +295,55 @@ class K3Model(nn.Module):
             f = _latent_moe_rows(layer.ffn, h, experts) if isinstance(layer.ffn, LatentMoE) else layer.ffn(h)
             stream = stream + f
 
-        last = torch.tensor([b - 1 for b in bounds[1:]], device=stream.device)
+        if cfg.num_layers in taps:
+            tapped[cfg.num_layers] = (stream if capture_mode == "raw" or bs <= 0
+                                      else res_mix(bank, stream, self.output_res_score, eps))
+        # the LM head's rows: every row of a verify block, the last row of any other segment
+        sel: list[int] = []
+        for i in range(n_seg):
+            sel += list(range(bounds[i], bounds[i + 1])) if spec[i] else [bounds[i + 1] - 1]
+        last = torch.tensor(sel, device=stream.device)
         final_rows = [bank_row[:, last] for bank_row in bank]
         final = (res_mix(final_rows, stream[:, last], self.output_res_score, eps) if bs > 0
                  else stream[:, last])
-        for (_, state), n in zip(segments, lengths, strict=True):
-            state.pos += n
-        return self.lm_head(rms_norm(final, self.norm, eps))[0]
-
+        logits = self.lm_head(rms_norm(final, self.norm, eps))[0]
+        outs: list[SegmentOutput] = []
+        k = 0
+        for i, ((_, state), n) in enumerate(zip(segments, lengths, strict=True)):
+            m = n if spec[i] else 1
+            feats = (torch.cat([tapped[il][0, bounds[i]:bounds[i + 1]] for il in taps], dim=-1)
+                     if cap[i] and taps else None)
+            outs.append(SegmentOutput(logits[k:k + m], feats, captured[i]))
+            k += m
+            if not spec[i]:
+                state.pos += n
+        return outs
     def commit_rows(self, state: K3State, captured: Captured, n: int) -> None:
         """Commit the first `n` rows of a speculative forward: KDA layers replay them from the
         captured inputs, MLA caches keep them by position; `state.pos` advances by n."""
         commit_rows(state, captured, n)
 
 
-def _kda_rows(kda: KDA, h: Tensor, states: list[KDAState], bounds: list[int]) -> Tensor:
+@dataclass
+class SegmentOutput:
+    """One segment of `forward_segments`."""
+
+    logits: Tensor                 # [T, vocab] (a verify block) or [1, vocab] (its last row)
+    taps: Tensor | None = None     # [T, n_taps * hidden] when captured
+    captured: Captured | None = None   # a verify block: what commit_rows applies
+
+
+def _kda_rows(kda: KDA, h: Tensor, states: list[KDAState], bounds: list[int],
+              speculative: Sequence[bool] = (), captured: Sequence[Captured | None] = (),
+              il: int = 0) -> Tensor:
     """A KDA layer over a pass's rows [1, N, hidden]: projections on all rows, then the
     recurrence per sequence; the one-row segments (decoding sequences) step together as one
-    batch of states (the same per-sequence floats as stepping alone)."""
+    batch of states (the same per-sequence floats as stepping alone). A speculative segment
+    runs the same recurrence on a copy of its state and leaves its rows in `captured[i]`."""
     conv_in, g, beta, gate = kda_project_rows(kda, h)
     n = len(states)
-    singles = [i for i in range(n) if bounds[i + 1] - bounds[i] == 1]
+    spec = list(speculative) or [False] * n
+    singles = [i for i in range(n) if bounds[i + 1] - bounds[i] == 1 and not spec[i]]
     o = torch.empty_like(gate)
     if singles:
         rows = torch.tensor([bounds[i] for i in singles], device=h.device)
@@ -293,10 +354,33 @@ def _kda_rows(kda: KDA, h: Tensor, states: list[KDAState], bounds: list[int]) ->
         for j, i in enumerate(singles):     # views of the batch: the next pass's cat copies them
             states[i].S, states[i].conv = batch.S[j:j + 1], batch.conv[j:j + 1]
     for i in range(n):
-        if bounds[i + 1] - bounds[i] > 1:
-            s = slice(bounds[i], bounds[i + 1])
+        s = slice(bounds[i], bounds[i + 1])
+        if spec[i]:
+            o[:, s], rows_i = _kda_verify_rows(kda, states[i], conv_in[:, s], g[:, s], beta[:, s])
+            cap = captured[i]
+            assert cap is not None
+            cap.kda[il] = rows_i
+        elif bounds[i + 1] - bounds[i] > 1:
             o[:, s] = kda_recur_rows(kda, states[i], conv_in[:, s], g[:, s], beta[:, s])
     return kda_output_rows(kda, o, gate)
+
+
+def _kda_verify_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta: Tensor
+                     ) -> tuple[Tensor, KDARows]:
+    """kda.recur_rows without touching `state`: the same operations (so a verify block's rows
+    are the floats a committed segment of those rows gets), plus the per-row inputs that
+    kda.commit_rows replays for the accepted prefix."""
+    cfg = kda.cfg
+    B, T = conv_in.shape[:2]
+    H, D = cfg.num_heads, cfg.kda_head_dim
+    outs = []
+    for i, w in enumerate((kda.q_conv, kda.k_conv, kda.v_conv)):
+        y, _ = causal_conv(state.conv[:, i], conv_in[:, :, i], w)
+        outs.append(F.silu(y).view(B, T, H, D))
+    q = l2_norm(outs[0], cfg.rms_norm_eps)
+    k = l2_norm(outs[1], cfg.rms_norm_eps)
+    o, S = delta_rule(state.S, q, k, outs[2], g, beta)
+    return o, KDARows(conv_in.detach(), k.detach(), outs[2].detach(), g.detach(), beta.detach(), S.detach())
 
 
 def _mla_rows(mla: MLA, h: Tensor, caches: list[MLACache], bounds: list[int]) -> Tensor:

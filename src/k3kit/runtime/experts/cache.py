@@ -14,6 +14,7 @@ Nothing here touches files (k3kit.runtime.experts.io) or knows what an expert is
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 from k3kit.kernels.qmatmul import QuantizedMatrix
+
+from .io import DIRECT_ALIGN
 
 MIB = 1 << 20
 MAX_SPARE = 4   # evicted quantized buffers kept per size for reuse (one expert's projections)
@@ -59,6 +62,8 @@ class ExpertStats:
     resident_experts: int = 0
     pinned_bytes: int = 0
     per_layer: dict[int, LayerStats] = field(default_factory=dict)
+    guesses: int = 0  # experts named by prefetch hints whose layer was then planned (read or not)
+    guesses_right: int = 0  # ... of which the plan had: the guess precision, free of read timing
 
 
 @dataclass
@@ -80,6 +85,9 @@ class ExpertCache:
         self.in_flight = 0     # bytes of background reads the store holds: they count against the budget
         self.protect: set[Key] = set()   # planned experts not fetched yet: not evicted to make room
         self._spare: dict[int, list[torch.Tensor]] = {}   # byte buffers of evicted quantized experts
+        # allocations of the buffers made for in-place O_DIRECT reads, by the buffer's address
+        # (weak: an entry lives as long as the buffer, which holds its allocation)
+        self._direct: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
     # -- the ledger -------------------------------------------------------------------------
 
@@ -106,6 +114,7 @@ class ExpertCache:
             s.dequant_seconds, s.check_seconds, s.wait_seconds, s.ahead_reads, s.prefetched,
             s.prefetch_used, s.wasted_bytes, self._resident, len(self._entries), self._pinned,
             {k: LayerStats(v.hits, v.misses, v.bytes_read) for k, v in s.per_layer.items()},
+            s.guesses, s.guesses_right,
         )
 
     def reset_stats(self) -> None:
@@ -180,17 +189,48 @@ class ExpertCache:
             self.ledger.evicted_bytes += entry.nbytes
         return self._resident + self.in_flight + extra <= self.budget
 
-    def buffer(self, n: int) -> torch.Tensor:
+    def buffer(self, n: int, misalign: int | None = None) -> torch.Tensor:
         """An n-byte tensor for a quantized miss: the bytes of an evicted expert nobody holds any
         more, else a fresh one. At steady state every miss evicts an expert of the same size, so
         misses stop paying the page faults of a fresh multi-MB allocation (measured here: the
-        fault-in of a fresh 5.8 MB buffer cost more than copying the slice into it)."""
-        spare = self._spare.get(n)
-        while spare:
-            buf = spare.pop()
+        fault-in of a fresh 5.8 MB buffer cost more than copying the slice into it).
+
+        `misalign` (an O_DIRECT read of a slice at file offset o: o % DIRECT_ALIGN): the buffer
+        then starts that many bytes into a page of its own allocation, which also holds the
+        rest of the aligned span around it, so the read lands in place (`direct_span`) instead
+        of in a scratch buffer copied from."""
+        spare = self._spare.get(n, [])
+        for i in range(len(spare) - 1, -1, -1):
+            buf = spare[i]
+            if misalign is not None and (buf.data_ptr() % DIRECT_ALIGN != misalign
+                                         or buf.data_ptr() not in self._direct):
+                continue
+            del spare[i]
             if sys.getrefcount(buf) <= 2:   # this name and the call's argument: no one else holds it
                 return buf
-        return torch.from_numpy(np.empty(n, dtype=np.uint8))   # faults in faster than torch.empty here
+        if misalign is None:
+            return torch.from_numpy(np.empty(n, dtype=np.uint8))   # faults in faster than torch.empty here
+        span = -(-(misalign + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        base = np.empty(span + DIRECT_ALIGN, dtype=np.uint8)
+        start = -base.ctypes.data % DIRECT_ALIGN + misalign
+        view = base[start:start + n]
+        self._direct[view.ctypes.data] = base
+        return torch.from_numpy(view)
+
+    def direct_span(self, out: np.ndarray) -> tuple[memoryview, int] | None:
+        """(the aligned span around `out`, `out`'s offset in it) if `out` is (the start of) a
+        buffer made by `buffer(n, misalign)`, else None. Writing the span outside `out` is safe:
+        that memory belongs to `out`'s allocation and to nothing else."""
+        ptr = out.ctypes.data
+        base = self._direct.get(ptr)
+        if base is None:
+            return None
+        head = ptr % DIRECT_ALIGN
+        lo = ptr - head - base.ctypes.data
+        span = -(-(head + out.nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+        if lo < 0 or lo + span > base.nbytes:
+            return None
+        return base.data[lo:lo + span], head
 
     def clear(self) -> None:
         """Drop every cached expert, pinned ones included (the ledger's counters stay)."""

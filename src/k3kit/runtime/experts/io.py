@@ -12,7 +12,8 @@ they share is here, once:
   steer what the kernel reads and what stays in our resident set;
 * `pread_into` copies a slice with the GIL released and maps nothing; `read_uncached` and
   `read_direct` read around the page cache (POSIX_FADV_DONTNEED, O_DIRECT) so that bytes
-  counted as read are bytes that came from storage.
+  counted as read are bytes that came from storage; `read_direct_span` is O_DIRECT into a
+  caller's aligned buffer (the device writes the bytes where they will be used: no copy).
 
 Nothing here counts bytes: the caller's ledger does (k3kit.runtime.experts.cache).
 """
@@ -166,26 +167,33 @@ class MappedFile:
     def read_direct(self, out: np.ndarray, offset: int, scratch: AlignedScratch) -> int:
         """Fill `out` through the O_DIRECT fd: aligned reads into `scratch`, then a copy.
         Returns the bytes asked of the OS (the aligned span, >= out.nbytes)."""
-        assert self.direct_fd is not None, "file opened without O_DIRECT"
         n = out.nbytes
         lo = offset // DIRECT_ALIGN * DIRECT_ALIGN
         hi = -(-(offset + n) // DIRECT_ALIGN) * DIRECT_ALIGN
         view = scratch.view(hi - lo)
-        got = 0
         try:
-            while got < offset + n - lo:
-                k = os.preadv(self.direct_fd, [view[got:]], lo + got)
-                if k <= 0:
-                    raise FormatError(f"{self.path}: unexpected end of file at byte {lo + got}")
-                got += k
-                if got % DIRECT_ALIGN:  # a short read not on a block boundary can only be EOF
-                    break
-            if got < offset + n - lo:
-                raise FormatError(f"{self.path}: unexpected end of file at byte {lo + got}")
+            got = self.read_direct_span(view, lo, offset + n - lo)
             out[:] = np.frombuffer(view, np.uint8, n, offset - lo)
             return got
         finally:
             view.release()
+
+    def read_direct_span(self, span: memoryview, lo: int, need: int) -> int:
+        """Read the file from `lo` (aligned) into `span` (an aligned buffer of aligned length)
+        through the O_DIRECT fd: the device writes straight into it, no copy. At least `need`
+        bytes must exist (the span may run past the end of the file). Returns the bytes read."""
+        assert self.direct_fd is not None, "file opened without O_DIRECT"
+        got = 0
+        while got < need:
+            k = os.preadv(self.direct_fd, [span[got:]], lo + got)
+            if k <= 0:
+                break
+            got += k
+            if got % DIRECT_ALIGN:  # a short read not on a block boundary can only be EOF
+                break
+        if got < need:
+            raise FormatError(f"{self.path}: unexpected end of file at byte {lo + got}")
+        return got
 
     def close(self) -> None:
         if self.mm is not None:

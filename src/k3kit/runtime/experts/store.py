@@ -21,7 +21,6 @@ in that order.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -43,13 +42,26 @@ from k3kit.kernels.dequant import SUPPORTED, block_size, dequantize, nbytes_for
 from k3kit.kernels.qmatmul import NATIVE_TYPES, QuantizedMatrix
 
 from .cache import MIB, ExpertCache, ExpertStats, Key, Weight
-from .io import AlignedScratch, MappedFile
+from .io import DIRECT_ALIGN, AlignedScratch, MappedFile
 
 if TYPE_CHECKING:
     from k3kit.gguf.shards import Model
 
 ByteBuffer = np.ndarray | bytes | bytearray | memoryview
+PRECISION_WARMUP = 64   # scored guesses before prefetch_precision may turn prefetch reads off
+# Guesses read only while at least this share is right. On the 52 GB random-weight K3 file the
+# next-layer guess is right 39% of the time (137 of 348) and prefetch cost 12-23% of decode speed
+# whenever the disk was not throttled (3 of 3 pairs); on the trained mini it is right 79%.
+PREFETCH_PRECISION = 0.5
 CHECK_CHUNK = 1 << 19   # bytes read, then scale-checked while still in cache (whole blocks)
+
+
+class _Stopped(Exception):
+    """A background read dropped before it finished: what it had read by then."""
+
+    def __init__(self, io_bytes: int, payload: int) -> None:
+        super().__init__(io_bytes, payload)
+        self.io_bytes, self.payload = io_bytes, payload
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,10 @@ class ExpertStore:
     cold: False (mmap, page cache does what it does), "fadvise" (pread, then
             POSIX_FADV_DONTNEED before and after each read), or "direct" (O_DIRECT
             with aligned buffers; falls back to "fadvise" where the filesystem refuses).
+            True means "direct": the device writes a quantized miss straight into the buffer
+            the cache keeps (laid out around the slice's aligned span, `ExpertCache.buffer`),
+            so a read costs no copy and no page-cache work on a CPU the products need
+            (measured on the 52 GB K3 file: see benchmarks/bench_out_of_core.py).
     madvise_random: MADV_RANDOM on the expert ranges of each mapping, so a fault does not
             read ahead into neighbouring experts nobody asked for.
     slice_readahead: on a miss, MADV_WILLNEED + MADV_POPULATE_READ on exactly the slice
@@ -119,6 +135,8 @@ class ExpertStore:
             byte column per block, well under a millisecond per K3 projection) and raise
             CorruptBlockError naming file, tensor, expert and block instead of letting a NaN
             or inf scale turn into garbage text.
+    prefetch_precision: read prefetch hints only while at least this share of them turned out
+            right (0: always; see `prefetch` and PREFETCH_PRECISION).
     read_ahead: with keep="quantized" (any read mode), `plan(layer, ids)` queues the planned
             misses and `prefetch(layer, ids)` the experts a later layer will probably want;
             `read_threads` background threads read them (pread; fadvise or O_DIRECT when cold)
@@ -144,9 +162,10 @@ class ExpertStore:
         read_ahead_mib: float = 512,
         read_threads: int = 4,
         arith: str = "",
+        prefetch_precision: float = PREFETCH_PRECISION,
     ) -> None:
         if cold is True:
-            cold = "fadvise"
+            cold = "direct"
         if cold not in (False, "fadvise", "direct"):
             raise ValueError(f"cold must be False, 'fadvise' or 'direct', not {cold!r}")
         if cache_mib < 0:
@@ -170,11 +189,14 @@ class ExpertStore:
         self.check_scales = check_scales
         self.read_ahead_bytes = int(read_ahead_mib * MIB)
         self.read_threads = max(1, int(read_threads))
+        self.prefetch_precision = float(prefetch_precision)
+        self._guess: dict[int, set[int]] = {}     # the last prefetch hint per layer, until it is planned
         # background reads: wanted (not yet submitted, planned ones first), submitted, and
         # dropped ones still running (their bytes stay reserved until they finish)
         self._queue: list[Key] = []
         self._pending: dict[Key, Future] = {}
         self._orphans: list[tuple[Key, Future]] = []
+        self._stops: dict[Key, threading.Event] = {}   # set: a dropped read stops at its next slice
         self._planned: set[Key] = set()       # the current plan's experts
         self._predicted: set[Key] = set()     # experts queued or read because of prefetch()
         self._executor: ThreadPoolExecutor | None = None
@@ -337,6 +359,10 @@ class ExpertStore:
         if not self._reads_ahead(layer):
             return
         keys = [(layer, int(e)) for e in expert_ids]
+        guess = self._guess.pop(layer, None)
+        if guess is not None:
+            self._cache.ledger.guesses += len(guess)
+            self._cache.ledger.guesses_right += len(guess & {e for _, e in keys})
         self._planned = set(keys)
         self._cache.protect = set(keys)
         for key in [k for k in self._pending if k not in self._planned]:
@@ -350,8 +376,18 @@ class ExpertStore:
         queued behind the current plan's misses, so the readers keep the storage busy while
         the caller finishes this layer and computes up to that one. A wrong guess costs the
         read (`wasted_bytes`) and never changes a result: weights are only ever taken from
-        `get`, and an expert is admitted to the cache only when fetched."""
+        `get`, and an expert is admitted to the cache only when fetched.
+
+        Every hint is scored against the plan that follows (`guesses`, `guesses_right`), read or
+        not; with `prefetch_precision` > 0, hints are only read while the share of right guesses
+        so far (after PRECISION_WARMUP) is at least that: a wrong guess costs storage time, which
+        a run already limited by its storage pays for in demand reads (module benchmarks)."""
         if not self._reads_ahead(layer):
+            return
+        self._guess[layer] = {int(e) for e in expert_ids}
+        ledger = self._cache.ledger
+        if (self.prefetch_precision > 0 and ledger.guesses >= PRECISION_WARMUP
+                and ledger.guesses_right < self.prefetch_precision * ledger.guesses):
             return
         for e in expert_ids:
             key = (layer, int(e))
@@ -384,18 +420,22 @@ class ExpertStore:
                                           or not self._cache.evict(extra=n)):
                 return
             self._queue.pop(0)
-            buffers = [self._cache.buffer(t.expert_nbytes) for t in self.layers[key[0]]]
+            buffers = [self._buffer(t, key[1]) for t in self.layers[key[0]]]
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.read_threads,
                                                     thread_name_prefix="k3kit-experts")
             self._cache.in_flight += n
-            self._pending[key] = self._executor.submit(self._read_expert, key[0], key[1], buffers)
+            stop = self._stops[key] = threading.Event()
+            self._pending[key] = self._executor.submit(self._read_expert, key[0], key[1], buffers, stop)
             if key in self._predicted:
                 self._cache.ledger.prefetched += 1
 
     def _drop(self, key: Key) -> None:
         """Forget a submitted read nobody will use: cancelled if not started, else left to finish."""
         fut = self._pending.pop(key)
+        stop = self._stops.pop(key, None)
+        if stop is not None:
+            stop.set()          # a wrong guess started: it gives the reader back after one slice
         if fut.cancel():
             self._cache.in_flight -= self.expert_nbytes(key[0])
             if key in self._predicted:
@@ -413,23 +453,32 @@ class ExpertStore:
                 continue
             n = self.expert_nbytes(key[0])
             self._cache.in_flight -= n
-            with contextlib.suppress(Exception):      # nobody wanted it: its errors neither
+            try:
                 *_, io_bytes = fut.result()
-                self._cache.ledger.io_bytes += io_bytes
-                self._cache.ledger.wasted_bytes += n
+                payload = n
+            except _Stopped as stopped:
+                io_bytes, payload = stopped.io_bytes, stopped.payload
+            except Exception:           # nobody wanted it: its errors neither
+                continue
+            self._cache.ledger.io_bytes += io_bytes
+            self._cache.ledger.wasted_bytes += payload
         self._orphans = keep
 
-    def _read_expert(self, layer: int, e: int,
-                     buffers: list[torch.Tensor]) -> tuple[tuple[Weight, ...], float, float, int]:
+    def _read_expert(self, layer: int, e: int, buffers: list[torch.Tensor],
+                     stop: threading.Event) -> tuple[tuple[Weight, ...], float, float, int]:
         """Background thread: read one expert's slices into `buffers` and check their scales.
         Touches no shared state (the ledger is updated by whoever collects it, and a changed,
         truncated or corrupt file raises there, on the caller's thread). Returns (weights,
-        read seconds, check seconds, bytes asked of the OS)."""
+        read seconds, check seconds, bytes asked of the OS). A read dropped while running
+        (`stop` set) ends before its next projection: a wrong guess holds a reader (and the
+        storage) for one slice, not for a whole expert, once the real plan's misses queue."""
         t0 = time.perf_counter()
-        out = []
+        out: list[QuantizedMatrix] = []
         check = 0.0
         io_bytes = 0
         for t, buf in zip(self.layers[layer], buffers, strict=True):
+            if stop.is_set():       # dropped (a guess the plan did not confirm): stop reading it
+                raise _Stopped(io_bytes, sum(x.raw.nbytes for x in out))
             n, c = self._read_slice(layer, e, t, buf.numpy(), background=True)
             io_bytes += n
             check += c
@@ -470,6 +519,7 @@ class ExpertStore:
         self._planned = set()
         self._predicted = set()
         self._cache.protect = set()
+        self._guess = {}
 
     def _fetch(self, layer: int, e: int) -> tuple[Weight, ...]:
         key = (layer, e)
@@ -481,6 +531,7 @@ class ExpertStore:
             return cached
         self._cache.record_miss(layer)
         fut = self._pending.pop(key, None)
+        self._stops.pop(key, None)
         if fut is not None:
             out = self._collect(key, fut)
         else:
@@ -501,7 +552,7 @@ class ExpertStore:
             n = t.expert_nbytes
             t0 = time.perf_counter()
             if self._kept_quantized(t):     # read straight into the buffer the cache will hold
-                q = self._quantized(t, self._cache.buffer(n))
+                q = self._quantized(t, self._buffer(t, e))
                 io_bytes, check = self._read_slice(layer, e, t, q.raw.numpy())
                 t1 = time.perf_counter()
                 tensors.append(q)
@@ -564,12 +615,24 @@ class ExpertStore:
             out[:] = t.buffer().reshape(-1)[offset : offset + out.nbytes]
             return out.nbytes
         if f.direct_fd is not None:
+            placed = self._cache.direct_span(out)
+            if placed is not None and placed[1] == offset % DIRECT_ALIGN:
+                span, head = placed
+                return f.read_direct_span(span, offset - head, head + out.nbytes)
             return f.read_direct(out, offset, self._thread_scratch() if background else self._direct)
         if f.mm is not None and not background:
             out[:] = f.view(offset, out.nbytes)
         else:
             f.pread_into(out, offset)
         return out.nbytes
+
+    def _buffer(self, t: ExpertTensor, e: int) -> torch.Tensor:
+        """A cache buffer for expert e's slice of t; for an O_DIRECT file one laid out so that the
+        read lands in it in place (`ExpertCache.buffer`): no scratch buffer, no second copy."""
+        f = self._files.get(t.path) if t.path is not None else None
+        if f is None or f.direct_fd is None:
+            return self._cache.buffer(t.expert_nbytes)
+        return self._cache.buffer(t.expert_nbytes, (t.offset + e * t.expert_nbytes) % DIRECT_ALIGN)
 
     def _check(self, layer: int, e: int, t: ExpertTensor, raw: np.ndarray, first_block: int = 0) -> float:
         """Raise CorruptBlockError if a block of `raw` (expert e's slice of t from block

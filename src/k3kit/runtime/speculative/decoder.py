@@ -9,6 +9,9 @@ Invariant between calls: the target has committed every output token except the 
 (the anchor); the feature ring holds exactly the committed positions; the anchor sits at
 position == target.position. One call = one draft step + one target verify of
 [anchor, proposals[:n-1]], then commit(accepted + 1) and append those rows' tap features.
+`step` is `propose` (the draft half), `width` (the cost model) and `accept` (the target half,
+given the verify's output): a batching server (k3kit.serve.batch) calls the halves itself, so
+that one target pass verifies the blocks of many sequences, each with its own decoder.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import Tensor
 from k3kit.runtime.protocols import Draft, Target, VerifyOutput
 from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.feature_ring import FeatureRing
-from k3kit.runtime.speculative.proposal import propose
+from k3kit.runtime.speculative.proposal import Proposal, propose
 from k3kit.runtime.speculative.sampling import Sampling, probs
 from k3kit.runtime.speculative.schedule import DepthAcceptance, ScheduleConfig, choose_width
 
@@ -102,6 +105,8 @@ class SpeculativeDecoder:
         self.stats = DecodeStats(acceptance_histogram=[0] * (draft.n_proposals + 1))
         self.depth = DepthAcceptance()
         self.draft_seconds: float | None = None    # running mean of a draft step's wall time
+        self.last_accepted = 0                     # proposals the last accept() kept
+        self._synced = 0                           # ring length at the last draft step
         if ring is None:
             ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
         if ring.length != target.position:
@@ -117,25 +122,48 @@ class SpeculativeDecoder:
         self.stats.prefill_rows += len(part)
         return out.logits[-1:]
 
-    def step(self, anchor: int, remaining: int) -> list[int]:
-        target, draft, st = self.target, self.draft, self.stats
-        if self.schedule.budget == 1 or remaining <= 1:      # nothing to propose: skip the draft
-            props, width = None, 1
-        else:
-            t0 = time.perf_counter()
-            draft.sync(self.ring)
-            props = propose(draft, anchor, target.position, self.sampling, self.gen)
-            dt = time.perf_counter() - t0
-            self.draft_seconds = dt if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * dt
-            st.draft_steps += 1
-            conf = (props.confidence.tolist() if props.confidence is not None
-                    else self.depth.rates(len(props.tokens)))
-            sched = self.schedule
-            if sched.draft_cost is None:      # the draft's own measured time, when cost() is seconds
-                sched = replace(sched, draft_cost=self.draft_seconds)
-            width = choose_width(conf, target.cost, min(len(props.tokens) + 1, remaining), sched)
+    def propose(self, anchor: int, remaining: int) -> Proposal | None:
+        """The draft half of a step: sync the draft to the ring and propose a block after
+        `anchor` (None when there is nothing to propose: a fixed budget of 1 row, or one token
+        left). Times the draft step (`draft_seconds`, a running mean)."""
+        if self.schedule.budget == 1 or remaining <= 1:
+            return None
+        t0 = time.perf_counter()
+        self.draft.sync(self.ring)
+        t1 = time.perf_counter()
+        props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen)
+        dt = time.perf_counter() - t1
+        if self.ring.length - self._synced <= self.draft.n_proposals + 1:
+            dt += t1 - t0        # a step's own sync; a prompt's context is a one-off, not a step's cost
+        self._synced = self.ring.length
+        self.draft_seconds = dt if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * dt
+        self.stats.draft_steps += 1
+        return props
+
+    def confidence(self, props: Proposal) -> list[float]:
+        """Per-proposal acceptance chances: the draft's confidence head, else the rates seen so far."""
+        if props.confidence is not None:
+            return [float(c) for c in props.confidence.tolist()]
+        return self.depth.rates(len(props.tokens))
+
+    def width(self, props: Proposal | None, remaining: int) -> int:
+        """This sequence's own verify width (alone in its pass): the cost model's choice."""
+        if props is None:
+            return 1
+        sched = self.schedule
+        if sched.draft_cost is None:      # the draft's own measured time, when cost() is seconds
+            sched = replace(sched, draft_cost=self.draft_seconds)
+        return choose_width(self.confidence(props), self.target.cost, min(len(props.tokens) + 1, remaining),
+                            sched)
+
+    def accept(self, props: Proposal | None, width: int, v: VerifyOutput) -> list[int]:
+        """The target half of a step: `v` verified [anchor, props.tokens[:width-1]] (capture on);
+        accept (greedy or lossless sampled), commit the accepted rows and ring their taps.
+        -> the committed tokens; `last_accepted` is how many proposals survived."""
+        target, st = self.target, self.stats
         cand = props.tokens[: width - 1] if props else []
-        v = target.verify([anchor, *cand], capture=True)
+        if v.logits.shape[0] != len(cand) + 1:
+            raise ValueError(f"verify returned {v.logits.shape[0]} rows for a block of {len(cand) + 1}")
         if self.sampling.greedy:
             m, nxt = accept_greedy(cand, v.logits)
         else:
@@ -161,7 +189,15 @@ class SpeculativeDecoder:
         st.acceptance_histogram[m] += 1
         if cand:
             self.depth.record(len(cand), m)
+        self.last_accepted = m
         return new
+
+    def step(self, anchor: int, remaining: int) -> list[int]:
+        """One pass alone: propose, pick the width, verify [anchor, proposals], accept."""
+        props = self.propose(anchor, remaining)
+        width = self.width(props, remaining)
+        cand = props.tokens[: width - 1] if props else []
+        return self.accept(props, width, self.target.verify([anchor, *cand], capture=True))
 
     __call__ = step
 

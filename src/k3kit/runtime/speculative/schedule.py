@@ -189,3 +189,65 @@ def verify_seconds(n_rows: int, *, layers: int, trunk_params: int, trunk_bytes: 
         dequant = m.elements / rates.dequant_elems_s if m.dequant_on_miss else 0.0
         t += misses * (dequant + m.file_bytes / read_bw + (rates.cold_read_s if cold else 0.0))
     return t
+
+
+@dataclass
+class Claim:
+    """One speculating sequence as the batch allocator sees it."""
+
+    survival: Sequence[float]     # prefix survival a_k of its proposals (prefix_survival)
+    max_rows: int                 # widest block it may verify (proposals + 1, tokens left, threshold)
+    draft_cost: float = 0.0       # what drafting it first costs (0: already drafted)
+
+
+def allocate_widths(claims: Sequence[Claim], cost: Callable[[int], float], base_rows: int,
+                    base_tokens: float, room: int, spent: float = 0.0, row_cost: float = 0.0,
+                    block_cost: float = 0.0) -> list[int]:
+    """Verify widths (each >= 1) for sequences sharing one target pass.
+
+    The pass already holds `base_rows` rows (every decoder's anchor row, prompt chunks) that
+    commit `base_tokens` tokens; at most `room` more rows fit. Widening sequence i from w to k
+    adds sum(a_i[w-1:k-1]) expected tokens and costs cost(R + k - w) - cost(R), plus its draft
+    step if it was at width 1 and not drafted yet. Greedy marginal allocation: take the widening
+    with the best tokens per second while it raises the pass's tokens per second (E / T). With
+    many users the pass is long and the marginal row is cheap relative to it, but E is large
+    too, so a sequence must offer a likely token to earn a row; the expected gain must pay for
+    the draft step, or the sequence is not drafted at all (width 1). `spent`: time the pass's
+    step has taken already (draft steps run before it): the rate counts it, which favours
+    wider blocks once the drafts are paid for, as choose_width does for one sequence.
+    `row_cost` / `block_cost`: what a verify row beyond the anchor / a verify block of more than
+    one row costs on top of cost() (a block's recurrence runs per sequence, row by row, where
+    single rows of many sequences step together)."""
+    memo: dict[int, float] = {}
+
+    def c(n: int) -> float:
+        if n not in memo:
+            memo[n] = cost(n)
+        return memo[n]
+
+    widths = [1] * len(claims)
+    rows, tokens = base_rows, float(base_tokens)
+    spent += c(max(rows, 1))
+    while room > 0:
+        best: tuple[float, int, int, float, float] | None = None      # (ratio, i, k, dE, dT)
+        for i, cl in enumerate(claims):
+            w = widths[i]
+            draft = cl.draft_cost if w == 1 else 0.0
+            gain = 0.0
+            for k in range(w + 1, min(cl.max_rows, w + room) + 1):
+                gain += float(cl.survival[k - 2])
+                dt = c(rows + k - w) - c(rows) + draft + row_cost * (k - w) + (block_cost if w == 1 else 0.0)
+                ratio = gain / dt if dt > 0 else float("inf")
+                if best is None or ratio > best[0]:
+                    best = (ratio, i, k, gain, dt)
+        if best is None:
+            break
+        _, i, k, gain, dt = best
+        if not (tokens + gain) * spent > tokens * (spent + dt) * (1 + 1e-12):      # E/T would not rise
+            break
+        room -= k - widths[i]
+        rows += k - widths[i]
+        widths[i] = k
+        tokens += gain
+        spent += dt
+    return widths
