@@ -19,6 +19,8 @@ k3kit configurations (`--configs`, comma list of MODE:DTYPE:CACHE_MIB):
   ggml:f32:4096   the int8-activation mode (ggml's arithmetic), every expert cached;
   ggml-d256:f32:4096  the same with the int8 kernels' 256-bit direct path (the one before the
                   512-bit path) for few rows: the same bits, the previous speed;
+  ggml-trim:f32:4096  the same with glibc's default heap trimming (generate() no longer has it:
+                  qmatmul.keep_freed_heap), which page-faults each token's transients in afresh;
   ggml:f32:128    the same through a 128 MiB expert cache (most experts re-read per token);
   float:bf16:4096 float32-activation kernels, bf16 compute (dequantize + bf16 GEMM for many rows).
 always `--trunk quantized`, native expert kernels. llama.cpp: llama-cpp-python, F32 KV cache, its
@@ -107,6 +109,8 @@ def child_k3(path: str, threads: int, n_prompt: int, n_gen: int, mode: str, dtyp
     torch.set_num_threads(threads)
     if mode == "ggml-d256":            # the int8 kernels before the 512-bit direct path (same bits)
         mode, qmatmul.I8_PATH = "ggml", 3
+    if mode == "ggml-trim":            # glibc's default heap trimming (before keep_freed_heap)
+        mode, qmatmul._heap_kept = "ggml", False
     qmatmul.DEFAULT_ARITH = mode       # every QuantizedMatrix made from here on (trunk and experts)
     prompt = prompt_tokens(n_prompt)
     options = LoadOptions(dtype=DTYPES[dtype], expert_cache_mib=cache, expert_kernel="native",

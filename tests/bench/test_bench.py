@@ -345,3 +345,28 @@ def test_llama_cpp_rows_side_by_side(capsys):
     # the same greedy continuation on both engines (the interop suite holds them to it)
     k3 = res["outputs"]["token_ids"][0]
     assert [t[:3] for t in k3] == [t[:3] for t in res["outputs"]["llama_cpp_token_ids"][0]]
+
+
+@pytest.mark.interop
+def test_concurrency_rounds_against_llama_server(tmp_path, capsys, monkeypatch):
+    """--concurrency with --llama-cpp drives llama-server (here a fake one: building the real one
+    takes half an hour) with the same clients and prompts, one slot per client of the largest round."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("fastapi")
+    from test_serve_bench import _fake_llama_server
+    exe, flags = _fake_llama_server(tmp_path, fail=False)
+    monkeypatch.setenv("K3KIT_LLAMA_SERVER", str(exe))
+    out = tmp_path / "out"
+    rc, _, err = bench(capsys, *FAST, "-r", "1", "--concurrency", "1,2", "--llama-cpp", "--out", str(out))
+    assert rc == 0, err
+    argv = json.loads(flags.read_text())
+    assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("-t") + 1] == "1"
+    res = json.loads((out / "results.json").read_text())
+    peer = [r for r in res["rows"] if r["engine"] == "llama-server"]
+    ours = [r for r in res["rows"] if r["engine"] == "k3kit serve"]
+    assert [r["n_clients"] for r in peer] == [r["n_clients"] for r in ours] == [1, 2]
+    assert [r["completion_tokens"] for r in peer] == [N, 2 * N]      # the fake always gives max_tokens
+    report_md = (out / "report.md").read_text()
+    for r in ours:
+        ratio = r["avg_ts"] / next(p["avg_ts"] for p in peer if p["n_clients"] == r["n_clients"])
+        assert f"| k3kit serve | {r['n_clients']} |" in report_md and f"{ratio:.2f}x" in report_md

@@ -194,3 +194,38 @@ def test_allocate_more_users_less_speculation():
         assert sum(widths) - users <= 64 - users
         extra.append((sum(widths) - users) / users)
     assert extra == sorted(extra, reverse=True) and extra[0] > 0 and extra[-1] == 0
+
+
+def test_draft_guard_stops_drafting_where_drafted_passes_realized_less():
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    g = DraftGuard(samples=2, probe_every=5, max_interval=20)
+    assert g.allow(8) and g.verdict(8) is None              # nothing known: the allocator decides
+    for _ in range(2):
+        g.record(8, True, 8, 2.0)                           # drafted: 4 tokens/s
+    assert not g.allow(8)                                   # now measure the undrafted side
+    for _ in range(2):
+        g.record(8, False, 8, 1.0)                          # undrafted: 8 tokens/s
+    assert g.verdict(8) is False and g.verdict(12) is False  # larger counts inherit it
+    seen = [g.allow(8) for _ in range(60)]                  # its questions 3..62 at 8
+    # probes only, ever rarer while the verdict stands: after 5, 10, 20, then every 20 questions
+    assert [i + 3 for i, a in enumerate(seen) if a] == [8, 18, 38, 58]
+    assert g.allow(12) is False                             # starts undrafted where fewer users lost
+    assert g.verdict(4) is None and g.allow(4)              # fewer users: still the allocator's call
+    for _ in range(8):                                      # probes that now pay turn the verdict over
+        g.record(8, True, 8, 0.5)
+    assert g.verdict(8) is True
+    seen = [g.allow(8) for _ in range(10)]
+    assert seen.count(False) == 1 and not seen[5]          # an undrafted recheck, 5 questions on
+
+
+def test_draft_guard_keeps_drafting_where_it_pays():
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    g = DraftGuard(samples=3, probe_every=10)
+    for drafted, seconds in [(True, 1.0)] * 3 + [(False, 2.0)] * 3:
+        g.record(2, drafted, 6, seconds)
+    assert g.verdict(2) is True and g.verdict(3) is True
+    assert [g.allow(2) for _ in range(31)].count(False) == 2       # rechecks at questions 11 and 31
+    with pytest.raises(ValueError):
+        DraftGuard(samples=0)

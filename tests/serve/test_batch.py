@@ -61,9 +61,6 @@ class ToyBatched:
     def close_sequence(self, seq: int) -> None:
         self.states.pop(seq, None)
 
-    def adopt_sequence(self) -> int:
-        raise AssertionError("no single-sequence state here")
-
     def forward_batch(self, rows):
         assert self.gate.wait(10)
         self.passes.append([(h, len(ids)) for h, ids in rows])
@@ -447,3 +444,65 @@ def test_batched_speculation_cancel_frees_everything(spec_session):
     finally:
         sp.close()
     assert model.sequences == 0 and draft.contexts == 0
+
+
+def _guarded_run(spec_session, monkeypatch, draft_s):
+    """4 greedy requests on the mini with a fixed verify budget, timed by a fake clock: every target
+    pass takes 10 ms, every draft step `draft_s`. -> (outputs, [drafted?] for each pass of 4
+    decoders)."""
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    model, codec = spec_session.model, spec_session.codec
+    now, drafted, passes = [0.0], [False], []
+    verify = model.verify_batch
+
+    def timed_verify(batch, verify=None, capture=None):
+        now[0] += 0.01
+        if verify and len(verify) == 4:
+            passes.append(drafted[0])
+        drafted[0] = False
+        return verify_fn(batch, verify=verify, capture=capture)
+    verify_fn = verify
+    monkeypatch.setattr(model, "verify_batch", timed_verify)
+
+    def build(target, sampler):
+        dec = SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
+                                 schedule=ScheduleConfig(budget=4, draft_cost=None),
+                                 stop_ids=codec.stop_ids())
+        propose = dec.propose
+
+        def slow_propose(anchor, remaining):
+            now[0] += draft_s
+            drafted[0] = True
+            out = propose(anchor, remaining)
+            dec.draft_seconds = draft_s                 # what the step took, by the test's clock
+            return out
+        dec.propose = slow_propose
+        return dec
+
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=build, clock=lambda: now[0])
+    reqs = [request(codec.encode("def add(a, b):"), max_tokens=48) for _ in range(4)]
+    try:
+        got = _run(sp, reqs, [0] * 4)
+    finally:
+        sp.close()
+    return [g[0] for g in got], passes
+
+
+def test_batched_speculation_stops_drafting_where_drafted_passes_realize_less(spec_session, monkeypatch):
+    """The guard judges drafting by the tokens per second passes really realized (the clock is the
+    test's): with draft steps far slower than a pass, the 4 sequences stop drafting after a few
+    measured passes each way (then only a rare probe drafts); with free draft steps they keep
+    drafting. Greedy output is the AR output either way."""
+    model, codec = spec_session.model, spec_session.codec
+    ar = BatchScheduler(model, codec, max_batch=64, max_queue=16)
+    try:
+        ref = _run(ar, [request(codec.encode("def add(a, b):"), max_tokens=48)], [0])[0][0]
+    finally:
+        ar.close()
+    slow, slow_passes = _guarded_run(spec_session, monkeypatch, draft_s=1.0)
+    fast, fast_passes = _guarded_run(spec_session, monkeypatch, draft_s=0.0)
+    assert slow == [ref] * 4 and fast == [ref] * 4
+    assert len(slow_passes) >= 20 and sum(slow_passes[:6]) >= 3      # it did try drafting first
+    assert sum(slow_passes[6:]) <= 1 + len(slow_passes) // 24          # then probes only
+    assert len(fast_passes) >= 8 and sum(fast_passes) >= 0.8 * len(fast_passes) - 1

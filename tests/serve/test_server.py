@@ -227,7 +227,6 @@ def test_draft_server_batches_concurrent_requests(world):
     assert got == [text, chat_text, text]
     assert ("".join(pieces) + rest).startswith(text)          # the first N tokens of a longer run
     after = wait_idle(s.url, KEY)
-    assert after["k3kit_speculative_handoffs_total"] == before["k3kit_speculative_handoffs_total"]
     assert after["k3kit_speculative_passes_total"] > before["k3kit_speculative_passes_total"]
     assert after["k3kit_speculative_proposals_total"] > before["k3kit_speculative_proposals_total"]
     assert after["k3kit_speculative_committed_per_pass"] > 1

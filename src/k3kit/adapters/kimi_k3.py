@@ -312,19 +312,6 @@ class K3Adapter:
     def sequences(self) -> int:
         return len(self._seqs)
 
-    def adopt_sequence(self) -> int:
-        """The single-sequence state (forward/verify/commit's) becomes an open sequence, as it
-        stands; the single-sequence API starts over empty. A server hands a request that began
-        speculatively (alone) over to batched passes this way when others arrive. Any pending
-        verify is dropped first (its rows were never committed)."""
-        for c in self.state.mla_caches():
-            c.truncate(self.state.pos)
-        sid = self._next_seq
-        self._next_seq += 1
-        self._seqs[sid] = self.state
-        self.reset()
-        return sid
-
     def sequence_position(self, seq: int) -> int:
         return self._state_of(seq).pos
 

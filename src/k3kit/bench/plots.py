@@ -46,7 +46,7 @@ def plot_all(res: dict[str, Any], out: Path) -> list[Path]:
     blocks = {r["settings"]["block_size"] for r in tg if "committed_per_pass" in r}
     if len(blocks) > 1 and None not in blocks:
         made.append(_acceptance(tg, out / "acceptance_vs_block.png"))
-    conc = [r for r in res["rows"] if r["engine"] == "k3kit serve"]
+    conc = [r for r in res["rows"] if r["engine"] in ("k3kit serve", "llama-server")]
     if conc:
         made.append(_concurrency(conc, out / "concurrency.png"))
     return made
@@ -145,16 +145,21 @@ def _acceptance(tg: list[dict[str, Any]], path: Path) -> Path:
 def _concurrency(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    x = [r["n_clients"] for r in rows]
-    ax.errorbar(x, [r["avg_ts"] for r in rows], yerr=[r["stddev_ts"] for r in rows], fmt="o-", capsize=3,
-                label="aggregate tok/s")
-    ax.set_xlabel("concurrent clients")
-    ax.set_xticks(sorted(set(x)))
-    ax.set_ylabel("aggregate tok/s")
     ax2 = ax.twinx()
-    ax2.plot(x, [r["ttft_ms_avg"] for r in rows], "s--", color="tab:red", label="mean TTFT")
+    for engine, color in (("k3kit serve", "tab:blue"), ("llama-server", "tab:gray")):
+        rs = [r for r in rows if r["engine"] == engine]
+        if not rs:
+            continue
+        x = [r["n_clients"] for r in rs]
+        ax.errorbar(x, [r["avg_ts"] for r in rs], yerr=[r["stddev_ts"] for r in rs], fmt="o-", capsize=3,
+                    color=color, label=f"{engine}: aggregate tok/s")
+        ax2.plot(x, [r["ttft_ms_avg"] for r in rs], "s--", color=color, alpha=0.6,
+                 label=f"{engine}: mean TTFT")
+    ax.set_xlabel("concurrent clients")
+    ax.set_xticks(sorted({r["n_clients"] for r in rows}))
+    ax.set_ylabel("aggregate tok/s")
     ax2.set_ylabel("TTFT (ms)")
-    ax.set_title("k3kit serve under concurrent clients")
+    ax.set_title("serving under concurrent clients")
     ax.legend(loc="upper left", fontsize=8)
     ax2.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)

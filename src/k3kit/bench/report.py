@@ -137,7 +137,11 @@ def probe_rows(results: Sequence[ConfigResult], workload: str) -> list[dict[str,
     return out
 
 
-def concurrency_rows(rounds: Sequence[Round], common: dict[str, Any], n_gen: int) -> list[dict[str, Any]]:
+SERVER_ENGINES = ("k3kit serve", "llama-server")     # rows of --concurrency rounds over HTTP
+
+
+def concurrency_rows(rounds: Sequence[Round], common: dict[str, Any], n_gen: int,
+                     engine: str = "k3kit serve") -> list[dict[str, Any]]:
     rows = []
     for n in dict.fromkeys(r.clients for r in rounds):
         rs = [r for r in rounds if r.clients == n]
@@ -145,7 +149,7 @@ def concurrency_rows(rounds: Sequence[Round], common: dict[str, Any], n_gen: int
         ttft = [c.ttft_s * 1e3 for r in rs for c in r.results]
         avg, sd = mean_std(ts)
         t_avg, t_sd = mean_std(ttft)
-        rows.append(common | {"engine": "k3kit serve", "test": f"tg{n_gen} x{n}", "n_clients": n,
+        rows.append(common | {"engine": engine, "test": f"tg{n_gen} x{n}", "n_clients": n,
                               "n_prompt": 0, "n_gen": n_gen, "avg_ts": avg, "stddev_ts": sd, "samples_ts": ts,
                               "samples_ns": [int(round(r.wall_s * 1e9)) for r in rs],
                               "completion_tokens": sum(r.tokens for r in rs),
@@ -187,7 +191,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for r in rows:
-        if r["engine"] == "k3kit serve":
+        if r["engine"] in SERVER_ENGINES:
             continue
         cells = [r["engine"], r["config"], str(r["n_threads"]), r["test"],
                  f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
@@ -210,14 +214,18 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{p['decode_tok_s']:.2f} | {p['verify_rows']} | {p['draft_steps']} | "
                          f"{p['avg_commit_per_step']:.2f} | "
                          f"{_size(p['storage_payload_bytes'])} |")
-    conc = [r for r in rows if r["engine"] == "k3kit serve"]
+    conc = [r for r in rows if r["engine"] in SERVER_ENGINES]
     if conc:
-        lines += ["", "| clients | test | aggregate t/s | TTFT ms (mean ± sd) | TTFT ms max | tokens |",
-                  "|---|---|---|---|---|---|"]
+        peer = {r["n_clients"]: r["avg_ts"] for r in conc if r["engine"] == "llama-server"}
+        lines += ["", "| engine | clients | test | aggregate t/s | TTFT ms (mean ± sd) | TTFT ms max | "
+                  "tokens | vs llama-server |", "|---|---|---|---|---|---|---|---|"]
         for r in conc:
-            lines.append(f"| {r['n_clients']} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | "
-                         f"{r['ttft_ms_avg']:.0f} ± {r['ttft_ms_stddev']:.0f} | {r['ttft_ms_max']:.0f} | "
-                         f"{r['completion_tokens']} |")
+            base = peer.get(r["n_clients"]) if r["engine"] != "llama-server" else None
+            ratio = f"{r['avg_ts'] / base:.2f}x" if base else ""
+            lines.append(f"| {r['engine']} | {r['n_clients']} | {r['test']} | {r['avg_ts']:.2f} ± "
+                         f"{r['stddev_ts']:.2f} | {r['ttft_ms_avg']:.0f} ± {r['ttft_ms_stddev']:.0f} | "
+                         f"{r['ttft_ms_max']:.0f} | {r['completion_tokens']} | "
+                         f"{ratio} |")
     if res.get("profile"):
         p = res["profile"]
         lines += ["", f"expert profile: {p['path']} ({p['tokens']} routed rows, {p['layers']} MoE layers)"]

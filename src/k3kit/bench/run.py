@@ -118,7 +118,7 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
     import torch
 
     from k3kit.bench import concurrency as conc
-    from k3kit.bench.llama_cpp import run_peer
+    from k3kit.bench.llama_cpp import find_llama_server, run_peer
     from k3kit.bench.runner import RunSpec, run_all
     from k3kit.runtime.loader import DTYPES, LoadOptions
     o.check()
@@ -155,12 +155,18 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
                    pin_where=str(o.pin_profile) if o.pin_profile else "")
     recorder = RouteRecorder() if o.profile_out is not None else None
     threads = sorted({c.threads or torch.get_num_threads() for c in configs})
-    total = (len(configs) + (len(threads) if o.llama_cpp else 0) + len(o.concurrency)) * o.reps
+    llama_server = find_llama_server() if o.llama_cpp and o.concurrency else None
+    if o.llama_cpp and o.concurrency and llama_server is None:
+        print("k3kit bench: no llama-server binary (build one with `python benchmarks/llama_server.py` "
+              "or set K3KIT_LLAMA_SERVER): the --concurrency rounds have no llama.cpp peer", file=sys.stderr)
+    total = (len(configs) + (len(threads) if o.llama_cpp else 0)
+             + len(o.concurrency) * (2 if llama_server else 1)) * o.reps
     started = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
     t0 = time.perf_counter()
     bar = Progress(total, o.show_progress)
     peers = []
     rounds: list[Any] = []
+    peer_rounds: list[Any] = []
     with bar.running():
         results, run_info = run_all(spec, configs, labels, prompts, recorder, bar)
         if o.concurrency:
@@ -170,6 +176,16 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
                                          lambda what: bar("serve", what))
             finally:
                 server.close()
+        if llama_server is not None:
+            # llama.cpp's server on the same file, one slot per client of the largest round, each
+            # slot with room for the longest prompt and the generated tokens
+            slot_ctx = max(len(p) for p in prompts) + o.n_gen + 16
+            peer = conc.LlamaServer(llama_server, o.model, max(o.concurrency), slot_ctx, max(threads))
+            try:
+                peer_rounds = conc.run_rounds(peer, prompts, o.n_gen, o.concurrency, o.reps,
+                                              lambda what: bar("llama-server", what))
+            finally:
+                peer.close()
         if o.llama_cpp:
             for n in threads:
                 def tick(what: str, n: int = n) -> None:
@@ -189,7 +205,8 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
     rows = report.k3kit_rows(results, common, wname, str(o.draft) if o.draft else None, o.n_prompt, o.n_gen)
     prow = report.peer_rows(peers, common, wname, o.n_prompt, o.n_gen)
     report.add_ratios(rows, prow)
-    crow = report.concurrency_rows(rounds, common, o.n_gen)
+    crow = (report.concurrency_rows(rounds, common, o.n_gen)
+            + report.concurrency_rows(peer_rounds, common, o.n_gen, engine="llama-server"))
     return {
         "format": "k3kit-bench", "version": 1, "k3kit_version": __version__, "command": list(command),
         "started": started, "seconds": time.perf_counter() - t0,

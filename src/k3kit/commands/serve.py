@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{e.name} is missing") from None
     import torch
 
+    from k3kit.kernels.qmatmul import keep_freed_heap
+
+    keep_freed_heap()        # every pass's transient tensors reuse heap pages (see engine.generate)
     from k3kit.adapters.session import open_session
     from k3kit.commands.generate import (
         check_draft_args,

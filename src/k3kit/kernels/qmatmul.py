@@ -30,6 +30,7 @@ and every call takes the second way. `native_available()` says which build is in
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -110,6 +111,36 @@ I8_PATH = -1
 GEMM_CHUNK_BYTES = 8 << 20
 
 
+# glibc's mallopt parameters and what keep_freed_heap sets them to.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD = 32 << 20      # allocations below come from the heap (glibc's dynamic ceiling)
+HEAP_TRIM_THRESHOLD = 256 << 20     # free heap kept before any is handed back to the OS
+_heap_kept: bool | None = None
+
+
+def keep_freed_heap() -> bool:
+    """Have glibc keep freed heap memory instead of trimming it back to the OS; True if set.
+
+    A decode step allocates and frees the same transient tensors every token (a K3 KDA layer's
+    recurrent state is 4 MiB, made three times a step). By default glibc returns free memory at
+    the top of the heap to the OS once it passes a (dynamic) trim threshold, so the next token's
+    tensors page-fault fresh zeroed pages in again: 10-15 ms of a ~150 ms token on the 2-layer
+    K3 slice, one thread (benchmarks/bench_slice.py). Process-wide and set once; a no-op without
+    glibc's mallopt (other C libraries, other systems)."""
+    global _heap_kept
+    if _heap_kept is None:
+        _heap_kept = False
+        if sys.platform.startswith("linux"):
+            try:
+                mallopt = ctypes.CDLL(None).mallopt
+            except (OSError, AttributeError):
+                return False
+            mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+            _heap_kept = bool(mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+                              and mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
+    return _heap_kept
+
+
 def native_max_rows(qtype: GGMLQuantizationType, dtype: torch.dtype) -> int:
     """Rows up to which `QuantizedMatrix.matmul` runs the native kernel for this compute dtype
     (0: never, the type has no kernel or the extension is not built)."""
@@ -142,6 +173,7 @@ class QuantizedMatrix:
     dtype: torch.dtype = torch.float32
     arith: str = ""              # "float" or "ggml" (ARITHS); "" takes DEFAULT_ARITH at construction
     _raw_np: np.ndarray = field(init=False, repr=False)   # the kernel's view of `raw`, made once
+    _qtype_id: int = field(init=False, repr=False)        # int(qtype), made once (~70 calls a token)
 
     def __post_init__(self) -> None:
         if not self.arith:
@@ -160,6 +192,7 @@ class QuantizedMatrix:
             raise ValueError(f"{T(self.qtype).name} matrix {self.shape} needs {need} bytes, "
                              f"got {self.raw.numel()}")
         object.__setattr__(self, "_raw_np", self.raw.numpy())
+        object.__setattr__(self, "_qtype_id", int(self.qtype))
 
     @property
     def nbytes(self) -> int:
@@ -224,11 +257,13 @@ class QuantizedMatrix:
 
     def _matmul_q8(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T in ggml's arithmetic (int8 activation blocks, integer dot products)."""
-        xf = x.detach().to(torch.float32).contiguous()
+        xf = x.detach()
+        if xf.dtype != torch.float32 or not xf.is_contiguous():
+            xf = xf.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        _qmatmul.matmul_q8(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), self.out_features,
+        _qmatmul.matmul_q8(self._qtype_id, self._raw_np, xf.numpy(), y.numpy(), self.out_features,
                            self.in_features, x.shape[0], -1, torch.get_num_threads(), 1, I8_PATH)
-        return y.to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T through torch in the compute dtype, W dequantized GEMM_CHUNK_BYTES at a time."""

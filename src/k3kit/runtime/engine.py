@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from k3kit.kernels.qmatmul import keep_freed_heap
 from k3kit.runtime.protocols import CausalModel, ExpertLedger
 from k3kit.runtime.sampling import Sampler, Sampling
 
@@ -124,6 +125,7 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
     if prefill_chunk < 1:
         raise ValueError("prefill_chunk must be >= 1")
     stop = set(stop_ids)
+    keep_freed_heap()        # per-token tensors reuse heap pages instead of faulting fresh ones in
     sampler = Sampler(sampling)
     ledger = _Ledger(model)
     stats = GenerationStats(prompt_tokens=len(prompt))

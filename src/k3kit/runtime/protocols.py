@@ -115,11 +115,6 @@ class BatchedModel(Protocol):
 
     def forward_batch(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Tensor: ...
 
-    def adopt_sequence(self) -> int:
-        """The single-sequence (CausalModel / Target) state becomes an open sequence; the
-        single-sequence API starts empty."""
-        ...
-
 
 @runtime_checkable
 class SpeculativeBatchedModel(BatchedModel, Protocol):

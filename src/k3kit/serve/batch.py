@@ -35,7 +35,11 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      must pay for itself in expected tokens per second of the pass, so with many users (a
      long pass, many tokens already) fewer sequences draft, and none when it cannot pay (a
      sequence that has not drafted for REDRAFT_AFTER passes is judged by the recent drafts of
-     all sequences instead of its own last ones);
+     all sequences instead of its own last ones); before that, DraftGuard (runtime.speculative.
+     schedule) may rule drafting out for the greedy sequences of this pass: it keeps the tokens
+     per second passes with and without drafts really realized (their draft steps included) at
+     this number of decoders, and where drafting has realized less it is only tried again
+     rarely; greedy output does not depend on it (the tokens are AR's either way);
   3. those propose (the draft runs per sequence; it is small), and `allocate_widths` again,
      now with the draft's confidences (scaled by how many of the proposals they foretold were
      really accepted) and the draft cost spent, picks each block's width;
@@ -67,6 +71,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +81,7 @@ import torch
 from k3kit.runtime.protocols import BatchedModel, LoadedModel, SpeculativeBatchedModel, VerifyOutput
 from k3kit.runtime.sampling import Sampler
 from k3kit.runtime.speculative.proposal import Proposal
-from k3kit.runtime.speculative.schedule import Claim, allocate_widths, prefix_survival
+from k3kit.runtime.speculative.schedule import Claim, DraftGuard, allocate_widths, prefix_survival
 from k3kit.serve.scheduler import (
     Event,
     FinishEvent,
@@ -179,14 +184,15 @@ class BatchScheduler:
     def __init__(self, model: BatchedModel, codec: TextCodec, *, loaded: LoadedModel | None = None,
                  max_batch: int = 256, max_queue: int = 64, prefill_chunk: int | None = None,
                  invariant_rows: int | None = None, step_factory: StepFactory | None = None,
-                 max_sequences: int | None = None) -> None:
+                 max_sequences: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         """`max_batch`: rows per pass at most. `max_sequences`: sequences holding state at once
         (default max_batch).
         `prefill_chunk`: prompt rows per chunk (default max_batch; never more).
         `invariant_rows`: the mixed-pass row bound (default: the model's batch_invariant_rows;
         0 = no invariance promised, passes fill up to max_batch).
         `step_factory`: (target, sampler) -> a SpeculativeDecoder for one sequence (its target:
-        the model's `sequence_target(handle)`); needs a SpeculativeBatchedModel."""
+        the model's `sequence_target(handle)`); needs a SpeculativeBatchedModel.
+        `clock`: seconds, what passes are timed with (tests give their own)."""
         if max_batch < 1 or max_queue < 0 or (max_sequences is not None and max_sequences < 1):
             raise ValueError("max_batch and max_sequences must be >= 1 and max_queue >= 0")
         self.model, self.codec, self.loaded = model, codec, loaded
@@ -206,6 +212,10 @@ class BatchScheduler:
                         "with the other requests served at the same time")
         self._draft_s: float | None = None        # running mean of one draft step, any sequence
         self._timing = PassTiming()               # measured pass seconds vs the model's cost()
+        self._guard = DraftGuard()                # realized tokens/s with and without drafts
+        self._clock = clock
+        self._drafted = False                     # whether this pass ran a draft step
+        self._draft_cost = 0.0                    # ... and their step seconds (decoder's draft_seconds)
         self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
         self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
         self.stop_ids = frozenset(codec.stop_ids())
@@ -349,11 +359,13 @@ class BatchScheduler:
 
     def _run(self, entries: list[tuple[_Seq, list[int]]]) -> None:
         """One target pass: the plan's rows, widened into verify blocks where speculation pays."""
+        self._drafted, self._draft_cost = False, 0.0
         blocks = self._speculate(entries)
+        t_start = self._clock()
         rows = [(s, [*r, *blocks[s][1]] if s in blocks else r) for s, r in entries]
         n_rows = sum(len(r) for _, r in rows)
         prompt_rows = sum(len(r) for s, r in entries if not s.decoding)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         batch = [(s.opened, r) for s, r in rows]
         outs: list[VerifyOutput]
         if self.spec_model is not None:
@@ -363,7 +375,7 @@ class BatchScheduler:
         else:
             logits = self.model.forward_batch(batch)
             outs = [VerifyOutput(logits[i:i + 1], None) for i in range(len(entries))]
-        dt = time.perf_counter() - t0
+        dt = self._clock() - t0
         if self.spec_model is not None and self.step_factory is not None:
             cand = [len(c) for _, c in blocks.values()]
             self._timing.record(self.spec_model.cost(n_rows), sum(cand), sum(1 for n in cand if n), dt)
@@ -398,6 +410,10 @@ class BatchScheduler:
             else:
                 row = out.logits[-1]
                 s.out.push(s.sampler(row), row)
+        if self.step_factory is not None and spec[0] and not prompt_rows:     # pure decode passes
+            # the draft steps count at their measured step time: a sequence's first draft (the prompt's
+            # context) or a catch-up after undrafted passes syncs more, a one-off that is no step's cost
+            self._guard.record(spec[0], self._drafted, spec[1], self._clock() - t_start + self._draft_cost)
         with self._cv:
             st = self._stats
             st.batch_rows, st.batch_sequences = n_rows, len(entries)
@@ -432,8 +448,9 @@ class BatchScheduler:
         fixed = self._sampled_blocks([s for s in decs if not s.dec.sampling.greedy], room)
         room -= sum(len(c) for _, c in fixed.values())
         base_rows += sum(len(c) for _, c in fixed.values())
+        n_decoders = len(decs)
         decs = [s for s in decs if s.dec.sampling.greedy]
-        if not decs or room <= 0:
+        if not decs or room <= 0 or not self._guard.allow(n_decoders):
             return fixed
         # a prompt row is work the pass must do as much as a token: count it, so that speculation
         # does not slow down the prefill of others because their rows made the pass long
@@ -469,7 +486,9 @@ class BatchScheduler:
             s.undrafted = 0 if s in drafted else s.undrafted + 1
         props: dict[_Seq, Proposal] = {}
         for s in drafted:
+            self._drafted = True
             pr = s.dec.propose(s.out.last, s.out.remaining)
+            self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is not None and pr.tokens:
                 props[s] = pr
                 ds = s.dec.draft_seconds
@@ -516,6 +535,8 @@ class BatchScheduler:
             if room < 2 or s.dec.schedule.budget == 1 or s.out.remaining <= 1:
                 continue
             pr = s.dec.propose(s.out.last, s.out.remaining)
+            self._drafted = True
+            self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is None or not pr.tokens:
                 continue
             conf = s.dec.confidence(pr)

@@ -111,8 +111,6 @@ class SchedulerStats:
     spec_committed: int = 0               # tokens those passes committed
     spec_proposed: int = 0                # draft proposals verified
     spec_accepted: int = 0                # of which accepted
-    spec_handoffs: int = 0                # speculative sequences handed to plain batched decoding (none
-                                          # since every sequence speculates in the shared passes)
 
 
 class Scheduler(Protocol):

@@ -56,10 +56,10 @@ class KDARows:
 
 def delta_step(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """One gated delta-rule transition; S [B,H,dk,dv], k/g [B,H,dk], v [B,H,dv], beta [B,H]."""
-    S = S * torch.exp(g).unsqueeze(-1)
+    S = S * torch.exp(g).unsqueeze(-1)          # a new tensor: the caller's S stays as it was
     kv_mem = torch.einsum("bhij,bhi->bhj", S, k)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
-    return S + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return S.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))   # in place: one [B,H,dk,dv] fewer per step
 
 
 def delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:

@@ -251,3 +251,77 @@ def allocate_widths(claims: Sequence[Claim], cost: Callable[[int], float], base_
         tokens += gain
         spent += dt
     return widths
+
+
+class DraftGuard:
+    """Whether drafting has really paid at a given number of decoding sequences, from the passes run.
+
+    allocate_widths judges a draft by a model of the pass; this judges it by what passes realized:
+    committed tokens per second of the whole pass (its draft steps included), kept as running means
+    apart for passes that drafted and passes that did not, per number of decoders `n`. Once both
+    are known at `n`, greedy sequences draft there only if drafting has realized at least as much
+    (their output does not depend on it), and now and then the other way is tried once to see
+    whether that still holds: after `probe_every` passes at `n`, then twice as many each time the
+    verdict stands (a probe that drafts where drafting loses costs a few passes' time). Before
+    that: the allocator decides for `samples` drafted passes, then `samples` passes run undrafted
+    to measure the other side; where drafting lost at the nearest smaller count that knows, a
+    count starts undrafted (more users leave less room for speculation) and drafts only to probe.
+    Every input comes through record(), so the verdicts follow from the pass times given and nothing else."""
+
+    def __init__(self, samples: int = 3, probe_every: int = 32, max_interval: int = 512,
+                 weight: float = 0.25) -> None:
+        if samples < 1 or not 2 <= probe_every <= max_interval or not 0 < weight <= 1:
+            raise ValueError("samples must be >= 1, 2 <= probe_every <= max_interval and weight in (0, 1]")
+        self.samples, self.probe_every, self.max_interval = samples, probe_every, max_interval
+        self.weight = weight
+        self.rate: dict[tuple[int, bool], float] = {}     # (n, drafted) -> running tokens/s
+        self.count: dict[tuple[int, bool], int] = {}
+        self.asked: dict[int, int] = {}                    # allow() calls per n
+        self.last: dict[int, bool] = {}                    # the verdict probes were last timed for, per n
+        self.interval: dict[int, int] = {}                 # questions between probes, per n
+        self.next_probe: dict[int, int] = {}
+
+    def record(self, n: int, drafted: bool, tokens: float, seconds: float) -> None:
+        """A pass with `n` decoders, which drafted or not, committed `tokens` in `seconds`."""
+        if n < 1 or seconds <= 0:
+            return
+        key, r = (n, drafted), tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = r if old is None else (1 - self.weight) * old + self.weight * r
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def _known(self, n: int) -> bool:
+        return min(self.count.get((n, True), 0), self.count.get((n, False), 0)) >= self.samples
+
+    def verdict(self, n: int) -> bool | None:
+        """True: drafting has realized at least the undrafted rate at n (or at the nearest smaller
+        count that knows); False: less; None: not known yet."""
+        for m in range(n, 0, -1):
+            if self._known(m):
+                return self.rate[(m, True)] >= self.rate[(m, False)]
+        return None
+
+    def _probe(self, n: int, k: int, verdict: bool) -> bool:
+        """Is question k at n the one to try the other way? The interval doubles (up to
+        `max_interval`) each time a verdict holds, and starts again at `probe_every` when it turns."""
+        if self.last.get(n) != verdict:
+            self.last[n] = verdict
+            self.interval[n] = self.probe_every
+            self.next_probe[n] = k + self.probe_every
+        if k < self.next_probe[n]:
+            return False
+        self.interval[n] = min(2 * self.interval[n], self.max_interval)
+        self.next_probe[n] = k + self.interval[n]
+        return True
+
+    def allow(self, n: int) -> bool:
+        """May greedy sequences draft in this pass of `n` decoders?"""
+        k = self.asked[n] = self.asked.get(n, 0) + 1
+        if self._known(n):
+            wins = self.rate[(n, True)] >= self.rate[(n, False)]
+            return wins != self._probe(n, k, wins)         # the other way now and then, to recheck
+        if self.count.get((n, True), 0) >= self.samples:
+            return False                                   # drafted enough here: measure the other side
+        if self.verdict(n) is False:
+            return self._probe(n, k, False)                # fewer users lost with drafts: start without
+        return True                                        # the allocator decides; its passes are measured
