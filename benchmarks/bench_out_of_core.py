@@ -18,6 +18,17 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
            `norepack` (llama_model_params.use_extra_bufts = False); the process's anonymous
            memory is capped (RLIMIT_DATA and a watchdog on RssAnon, --anon-limit-gib) so a
            repack that does not fit fails instead of taking the machine down
+  ab       (`--ab cold,fadvise --pairs 3`: only this step) the read modes compared in one process
+           on one loaded model, `ExpertStore.set_cold` between runs, order alternated per pair;
+           the limit (one and four O_DIRECT streams, 256 MiB each, the larger) measured right
+           before AND right after every run. `valid_run` is the rule for discarding a run: before
+           and after agree within 1.5x and the run's own decode disk rate is not above 1.1x the
+           larger (else the disk switched between burst and throttle during it). Prints each
+           run, medians over the valid ones and each valid pair's payload ratio. A mode may carry
+           its prefetch setting and reader count: `cold/ungated`, `cold/off`, `cold/on/8`.
+  io       (`--step io`) the read path alone: planned batches of 16 random experts fetched with
+           no products, per mode, alternated: whether a mode is slower at the disk or on the CPU.
+
 
 Per run: peak RSS (VmHWM), decode tok/s, expert payload bytes per token (k3kit's ledger),
 bytes the disk delivered per decoded token and the decode-phase disk MB/s (from /proc/diskstats
@@ -81,6 +92,14 @@ def status(field: str, pid: str = "self") -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_times() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process so far, all threads: what a read path costs
+    the cores the products need (O_DIRECT: the device writes the buffer; buffered: the kernel
+    allocates page-cache pages, copies them out, and drops them)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
 
 
 def disk_read_bytes(path: Path) -> int:
@@ -210,6 +229,35 @@ def quick_seq(path: Path, k: int, n: int = 512 * MIB) -> float:
         os.close(fd)
 
 
+def quick_limit(path: Path, k: int, n: int = 256 * MIB, streams: int = 4) -> tuple[float, float]:
+    """(one stream, `streams` streams) O_DIRECT sequential bytes/s, each over `n` bytes of the
+    expert region not read before in this process (pieces k and 200 + k from its end: a virtual
+    disk may cache what it served recently). The background readers keep several reads in
+    flight, and on this disk several streams get more than one, so the larger is the limit."""
+    one = quick_seq(path, 2 * k, n)
+    lo, size = expert_region(path)
+    start = max(lo, lo + size - (200 + k + 1) * n - CHUNK) // 4096 * 4096
+    part = n // streams // CHUNK * CHUNK or CHUNK
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+    def stream(i: int) -> None:
+        b = mmap.mmap(-1, CHUNK)
+        for off in range(start + i * part, start + (i + 1) * part, CHUNK):
+            os.preadv(fd, [b], off)
+
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        many = streams * part / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return one, many
+
+
 def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: int, trunk: str,
                dtype: str, repeats: int, prefetch: list[str]) -> dict[str, Any]:
     import torch
@@ -263,6 +311,138 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
         lm.close()
     return {"mode": mode, "load_s": load_s, "peak_rss": status("VmHWM"), "runs": runs,
             "trunk": trunk, "dtype": dtype, "prompt_ids": prompt}
+
+
+def step_ab(path: Path, modes: list[str], pairs: int, tokens: int, cache_mib: float, threads: int,
+            trunk: str, dtype: str, prefetch: str) -> dict[str, Any]:
+    """Read modes A/B in one process on one loaded model (`ExpertStore.set_cold` between runs):
+    a mode is `cold`, `fadvise` or `page`, optionally with its own prefetch setting after a slash
+    (`cold/off`, `cold/ungated`: hints read whatever their precision; else `prefetch`) and
+    background reader count after a second slash (`cold/on/8`);
+    `pairs` pairs, the order alternating (A B, B A, ...), the disk's limit measured right before
+    AND right after each run, so a run during which the disk changed state can be recognized
+    (`valid_run`). One JSON line per run as it ends: a step killed at its timeout keeps them."""
+    import torch
+
+    from k3kit.adapters import load_model
+    from k3kit.models.kimi_k3.moe import set_expert_prefetch
+    from k3kit.runtime.engine import generate
+    from k3kit.runtime.loader import LoadOptions
+    from k3kit.runtime.sampling import make_sampling
+
+    torch.set_num_threads(threads)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    cold = {"cold": True, "fadvise": "fadvise", "page": False}
+    lm = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=cold[modes[0].split("/")[0]],
+                                      trunk=trunk, dtype=dt))
+    adapter = lm.model
+    prompt = lm.codec.encode(PROMPT)
+    set_expert_prefetch(adapter.model.modules(), prefetch == "on")
+    precision, default_readers = adapter.store.prefetch_precision, adapter.store.read_threads
+    # warm-up (not recorded): the trunk's pages come in here, not in the first measured run
+    generate(adapter, prompt, max_tokens=2, sampling=make_sampling(0.0, seed=0))
+    runs: list[dict[str, Any]] = []
+    k = 0
+    try:
+        for i in range(pairs):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
+                read, _, rest = mode.partition("/")
+                pf, _, readers = rest.partition("/")
+                pf = pf or prefetch
+                adapter.store.read_threads = int(readers or default_readers)
+                adapter.store.set_cold(cold[read])
+                set_expert_prefetch(adapter.model.modules(), pf != "off")
+                adapter.store.prefetch_precision = 0.0 if pf == "ungated" else precision
+                lm.reset_expert_cache(cache_mib)
+                drop_cache(path)
+                before1, before4 = quick_limit(path, k)
+                marks: list[tuple[float, int]] = []
+
+                def on_token(_: int, marks: list[tuple[float, int]] = marks) -> None:
+                    marks.append((time.perf_counter(), disk_read_bytes(path)))
+
+                cpu0, t0, d0 = cpu_times(), time.perf_counter(), disk_read_bytes(path)
+                r = generate(adapter, prompt, max_tokens=tokens, sampling=make_sampling(0.0, seed=0),
+                             on_token=on_token)
+                cpu1, t1, d1 = cpu_times(), time.perf_counter(), disk_read_bytes(path)
+                after1, after4 = quick_limit(path, k + 1)
+                k += 2
+                before, after = max(before1, before4), max(after1, after4)
+                s, es = r.stats, adapter.store.stats()
+                (ta, da), (tb, db) = marks[0], marks[-1]
+                run = {"pair": i, "mode": mode, "direct": adapter.store.direct_io, "tokens": r.token_ids,
+                       "decode_tok_s": s.decode_tok_s, "prefill_tok_s": s.prefill_tok_s,
+                       "payload_per_token": s.payload_bytes_per_token,
+                       "seq_before": before, "seq_after": after, "seq1_before": before1,
+                       "seq4_before": before4, "seq1_after": after1, "seq4_after": after4,
+                       "decode_disk_Bps": (db - da) / (tb - ta) if tb > ta else 0.0,
+                       "disk_bytes": d1 - d0, "wall_s": t1 - t0,
+                       "cpu_user_s": cpu1[0] - cpu0[0], "cpu_sys_s": cpu1[1] - cpu0[1],
+                       "misses": es.misses, "io_bytes": es.io_bytes, "read_s": es.read_seconds,
+                       "load_avg_1min": os.getloadavg()[0],      # other processes on the 2 cores
+                       "wait_s": es.wait_seconds, "check_s": es.check_seconds, "prefetched": es.prefetched,
+                       "prefetch_used": es.prefetch_used, "wasted_bytes": es.wasted_bytes,
+                       "guesses": es.guesses, "guesses_right": es.guesses_right, "peak_rss": status("VmHWM")}
+                runs.append(run)
+                print(json.dumps(run), flush=True)
+    finally:
+        lm.close()
+    return {"runs": runs, "peak_rss": status("VmHWM"), "prompt_ids": prompt}
+
+
+def step_io(path: Path, modes: list[str], pairs: int, batches: int, cache_mib: float,
+            read_threads: int) -> dict[str, Any]:
+    """The read path alone, no products: `batches` batches of 16 random experts of the MoE layers,
+    each planned (queued for the background readers) and then fetched, as the model does, per
+    read mode, alternating, the limit measured before and after each."""
+    import random
+
+    from k3kit.gguf.shards import Model
+    from k3kit.runtime.experts import ExpertStore
+    model = Model.open(path)
+    moe = sorted({int(n.split(".")[1]) for n in model.tensors if "_exps." in n})
+    layers = {il: [f"blk.{il}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")] for il in moe}
+    cold = {"cold": True, "fadvise": "fadvise"}
+    n_exp = model.tensors[layers[moe[0]][0]].shape[2]
+    rng = random.Random(0)
+    runs = []
+    k = 100
+    for i in range(pairs):
+        for mode in (modes if i % 2 == 0 else modes[::-1]):
+            drop_cache(path)
+            before = quick_seq(path, k)
+            with ExpertStore.from_gguf(model, layers, keep="quantized", cold=cold[mode], cache_mib=cache_mib,
+                                       read_threads=read_threads) as st:
+                cpu0, t0, d0 = cpu_times(), time.perf_counter(), disk_read_bytes(path)
+                for b in range(batches):
+                    il = moe[b % len(moe)]
+                    ids = rng.sample(range(n_exp), 16)
+                    st.plan(il, ids)
+                    for e in ids:
+                        st.get(il, [e])
+                cpu1, t1, d1 = cpu_times(), time.perf_counter(), disk_read_bytes(path)
+                es = st.stats()
+                direct = st.direct_io
+            after = quick_seq(path, k + 1)
+            k += 2
+            run = {"pair": i, "mode": mode, "direct": direct, "payload_Bps": es.bytes_read / (t1 - t0),
+                   "disk_Bps": (d1 - d0) / (t1 - t0), "seq_before": before, "seq_after": after,
+                   "cpu_user_s": cpu1[0] - cpu0[0], "cpu_sys_s": cpu1[1] - cpu0[1],
+                   "wall_s": t1 - t0, "bytes": es.bytes_read, "read_s": es.read_seconds,
+                   "check_s": es.check_seconds, "wait_s": es.wait_seconds}
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+    model.close()
+    return {"runs": runs}
+
+
+def valid_run(run: dict[str, Any], spread: float = 1.5) -> bool:
+    """The rule for keeping a run of `ab`: the disk's limit measured right before and right after
+    it agree within `spread` (the disk did not switch between burst and throttle across the run),
+    and the run's own decode-phase disk rate is not above the larger of the two by more than
+    10% (else neither measurement described the run)."""
+    lo, hi = sorted((run["seq_before"], run["seq_after"]))
+    return hi <= spread * lo and run["decode_disk_Bps"] <= 1.1 * hi
 
 
 def step_llama(path: Path, variant: str, prompt: list[int], tokens: int, threads: int,
@@ -368,6 +548,44 @@ def ensure_file(args: argparse.Namespace) -> Path:
     return path
 
 
+def report_ab(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print `ab` runs one per line, then per mode the medians over the runs `valid_run` keeps,
+    and each valid pair's ratio to the first mode (the peer measured minutes apart, alternated)."""
+    print(f"\n{'pair':>4} {'mode':<16} {'limit before/after MB/s':>23} {'disk MB/s':>9} {'tok/s':>6} "
+          f"{'payload MB/s':>12} {'of limit':>8} {'sys s':>6} {'RSS GiB':>7} {'load':>5} valid")
+    for r in runs:
+        r["limit"] = (r["seq_before"] + r["seq_after"]) / 2
+        r["payload_Bps"] = r["payload_per_token"] * r["decode_tok_s"]
+        r["valid"] = valid_run(r)
+        print(f"{r['pair']:>4} {r['mode']:<16} {r['seq_before'] / 1e6:11.0f}/{r['seq_after'] / 1e6:<11.0f} "
+              f"{r['decode_disk_Bps'] / 1e6:9.0f} {r['decode_tok_s']:6.3f} {r['payload_Bps'] / 1e6:12.0f} "
+              f"{r['payload_Bps'] / r['limit']:8.2f} {r['cpu_sys_s']:6.1f} {r['peak_rss'] / GIB:7.2f} "
+              f"{r.get('load_avg_1min', 0):5.1f} {'yes' if r['valid'] else 'NO'}")
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    summary: dict[str, Any] = {}
+    for m in modes:
+        ok = [r for r in runs if r["mode"] == m and r["valid"]]
+        if ok:
+            summary[m] = {k: statistics.median(r[k] for r in ok) for k in ("payload_Bps", "decode_tok_s")}
+            summary[m]["frac"] = statistics.median(r["payload_Bps"] / r["limit"] for r in ok)
+            summary[m]["valid"] = len(ok)
+            print(f"{m:<16} {len(ok)} valid runs: median payload {summary[m]['payload_Bps'] / 1e6:.0f} MB/s, "
+                  f"{summary[m]['frac']:.2f} of the limit, {summary[m]['decode_tok_s']:.3f} tok/s")
+    same = len({tuple(r["tokens"]) for r in runs}) == 1
+    print(f"tokens identical in all {len(runs)} runs: {same}")
+    for m in modes[1:]:
+        ratios = []
+        for pair in sorted({r["pair"] for r in runs}):
+            a = [r for r in runs if r["pair"] == pair and r["mode"] == modes[0] and r["valid"]]
+            b = [r for r in runs if r["pair"] == pair and r["mode"] == m and r["valid"]]
+            if a and b:
+                ratios.append(b[0]["payload_Bps"] / a[0]["payload_Bps"])
+        if ratios:
+            print(f"ratio {m} / {modes[0]} payload MB/s over {len(ratios)} valid pairs: "
+                  f"median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    return {"summary": summary, "tokens_identical": same}
+
+
 def fmt_rate(bps: float) -> str:
     return f"{bps / 1e6:7.0f}"
 
@@ -386,6 +604,8 @@ def main() -> None:
     ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, fadvise, page")
     ap.add_argument("--prefetch", default="off,on", help="prefetch settings, alternated")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--ab", help="only the read-mode A/B in one process, e.g. cold,fadvise (see `ab`)")
+    ap.add_argument("--pairs", type=int, default=3, help="--ab pairs, order alternated")
     ap.add_argument("--llama", default="default,norepack", help="llama.cpp variants ('' = none)")
     ap.add_argument("--seq-gib", type=float, default=4)
     ap.add_argument("--anon-limit-gib", type=float, default=16)
@@ -403,6 +623,12 @@ def main() -> None:
             res = step_seq(path, args.seq_gib)
         elif args.step == "check":
             res = step_check(path, 8)
+        elif args.step == "io":
+            res = step_io(path, args.modes.split(","), args.repeats, args.tokens, args.cache_mib,
+                          args.threads)
+        elif args.step == "ab":
+            res = step_ab(path, args.modes.split(","), args.repeats, args.tokens, args.cache_mib,
+                          args.threads, args.trunk, args.dtype, args.prefetch)
         elif args.step.startswith("k3kit-"):
             res = step_k3kit(path, args.step[6:], args.tokens, args.cache_mib, args.threads, args.trunk,
                              args.dtype, args.repeats, args.prefetch.split(","))
@@ -418,6 +644,17 @@ def main() -> None:
     if size < 1.3 * ram and not args.allow_small:
         sys.exit(f"{path}: {size / 1e9:.1f} GB is less than 1.3x RAM; not an out-of-core run")
     common = ["--file", str(path), "--tokens", str(args.tokens), "--threads", str(args.threads)]
+    if args.ab:
+        r = locked(["--step", "ab", *common, "--modes", args.ab, "--repeats", str(args.pairs), "--cache-mib",
+                    str(args.cache_mib), "--trunk", args.trunk, "--dtype", args.dtype, "--prefetch",
+                    args.prefetch.split(",")[-1]], args.timeout)
+        if not r.get("runs"):
+            sys.exit(f"ab step failed: {r.get('error')}")
+        out = {"file": str(path), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "runs": r["runs"]} | report_ab(r["runs"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return
     results: dict[str, Any] = {"file": str(path), "file_bytes": size, "ram_bytes": ram,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "args": {k: v for k, v in vars(args).items() if k != "step"}}

@@ -3,7 +3,7 @@
     python benchmarks/bench_qmatmul.py [--types Q8_0,Q4_K,...] [--shapes 7168x2048,7168x16384]
                                        [--rows 1,8,32,64,128] [--threads 1] [--reps 3] [--clock wall|cpu]
                                        [--levels avx512,avx2,scalar] [--paths] [--no-torch] [--no-int8]
-                                       [--int8-paths]
+                                       [--int8-paths] [--no-native]
 
 Shapes are ggml order, n_in x n_out (7168 x 2048: a K3 expert; 7168 x 16384: a trunk-sized
 matrix); random valid blocks with realistic scales. Per type, shape and row count, in one run:
@@ -16,12 +16,14 @@ matrix); random valid blocks with realistic scales. Per type, shape and row coun
   deq+f32   the same in float32 (which QuantizedMatrix never picks: see NATIVE_MAX_ROWS);
   bf16      torch's GEMM on an already dequantized bf16 matrix (a bf16 trunk's cost);
   int8      the "ggml" mode (matmul_q8): x rounded to ggml's Q8_0/Q8_K blocks, integer dot
-            products (AVX512-VNNI where present), with its GB/s of weight bytes; then the ratios
-            native / int8 and deq+bf16 / int8 (> 1: int8 is faster);
-  d256 / d512 / panels (--int8-paths)  matmul_q8 forced onto each of its paths (the same bits):
-            the 256-bit direct path (the one AVX2 runs), the 512-bit direct path (AVX512-VNNI),
-            the panels; timed in turns (d256, d512, panels, d256, ...) so that a noisy machine
-            slows all three alike; median (min-max) ms, and d256 / d512;
+            products (AVX512-VNNI where present), with its GB/s of weight bytes; "x 1 row", its
+            time over the one-row time (when --rows starts with 1: the cost of batching rows);
+            then the ratios native / int8 and deq+bf16 / int8 (> 1: int8 is faster);
+  d256 / d512 / dT / panels (--int8-paths)  matmul_q8 forced onto each of its paths (the same
+            bits): the 256-bit direct path (the one AVX2 runs), the 512-bit direct path
+            (AVX512-VNNI) that folds each row's partial sums, the transposed 512-bit direct path,
+            the panels; timed in turns (d256, d512, dT, panels, d256, ...) so that a noisy machine
+            slows all alike; median (min-max) ms, and d512 / dT;
 and checks the native product against the float64 product of the dequantized matrix (max error
 relative to the largest output). Before the tables it measures this machine's memory bandwidth
 (a numpy sum over a 512 MiB array, which one thread streams) so that one-row GB/s can be read
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--paths", action="store_true", help="also time the per-row tiles and the panels forced")
     ap.add_argument("--no-torch", action="store_true", help="skip the dequantize + GEMM and bf16 columns")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation (ggml mode) columns")
+    ap.add_argument("--no-native", action="store_true", help="skip the float32-activation native kernel")
     ap.add_argument("--int8-paths", action="store_true",
                     help="also time matmul_q8's 256-bit direct path, 512-bit direct path and panels in turns")
     args = ap.parse_args()
@@ -128,11 +131,12 @@ def main() -> None:
     for shape in args.shapes.split(","):
         k, n_out = (int(v) for v in shape.split("x"))
         print(f"\n{k} x {n_out} (n_in x n_out)\n| type | rows | " + " | ".join(
-            [f"native {lv}" for lv in levels] + (["tiles", "panels"] if args.paths else [])
+            ([] if args.no_native else [f"native {lv}" for lv in levels])
+            + (["tiles", "panels"] if args.paths else [])
             + ([] if args.no_torch else ["deq+bf16 GEMM", "deq+f32 GEMM", "bf16 GEMM (pre-dequantized)"])
-            + ([] if args.no_int8 else ["int8 (ggml)", "GB/s", "of bw", "native/int8"]
+            + ([] if args.no_int8 else ["int8 (ggml)", "GB/s", "of bw", "x 1 row", "native/int8"]
                + ([] if args.no_torch else ["deq+bf16/int8"]))
-            + (["d256", "d512", "panels", "d256/d512"] if args.int8_paths else [])
+            + (["d256", "d512", "dT", "panels", "d512/dT"] if args.int8_paths else [])
             + ["err"]) + " |")
         for name in args.types.split(","):
             qtype = T[name]
@@ -141,6 +145,7 @@ def main() -> None:
             w_bf16 = w.bfloat16()
             q_bf16 = QuantizedMatrix(torch.from_numpy(raw), qtype, (k, n_out), torch.bfloat16)
             q_f32 = QuantizedMatrix(torch.from_numpy(raw), qtype, (k, n_out), torch.float32)
+            t_one = 0.0
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 y = torch.empty(m, n_out)
@@ -153,8 +158,9 @@ def main() -> None:
                     return best(lambda: kernel.matmul(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, lvl,  # noqa: B023
                                                       args.threads, path), args.reps, clock)
 
-                t_native = native(-1)
-                cells = [cell(native(LEVELS[lv])) if lv != "scalar" or m <= 4 else "" for lv in levels]
+                t_native = float("nan") if args.no_native else native(-1)
+                cells = [] if args.no_native else [
+                    cell(native(LEVELS[lv])) if lv != "scalar" or m <= 4 else "" for lv in levels]
                 if args.paths:
                     cells += [cell(native(-1, 0)), cell(native(-1, 1))]
                 kernel.matmul(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m, -1, args.threads)
@@ -172,12 +178,14 @@ def main() -> None:
                     t8 = best(lambda: kernel.matmul_q8(int(qtype), raw, x.numpy(), y.numpy(), n_out, k, m,  # noqa: B023
                                                        -1, args.threads), args.reps, clock)
                     gbs = raw.nbytes / t8 / 1e9
+                    if m == 1:
+                        t_one = t8
                     cells += [cell(t8), f"{gbs:.1f}", f"{gbs / bw:.2f}" if m == 1 else "",
-                              f"{t_native / t8:.2f}"]
+                              f"{t8 / t_one:.2f}" if t_one else "", f"{t_native / t8:.2f}"]
                     if not args.no_torch:
                         cells.append(f"{t_deq / t8:.2f}")
                 if args.int8_paths:
-                    runs = {path: [] for path in (0, 2, 1)}
+                    runs: dict[int, list[float]] = {path: [] for path in (0, 2, 4, 1)}
                     for _ in range(max(args.reps, 5)):
                         for path, ts in runs.items():
                             t = clock()
@@ -186,7 +194,7 @@ def main() -> None:
                             ts.append(clock() - t)
                     cells += [f"{np.median(ts) * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})"
                               for ts in runs.values()]
-                    cells.append(f"{np.median(runs[0]) / np.median(runs[2]):.2f}")
+                    cells.append(f"{np.median(runs[2]) / np.median(runs[4]):.2f}")
                 print(f"| {name} | {m} | " + " | ".join(cells) + f" | {err:.1e} |", flush=True)
 
 

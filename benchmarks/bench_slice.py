@@ -2,10 +2,11 @@
 
     python benchmarks/bench_slice.py [--dir /tmp/C] [--files mxfp4,iq,q4k] [--threads 1,2]
                                      [--prompt 64] [--tokens 16] [--reps 2] [--configs ...]
-                                     [--lock /tmp/k3bench.lock] [--keep]
+                                     [--lock /tmp/k3bench.lock] [--keep] [--reuse]
 
 Files (`k3kit synth --geometry k3 --layers 2 --experts 16`, full K3 vocabulary, one at a time,
-deleted after use unless --keep):
+deleted after use unless --keep; with --reuse an existing DIR/slice-NAME/*.gguf is used as it is
+and never deleted, e.g. shared slices: `--dir /tmp/slices --reuse`):
   mxfp4  Q8_0 trunk, MXFP4 experts;
   iq     Q8_0 trunk, IQ1_S gate/up + IQ3_XXS down experts;
   q4k    Q4_K trunk (`--trunk-type Q4_K`: the trunk `k3kit requant --to Q4_K` makes), MXFP4 experts.
@@ -19,6 +20,8 @@ k3kit configurations (`--configs`, comma list of MODE:DTYPE:CACHE_MIB):
   ggml:f32:4096   the int8-activation mode (ggml's arithmetic), every expert cached;
   ggml-d256:f32:4096  the same with the int8 kernels' 256-bit direct path (the one before the
                   512-bit path) for few rows: the same bits, the previous speed;
+  ggml-fold:f32:4096  the same with the 512-bit direct path that folds each row's sums (the one
+                  before the transposed direct path) and its row thresholds: the same bits;
   ggml-trim:f32:4096  the same with glibc's default heap trimming (generate() no longer has it:
                   qmatmul.keep_freed_heap), which page-faults each token's transients in afresh;
   ggml:f32:128    the same through a 128 MiB expert cache (most experts re-read per token);
@@ -109,6 +112,8 @@ def child_k3(path: str, threads: int, n_prompt: int, n_gen: int, mode: str, dtyp
     torch.set_num_threads(threads)
     if mode == "ggml-d256":            # the int8 kernels before the 512-bit direct path (same bits)
         mode, qmatmul.I8_PATH = "ggml", 3
+    if mode == "ggml-fold":            # the int8 kernels before the transposed direct path (same bits)
+        mode, qmatmul.I8_PATH = "ggml", 5
     if mode == "ggml-trim":            # glibc's default heap trimming (before keep_freed_heap)
         mode, qmatmul._heap_kept = "ggml", False
     qmatmul.DEFAULT_ARITH = mode       # every QuantizedMatrix made from here on (trunk and experts)
@@ -165,6 +170,8 @@ def main() -> None:
     ap.add_argument("--lock", default="/tmp/k3bench.lock", help="flock file of every timed run ('': none)")
     ap.add_argument("--llama-no-repack", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the synthesized files")
+    ap.add_argument("--reuse", action="store_true",
+                    help="use DIR/slice-NAME/*.gguf if it exists (never deleted) instead of synthesizing")
     ap.add_argument("--child", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     if args.child:
@@ -185,12 +192,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.files.split(","):
         out = Path(args.dir) / f"slice-{name}"
-        if out.exists():
-            shutil.rmtree(out)
-        subprocess.run(["k3kit", "synth", "--geometry", "k3", "--layers", "2", "--experts", "16",
-                        "-o", str(out), "--name", f"k3slice-{name}", *FILES[name]],
-                       check=True, capture_output=True)
-        path = str(next(out.glob("*.gguf")))
+        existing = sorted(out.glob("*.gguf")) if args.reuse and out.is_dir() else []
+        made = not existing
+        if made:
+            if out.exists():
+                shutil.rmtree(out)
+            subprocess.run(["k3kit", "synth", "--geometry", "k3", "--layers", "2", "--experts", "16",
+                            "-o", str(out), "--name", f"k3slice-{name}", *FILES[name]],
+                           check=True, capture_output=True)
+        path = str(existing[0] if existing else next(out.glob("*.gguf")))
         try:
             results: dict[str, dict[str, list[dict]]] = {t: {} for t in args.threads.split(",")}
             for _ in range(args.reps):
@@ -215,7 +225,7 @@ def main() -> None:
                           f"{statistics.median(p) / pp:.2f} | {statistics.median(d) / tg:.2f} | "
                           f"{max(r['rss_mib'] for r in runs):.0f} | {same} |", flush=True)
         finally:
-            if not args.keep:
+            if made and not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
 
 

@@ -89,7 +89,8 @@ def setup(qtype: T, n_out: int, k: int, seed: int) -> tuple[np.random.Generator,
 def test_matches_float64_product_on_every_path(qtype: T, whole: bool) -> None:
     """Whole groups of lanes (k = 2560: 5 groups of 512 values, 10 of 256) or a partial last one
     (k = 2304 / 2592); rows around the tile heights and the 512-bit direct path's passes (8, 4,
-    then 1-3 rows). Paths: 0 the 256-bit direct path, 1 panels, 2 the 512-bit direct path."""
+    then 1-3 rows). Paths: 0 the 256-bit direct path, 1 panels, 2 the folding 512-bit direct path,
+    4 the transposed 512-bit direct path (its chunks of groups and of W rows: 15 rows > one pass)."""
     qk = GGML_QUANT_SIZES[qtype][0]
     if not whole and qk == 256 and qtype in (T.Q6_K, T.Q2_K, T.Q3_K, T.IQ2_XS, T.IQ1_M):
         pytest.skip("16-value lanes: a group is one 256-value block, never partial")
@@ -100,7 +101,7 @@ def test_matches_float64_product_on_every_path(qtype: T, whole: bool) -> None:
     for m in (1, 2, 3, 5, 8, 15):
         x = activations(rng, m, k)
         xd = dequantize_q8(q8(x, ACT_TYPE[qtype]), ACT_TYPE[qtype], m, k).astype(np.float32)
-        ys = [product(qtype, raw, x, n_out, simd, path=path) for simd in SIMD for path in (0, 1, 2)]
+        ys = [product(qtype, raw, x, n_out, simd, path=path) for simd in SIMD for path in (0, 1, 2, 4)]
         check_bound(ys[0], xd, w)
         for y in ys[1:]:
             np.testing.assert_array_equal(y, ys[0])
@@ -129,8 +130,22 @@ def test_threads_give_the_same_bits(qtype: T) -> None:
         x = activations(rng, m, k)
         one = product(qtype, raw, x, n_out, threads=1)
         for threads in (2, 3, 64):
-            for path in (-1, 2):
+            for path in (-1, 2, 4):
                 np.testing.assert_array_equal(product(qtype, raw, x, n_out, threads=threads, path=path), one)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4, T.IQ1_S], ids=lambda t: t.name)
+def test_batched_rows_match_one_row_at_a_time(qtype: T) -> None:
+    """Batch invariance for a server: a row's output is the same bits whether it is multiplied
+    alone or among 2-16 others (the default path switches between the folding and the transposed
+    direct path by row count), on 1 or 2 threads (a K3 expert's shape: the call really splits)."""
+    n_out, k = 160, 7168           # >= 2^19 weights per thread for 2 threads
+    rng, raw = setup(qtype, n_out, k, 60)
+    x = activations(rng, 16, k)
+    alone = np.concatenate([product(qtype, raw, x[r:r + 1], n_out) for r in range(16)])
+    for m in (2, 3, 4, 5, 8, 9, 16):
+        for threads in (1, 2):
+            np.testing.assert_array_equal(product(qtype, raw, x[:m], n_out, threads=threads), alone[:m])
 
 
 def test_rejects_bad_calls() -> None:

@@ -183,6 +183,29 @@ def test_cold_modes_read_the_same_bytes(model_file, cold):
             assert s.io_bytes == s.bytes_read
 
 
+def test_set_cold_switches_the_read_mode_of_a_live_store(model_file):
+    """The benchmark's A/B: one store, modes switched between runs; each mode then reads the same
+    bytes with its own I/O (O_DIRECT: whole 4 KiB blocks; page cache and fadvise: the slices)."""
+    _, spec, datas = model_file
+    with ExpertStore(spec, cache_mib=1) as store:
+        for cold in ("direct", "fadvise", False, True):
+            store.set_cold(cold)
+            assert store.cold == ("direct" if cold is True else cold)
+            assert store.stats().resident_experts == 0          # switching empties the cache
+            store.reset_stats()
+            got = store.get(7, [1, 6])
+            for e in (1, 6):
+                assert all(torch.equal(x, y) for x, y in zip(got[e], _expected(datas, 7, e), strict=True))
+            s = store.stats()
+            assert s.bytes_read == 2 * store.expert_nbytes(7)
+            if store.direct_io:
+                assert cold in ("direct", True) and s.io_bytes > s.bytes_read
+            else:
+                assert s.io_bytes == s.bytes_read
+        with pytest.raises(ValueError, match="cold must be"):
+            store.set_cold("o_direct")
+
+
 def test_buffer_source_matches_file_source(model_file):
     path, spec, datas = model_file
     whole = np.fromfile(path, dtype=np.uint8)

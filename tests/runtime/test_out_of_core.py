@@ -5,7 +5,9 @@ is 1.67 MB), top-4 routing, 2 MoE layers of 60 experts: 200 MB of experts agains
 cache. `k3kit generate` runs greedily in a subprocess (`peak_rss_bytes` = VmHWM) through the
 page cache (the default: misses copy out of the mapping or pread, and must not leave the file's
 expert pages mapped in this process, where they would count in RSS like the ~160 MB of experts
-the run touches) and with --cold (fadvise around every read).
+the run touches), with --cold (O_DIRECT straight into the cache's buffers), and, through the
+Python API, with both storage paths named (cold="direct" must really be O_DIRECT here, and
+cold="fadvise", pread with POSIX_FADV_DONTNEED around every read, the one it falls back to).
 
 Bound: peak RSS <= base + trunk + cache + MARGIN, where base is the peak RSS of the same
 interpreter after loading the model (imports, torch's start-up, the module tree; no expert is
@@ -56,6 +58,22 @@ print(peak_rss_bytes())
 """
 
 
+# the same run through the Python API with a named storage path: tokens, peak RSS, O_DIRECT used
+GENERATE_API = f"""
+import json, sys, torch
+from k3kit.adapters import load_model
+from k3kit.runtime.engine import generate
+from k3kit.runtime.loader import LoadOptions
+from k3kit.runtime.sampling import make_sampling
+torch.set_num_threads(1)
+lm = load_model(sys.argv[1], LoadOptions(expert_cache_mib={CACHE_MIB}, cold=sys.argv[2]))
+r = generate(lm.model, lm.codec.encode("once upon a time"), max_tokens={TOKENS},
+             sampling=make_sampling(0.0, seed=0))
+print(json.dumps({{"token_ids": r.token_ids, "payload_bytes": r.stats.payload_bytes,
+                  "peak_rss_bytes": r.stats.peak_rss_bytes, "direct_io": lm.model.store.direct_io}}))
+"""
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -81,8 +99,14 @@ def test_bounded_cache_bounds_rss_and_keeps_the_tokens(model):
     unbounded = _generate(model, 4096)
     want = unbounded["token_ids"]
     assert len(want) == TOKENS
-    for extra in ((), ("--cold",)):
-        got = _generate(model, CACHE_MIB, *extra)
+    runs = [((), _generate(model, CACHE_MIB)), (("--cold",), _generate(model, CACHE_MIB, "--cold"))]
+    for cold in ("direct", "fadvise"):
+        r = _run("-c", GENERATE_API, str(model), cold)
+        assert r.returncode == 0, r.stderr
+        api = json.loads(r.stdout)
+        assert api["direct_io"] == (cold == "direct"), cold     # this filesystem takes O_DIRECT
+        runs.append(((f"cold={cold}",), {"token_ids": api["token_ids"], "stats": api}))
+    for extra, got in runs:
         s = got["stats"]
         assert got["token_ids"] == want, extra
         assert s["payload_bytes"] >= 4 * CACHE_MIB * MIB, extra    # experts were streamed, not cached

@@ -229,3 +229,14 @@ def test_draft_guard_keeps_drafting_where_it_pays():
     assert [g.allow(2) for _ in range(31)].count(False) == 2       # rechecks at questions 11 and 31
     with pytest.raises(ValueError):
         DraftGuard(samples=0)
+
+
+def test_draft_guard_that_does_not_judge_leaves_every_pass_to_the_allocator():
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    judging, trusting = DraftGuard(samples=2), DraftGuard(samples=2, judge=False)
+    for g in (judging, trusting):
+        for drafted, seconds in [(True, 4.0)] * 2 + [(False, 1.0)] * 2:   # drafting lost 4x
+            g.record(3, drafted, 4, seconds)
+    assert judging.verdict(3) is False and not judging.allow(3)
+    assert all(trusting.allow(n) for n in (1, 3, 3, 8))

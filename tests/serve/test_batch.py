@@ -12,6 +12,7 @@ import torch
 
 from k3kit.runtime.protocols import BatchedModel
 from k3kit.runtime.sampling import make_sampling
+from k3kit.runtime.speculative.schedule import DraftGuard
 from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.scheduler import FinishEvent, GenerationRequest, QueueFull, TokenEvent
 
@@ -307,20 +308,6 @@ def test_max_sequences_bounds_open_states_not_rows():
 
 # ---- batched speculative decoding on the shipped mini K3 + its drafter ---------------------------
 
-@pytest.fixture(scope="module")
-def spec_session():
-    from k3kit.adapters.session import open_session
-    from k3kit.mini.paths import shipped_draft, shipped_gguf
-    from k3kit.runtime.loader import LoadOptions
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    session = open_session(shipped_gguf(), LoadOptions(), draft=shipped_draft())
-    yield session
-    session.close()
-    torch.set_num_threads(threads)
-
-
 def _spec_factory(session):
     from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
 
@@ -377,7 +364,10 @@ def test_batched_speculation_greedy_equals_ar(spec_session):
         ref = [_run(ar, [r], [0])[0][0] for r in reqs]
     finally:
         ar.close()
-    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_spec_factory(spec_session))
+    # the guard off: its verdicts come from pass times, and on a loaded machine three unlucky first
+    # blocks can stop drafting for the whole test (what this test checks needs drafts verified)
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_spec_factory(spec_session),
+                        guard=DraftGuard(judge=False))
     try:
         alone = [_run(sp, [r], [0])[0][0] for r in reqs]
         assert alone == ref

@@ -21,6 +21,7 @@ loads as is: `legacy_view` reads it the way `k3kit draft fix` would rewrite it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -115,6 +116,9 @@ class DSparkDrafter:
         self.has_confidence = draft.confidence_head is not None
         self._contexts: weakref.WeakKeyDictionary[FeatureRing, _Context] = weakref.WeakKeyDictionary()
         self._ctx: _Context | None = None        # the last synced ring's (draft_block reads it)
+        # rows the target's LM head takes in one call with each row's logits as it gets alone
+        # (the target's batch_invariant_rows; 0: one call per block, as draft_block makes it)
+        self.head_rows = 0
 
     def place(self, device: torch.device) -> None:
         """Run the draft on `device`; context K/V is rebuilt there from the rings at the next sync."""
@@ -190,6 +194,28 @@ class DSparkDrafter:
             hidden, logits = hidden[1:], logits[1:]
         return DraftBlock(logits=logits.to(self.home), hidden=hidden.to(self.home))
 
+    @torch.no_grad()
+    def draft_blocks(self, contexts: Sequence[list[tuple[Tensor, Tensor]] | None], anchors: Sequence[int],
+                     positions: Sequence[int]) -> list[DraftBlock]:
+        """`draft_block` for N sequences in one forward: sequence i's block after anchors[i] at
+        positions[i] over contexts[i] (what `context()` gave right after `sync` of its ring). Each
+        block equals its own draft_block bit for bit (DSparkDraft.forward_batch); the LM head takes
+        whole blocks, at most `head_rows` rows a call."""
+        n, b = len(anchors), self.block_size
+        ids = torch.full((n, b), self.cfg.mask_token_id, dtype=torch.long, device=self.home)
+        ids[:, 0] = torch.tensor([int(a) for a in anchors], dtype=torch.long)
+        pos = (torch.tensor([int(p) for p in positions], dtype=torch.long)[:, None]
+               + torch.arange(b)[None, :]).to(self.device)
+        hidden = self.draft.forward_batch(ids, pos, contexts)
+        per_call = max(1, self.head_rows // b)
+        logits = [self.draft.logits(hidden[i:i + per_call].reshape(-1, hidden.shape[-1])).view(
+            min(per_call, n - i), b, -1) for i in range(0, n, per_call)]
+        out = torch.cat(logits).to(self.home)
+        hidden = hidden.to(self.home)
+        if not self.cfg.sample_from_anchor:
+            hidden, out = hidden[:, 1:], out[:, 1:]
+        return [DraftBlock(logits=out[i], hidden=hidden[i]) for i in range(n)]
+
     # The Markov and confidence heads are the draft's own: inputs go to its device, results come home.
     @torch.no_grad()
     def markov_embed(self, prev: Tensor) -> Tensor:
@@ -252,6 +278,7 @@ class DraftAdapter(DSparkDrafter):
         self.home = home
         self.draft.set_target(lambda ids: target.embed(ids.to(home)), lambda h: target.head(h.to(home)))
         target.set_taps(self.tap_inputs)
+        self.head_rows = int(getattr(target, "batch_invariant_rows", 0) or 0)
 
     def close(self) -> None:
         self.source.close()

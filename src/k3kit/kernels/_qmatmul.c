@@ -1062,6 +1062,9 @@ DEFINE_TYPE(MXFP4, mxfp4, 0)
  */
 
 #define I8_LANES 16
+/* Direct paths, more rows than one pass takes: bytes of W rows that every pass of x rows covers
+ * before the next W rows (the later passes read the chunk from L2 instead of from memory). */
+#define I8_CHUNK_BYTES (256 << 10)
 #define I8_KC 2048                       /* panel values per W row: a multiple of 512 */
 #define I8_NP 32                         /* W rows per panel */
 #define I8_MB 64                         /* x rows whose accumulators are kept at once */
@@ -1100,7 +1103,35 @@ static inline int nearest_int(float v) {
 
 #define Q8_K_BYTES 292   /* float d, int8 qs[256], int16 bsums[16] */
 
+#ifdef K3_X86
+static int q8_avx512 = 0;   /* set at import where AVX512-BW runs */
+/* quantize_q8_0_row's variant 1, 16 values a step: the same amax (max is exact in any order) and
+ * the same clamp then round to nearest even (cvtps_epi32 in the default rounding mode). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_q8_0_row_avx512(const float *x, int64_t k,
+                                                                                        uint8_t *out) {
+    const __m512 lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m512 a0 = _mm512_loadu_ps(x + 32 * b), a1 = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+        uint8_t *yb = out + 34 * b;
+        const uint16_t h = f32_to_f16(amax / 127.0f);
+        memcpy(yb, &h, 2);
+        const __m512 id = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        const __m512 v0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a0, id), lo), hi);
+        const __m512 v1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a1, id), lo), hi);
+        _mm_storeu_si128((__m128i *)(yb + 2), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v0)));
+        _mm_storeu_si128((__m128i *)(yb + 18), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v1)));
+    }
+}
+#endif
+
 static void quantize_q8_0_row(const float *x, int64_t k, uint8_t *out, int variant) {
+#ifdef K3_X86
+    if (variant == 1 && q8_avx512) {
+        quantize_q8_0_row_avx512(x, k, out);
+        return;
+    }
+#endif
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
         uint8_t *yb = out + 34 * b;
@@ -1117,14 +1148,52 @@ static void quantize_q8_0_row(const float *x, int64_t k, uint8_t *out, int varia
             for (int j = 0; j < 32; j++) yb[2 + j] = (uint8_t)(int8_t)roundf(xb[j] * id);
         } else {
             const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            /* rintf, then clamped to [-128, 127]: clamping first gives the same integers, and
+             * nearest_int is rintf's round-to-nearest-even there (without SSE4.1 rintf is a
+             * libm call per value: most of a row's preparation) */
             for (int j = 0; j < 32; j++) {
-                float v = rintf(xb[j] * id);
+                float v = xb[j] * id;
                 v = v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v;
-                yb[2 + j] = (uint8_t)(int8_t)v;
+                yb[2 + j] = (uint8_t)(int8_t)nearest_int(v);
             }
         }
     }
 }
+
+static void quantize_q8_k_row(const float *x, int64_t k, uint8_t *out);
+#ifdef K3_X86
+/* quantize_q8_k_row, 16 values a step: the same first value of the largest magnitude, and
+ * nearest_int as cvtps_epi32 (both round to nearest even; |v| <= 127 here). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_q8_k_row_avx512(const float *x, int64_t k,
+                                                                                        uint8_t *out) {
+    for (int64_t b = 0; b < k / 256; b++) {
+        const float *xb = x + 256 * b;
+        uint8_t *yb = out + Q8_K_BYTES * b;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
+        const float amax = _mm512_reduce_max_ps(m);
+        int16_t bs[16];
+        float d = 0.0f;
+        if (amax == 0.0f || !(amax < INFINITY)) {
+            quantize_q8_k_row(xb, 256, yb);   /* zero, infinite or NaN blocks: the scalar loop */
+            continue;
+        }
+        int j = 0;
+        while (fabsf(xb[j]) != amax) j++;
+        const float iscale = -127.0f / xb[j];
+        const __m512 is = _mm512_set1_ps(iscale);
+        for (int i = 0; i < 16; i++) {
+            const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(is, _mm512_loadu_ps(xb + 16 * i))),
+                                               _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(yb + 4 + 16 * i), _mm512_cvtsepi32_epi8(v));
+            bs[i] = (int16_t)_mm512_reduce_add_epi32(v);
+        }
+        d = 1.0f / iscale;
+        memcpy(yb, &d, 4);
+        memcpy(yb + 260, bs, 32);
+    }
+}
+#endif
 
 static void quantize_q8_k_row(const float *x, int64_t k, uint8_t *out) {
     for (int64_t b = 0; b < k / 256; b++) {
@@ -1162,6 +1231,16 @@ static void quantize_q8_k_row(const float *x, int64_t k, uint8_t *out) {
     }
 }
 
+static void quantize_q8_k_any(const float *x, int64_t k, uint8_t *out) {
+#ifdef K3_X86
+    if (q8_avx512) {
+        quantize_q8_k_row_avx512(x, k, out);
+        return;
+    }
+#endif
+    quantize_q8_k_row(x, k, out);
+}
+
 /* The natural-order value index (within its group) of lane p's first value. */
 static inline int lane_start(int G, int p) { return G == 32 ? 32 * p : 32 * (p & 7) + 16 * (p >> 3); }
 
@@ -1172,12 +1251,22 @@ typedef struct {
     float *dx, *dxs;
     int32_t *corr;
     int64_t ngroups, gv;   /* groups per row, values per group */
+    /* The transposed direct path's copy (NULL unless it runs): q, dx, dxs, corr with lane p at
+     * XT_POS32[p] (G = 32) or XT_POS16[p] (G = 16), the order its in-register transpose of W's
+     * group leaves the lanes in. */
+    int8_t *qt;
+    float *dxt, *dxst;
+    int32_t *corrt;
 } xlane_t;
+
+/* Where the in-register transpose of a decoded group (the transposed direct path) puts lane p. */
+static const int XT_POS32[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+static const int XT_POS16[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 
 /* Quantize row r of x as the weight type's activation type wants and lay it out. */
 static void prepare_x_row(const float *x, int64_t k, int act_q8k, int variant, int G, uint8_t *qbuf,
                           const xlane_t *xl, int64_t r) {
-    if (act_q8k) quantize_q8_k_row(x, k, qbuf);
+    if (act_q8k) quantize_q8_k_any(x, k, qbuf);
     else quantize_q8_0_row(x, k, qbuf, variant);
     const int64_t gv = xl->gv;
     int8_t *q = xl->q + r * xl->ngroups * gv, *xn = xl->xn + r * xl->ngroups * gv;
@@ -1197,13 +1286,9 @@ static void prepare_x_row(const float *x, int64_t k, int act_q8k, int variant, i
                     d = f16(rd16(qbuf + (v0 / 32) * 34));
                     src = qbuf + (v0 / 32) * 34 + 2 + v0 % 32;
                 }
-                for (int c = 0; c < G / 4; c++)
-                    for (int e = 0; e < 4; e++) {
-                        const int8_t v = (int8_t)src[4 * c + e];
-                        q[g * gv + 64 * c + 4 * p + e] = v;
-                        xn[v0 + 4 * c + e] = v;
-                        sum += v;
-                    }
+                memcpy(xn + v0, src, (size_t)G);
+                for (int c = 0; c < G / 4; c++) memcpy(q + g * gv + 64 * c + 4 * p, src + 4 * c, 4);
+                for (int j = 0; j < G; j++) sum += (int8_t)src[j];
             } else {
                 for (int c = 0; c < G / 4; c++) memset(q + g * gv + 64 * c + 4 * p, 0, 4);
                 memset(xn + v0, 0, (size_t)G);
@@ -1212,6 +1297,19 @@ static void prepare_x_row(const float *x, int64_t k, int act_q8k, int variant, i
             dxs[g * I8_LANES + p] = d * (float)sum;
             corr[g * I8_LANES + p] = -128 * sum;
         }
+    if (xl->qt != NULL) {
+        const int *pos = G == 32 ? XT_POS32 : XT_POS16;
+        const int64_t o = r * xl->ngroups * gv, lo = r * xl->ngroups * I8_LANES;
+        for (int64_t g = 0; g < xl->ngroups; g++)
+            for (int p = 0; p < I8_LANES; p++) {
+                const int64_t a = lo + g * I8_LANES + p, b = lo + g * I8_LANES + pos[p];
+                xl->dxt[b] = xl->dx[a];
+                xl->dxst[b] = xl->dxs[a];
+                xl->corrt[b] = xl->corr[a];
+                for (int c = 0; c < G / 4; c++)
+                    memcpy(xl->qt + o + g * gv + 64 * c + 4 * pos[p], xl->q + o + g * gv + 64 * c + 4 * p, 4);
+            }
+    }
 }
 
 /* An int8 panel: np rows of W, values c0 .. c0 + kc - 1, as transposed bytes (q, or q + 128
@@ -1287,6 +1385,7 @@ struct i8job {
     const xlane_t *xl;
     float *y;
     i8direct_fn direct;    /* non-NULL: run the direct path */
+    int64_t nchunk;        /* direct path: W rows that every pass of x rows covers before the next */
 };
 
 typedef void (*i8tiles_fn)(const i8job_t *j, const uint8_t *wq, const float *ws, const float *wmn, int np,
@@ -1669,18 +1768,22 @@ __attribute__((target(AVX2_TARGET))) INLINE __m256i dot_avx2(__m256i q, __m256i 
     DEFINE_I8PANEL_SCALAR(T, NAME_LC) DEFINE_I8PANEL_VEC(T, NAME_LC)                                 \
     DEFINE_I8DIRECT(T, NAME_LC, avx2, AVX2_TARGET, 0) DEFINE_I8DIRECT(T, NAME_LC, vnni, VNNI_TARGET, 1)
 #define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_avx2}, \
-                          {NULL, i8direct_##NAME_LC##_avx2, i8direct_##NAME_LC##_vnni, i8direct_##NAME_LC##_fast}
+                          {NULL, i8direct_##NAME_LC##_avx2, i8direct_##NAME_LC##_vnni, i8direct_##NAME_LC##_fast, \
+                           i8direct_##NAME_LC##_ft}
 #else
 #define DEFINE_I8(T, NAME_LC) DEFINE_I8PANEL_SCALAR(T, NAME_LC)
-#define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_scalar}, {NULL, NULL, NULL, NULL}
+#define I8PANELS(NAME_LC) {i8panel_##NAME_LC##_scalar, i8panel_##NAME_LC##_scalar}, {NULL, NULL, NULL, NULL, NULL}
 #endif
 
 /* Columns [n0, n1) of an int8 product: panels of I8_NP rows x I8_KC values, each decoded once
  * and multiplied by every row of x, I8_MB rows at a time. */
 static void i8_columns(const i8job_t *jb, int64_t n0, int64_t n1, uint8_t *scratch) {
     if (jb->direct != NULL) {
-        for (int64_t r0 = 0; r0 < jb->m; r0 += I8_DIRECT_ROWS)
-            jb->direct(jb, n0, n1, r0, jb->m - r0 < I8_DIRECT_ROWS ? (int)(jb->m - r0) : I8_DIRECT_ROWS);
+        const int64_t nb = jb->nchunk > 0 ? jb->nchunk : n1 - n0;
+        for (int64_t a = n0; a < n1; a += nb)
+            for (int64_t r0 = 0; r0 < jb->m; r0 += I8_DIRECT_ROWS)
+                jb->direct(jb, a, n1 - a < nb ? n1 : a + nb, r0,
+                           jb->m - r0 < I8_DIRECT_ROWS ? (int)(jb->m - r0) : I8_DIRECT_ROWS);
         return;
     }
     uint8_t *wq = scratch;
@@ -2174,18 +2277,172 @@ DEFINE_FD(IQ3_XXS, iq3_xxs, 0)
 DEFINE_FD(IQ1_S, iq1_s, 0)
 DEFINE_FD(IQ1_M, iq1_m, 0)
 DEFINE_FD(MXFP4, mxfp4, 0)
+
+/* ---- several rows on AVX512-VNNI: the transposed direct path --------------------------------
+ * fd_group folds each row's NZ vectors of partial sums into the group's 16 lane sums (~14 shuffles
+ * and adds a row), so from 2 rows on the folding, not W's bytes, bounds the 512-bit direct path
+ * (8 rows cost 2.7-5x one). Here the decoded group is transposed once in registers instead, to
+ * the panels' lane layout (vector c holds 4 values of every lane), and every row of x, prepared
+ * in the same layout, needs just NZ vpdpbusd into one vector of its 16 lane sums: the transpose
+ * (16 or 24 shuffles a group) is shared by all RT rows. The transpose leaves lane p at
+ * XT_POS32[p] / XT_POS16[p] (what fold8 / fold4 leave too), so x's copy (xlane_t.qt ...), the
+ * group's scales (one permute a group) and the accumulators are kept in that order, and each
+ * accumulator is put back in lane order (one permute) before the 16 lanes are reduced. The
+ * integer sums are exact and each lane's float operations are the other paths', in the same
+ * order, so the bits are theirs. */
+#define FT_ROWS 8   /* rows of x per pass over a W row (passes of 8, 4, then 1-3) */
+#define FT_NB 16    /* W rows walked together, chunk by chunk */
+#define FT_XBYTES (16 << 10)   /* bytes of x rows (RT of them) per chunk: well inside L1 */
+
+static const int32_t FT_PI8[16] __attribute__((aligned(64))) = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
+/* z[m] = sub-blocks 2m | 2m + 1 in natural order -> z[c] = 4 values of each lane (lane p at XT_POS). */
+__attribute__((target(VNNI_TARGET))) INLINE void ft_transpose(__m512i *z, const int NZ) {
+    __m512i o[8];
+    for (int h = 0; h < NZ / 4; h++) {
+        const __m512i *a = z + 4 * h;
+        const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+        o[4 * h] = _mm512_unpacklo_epi64(t0, t2);
+        o[4 * h + 1] = _mm512_unpackhi_epi64(t0, t2);
+        o[4 * h + 2] = _mm512_unpacklo_epi64(t1, t3);
+        o[4 * h + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    if (NZ == 8)
+        for (int c = 0; c < 4; c++) {
+            z[c] = _mm512_shuffle_i32x4(o[c], o[4 + c], 0x88);
+            z[4 + c] = _mm512_shuffle_i32x4(o[c], o[4 + c], 0xDD);
+        }
+    else
+        for (int c = 0; c < 4; c++) z[c] = o[c];
+}
+
+/* One transposed group times RT rows of x (x, dx, dxs, corr in the transposed lane order). */
+__attribute__((target(VNNI_TARGET))) INLINE void ft_group(const __m512i *z, const int NZ, __m512 ws, __m512 mn,
+                                                         const int has_min, const int bias, const xlane_t *xl,
+                                                         const int8_t *xq, int64_t xs, int64_t lx, int64_t ls,
+                                                         const int RT, __m512 *acc) {
+    const int shift = bias == 128 ? 0 : bias == 32 ? 2 : 5;
+    for (int t = 0; t < RT; t++) {
+        const int8_t *xt = xq + t * xs;
+        __m512i s0 = bias ? _mm512_srai_epi32(_mm512_loadu_si512(xl->corrt + lx + t * ls), shift)
+                          : _mm512_setzero_si512();
+        __m512i s1 = _mm512_setzero_si512();
+        for (int m = 0; m < NZ; m += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, z[m], _mm512_loadu_si512(xt + 64 * m));
+            s1 = _mm512_dpbusd_epi32(s1, z[m + 1], _mm512_loadu_si512(xt + 64 * m + 64));
+        }
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), ws);
+        acc[t] = _mm512_fmadd_ps(f, _mm512_loadu_ps(xl->dxt + lx + t * ls), acc[t]);
+        if (has_min) acc[t] = _mm512_fnmadd_ps(mn, _mm512_loadu_ps(xl->dxst + lx + t * ls), acc[t]);
+    }
+}
+
+/* Rows n0 .. n1 - 1 of W times rows r0 .. r0 + RT - 1 of x, transposed. 8 rows of a 7168-value
+ * x are 57 KB, more than L1, so W's rows are taken FT_NB at a time and walked in chunks of gc
+ * groups (RT gc groups of x fit in FT_XBYTES), the accumulators of each W row kept in accb
+ * between chunks: every lane's float operations still run over the groups in order, so the bits
+ * do not change. (Measured against no chunks: 1.0-1.2x at 8 rows, within this machine's noise.) */
+#define DEFINE_FT(T, NAME_LC, HAS_MIN)                                                              \
+    __attribute__((target(VNNI_TARGET))) INLINE void ftrows_##NAME_LC(const i8job_t *jb, int64_t n0, int64_t n1, \
+                                                                     int64_t r0, const int RT) {    \
+        const xlane_t *xl = jb->xl;                                                                \
+        const int NZ = I8_G(T) / 4;                                                                \
+        const __m512i pi = _mm512_load_si512(NZ == 8 ? FT_PI8 : FD_SIDX16);                        \
+        const __m512i back = _mm512_load_si512(NZ == 8 ? FD_PERM8 : FD_PERM4);                     \
+        const int64_t k = jb->k, rb = k / T##_QK * T##_BYTES, gv = xl->gv, ng = xl->ngroups;       \
+        const int64_t nfull = k / gv, gbytes = gv / T##_QK * T##_BYTES, xs = ng * gv, ls = ng * 16; \
+        const int64_t gc = FT_XBYTES / (RT * gv) > 0 ? FT_XBYTES / (RT * gv) : 1;                 \
+        const int8_t *xq = xl->qt + r0 * xs;                                                       \
+        const int64_t lx0 = r0 * ls;                                                               \
+        __m512 accb[FT_NB][FT_ROWS];                                                               \
+        for (int64_t a = n0; a < n1; a += FT_NB) {                                                 \
+            const int64_t b = n1 - a < FT_NB ? n1 : a + FT_NB;                                     \
+            for (int64_t g0 = 0; g0 < ng; g0 += gc) {                                              \
+                const int64_t g1 = ng - g0 < gc ? ng : g0 + gc;                                    \
+                for (int64_t n = a; n < b; n++) {                                                  \
+                    const uint8_t *ri = jb->w + n * rb;                                            \
+                    __m512 acc[FT_ROWS];                                                           \
+                    for (int t = 0; t < RT; t++) acc[t] = g0 == 0 ? _mm512_setzero_ps() : accb[n - a][t]; \
+                    for (int64_t g = g0; g < g1; g++) {                                            \
+                        const uint8_t *gp = ri + g * gbytes;                                       \
+                        __m512i z[8];                                                              \
+                        __m512 ws, wm = _mm512_setzero_ps();                                       \
+                        if (g < nfull) {                                                           \
+                            for (int64_t o = 0; o < gbytes; o += 64)                               \
+                                __builtin_prefetch(gc < ng ? gp + 2 * rb + o : gp + I8_PREFETCH + o); \
+                            zq_##NAME_LC(gp, z);                                                   \
+                            zs_##NAME_LC(gp, &ws, &wm);                                            \
+                        } else {                                                                   \
+                            const int nsub = (int)((k - g * gv) / 32);                             \
+                            zqg_##NAME_LC(gp, nsub, z);                                            \
+                            zsg_##NAME_LC(gp, nsub, &ws, &wm);                                     \
+                        }                                                                          \
+                        ft_transpose(z, NZ);                                                       \
+                        ws = _mm512_permutexvar_ps(pi, ws);                                        \
+                        if (HAS_MIN || g >= nfull) wm = _mm512_permutexvar_ps(pi, wm);             \
+                        ft_group(z, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
+                    }                                                                              \
+                    if (g1 < ng) {                                                                 \
+                        for (int t = 0; t < RT; t++) accb[n - a][t] = acc[t];                      \
+                        continue;                                                                  \
+                    }                                                                              \
+                    for (int t = 0; t < RT; t++) {                                                 \
+                        const __m512 v = _mm512_permutexvar_ps(back, acc[t]);                      \
+                        jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(v),  \
+                                                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))); \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    __attribute__((target(VNNI_TARGET))) static void i8direct_##NAME_LC##_ft(const i8job_t *jb, int64_t n0, \
+                                                                            int64_t n1, int64_t r0, int m) { \
+        for (int r = 0; r < m;) {                                                                  \
+            const int rt = m - r >= 8 ? 8 : m - r >= 4 ? 4 : m - r;                                \
+            switch (rt) {                                                                          \
+            case 1: ftrows_##NAME_LC(jb, n0, n1, r0 + r, 1); break;                                \
+            case 2: ftrows_##NAME_LC(jb, n0, n1, r0 + r, 2); break;                                \
+            case 3: ftrows_##NAME_LC(jb, n0, n1, r0 + r, 3); break;                                \
+            case 4: ftrows_##NAME_LC(jb, n0, n1, r0 + r, 4); break;                                \
+            default: ftrows_##NAME_LC(jb, n0, n1, r0 + r, 8); break;                               \
+            }                                                                                      \
+            r += rt;                                                                               \
+        }                                                                                          \
+    }
+
+DEFINE_FT(Q8_0, q8_0, 0)
+DEFINE_FT(Q4_K, q4_k, 1)
+DEFINE_FT(Q5_K, q5_k, 1)
+DEFINE_FT(Q6_K, q6_k, 0)
+DEFINE_FT(Q2_K, q2_k, 1)
+DEFINE_FT(Q3_K, q3_k, 0)
+DEFINE_FT(IQ2_XXS, iq2_xxs, 0)
+DEFINE_FT(IQ2_XS, iq2_xs, 0)
+DEFINE_FT(IQ3_XXS, iq3_xxs, 0)
+DEFINE_FT(IQ1_S, iq1_s, 0)
+DEFINE_FT(IQ1_M, iq1_m, 0)
+DEFINE_FT(MXFP4, mxfp4, 0)
 #endif
 
 
 /* Per type: lane width G, whether the weights have a min, the activation type (ggml's
  * vec_dot_type: Q8_0 for Q8_0 and MXFP4, Q8_K for the rest), the panel decoders. */
 typedef struct {
-    int ggml_type, G, has_min, act_q8k, direct_below, fast_below;
+    int ggml_type, G, has_min, act_q8k, direct_below, fast_below, ft_from, ft_below;
+    /* fast_below: what path 5 (the folding 512-bit path alone, as before the transposed one) uses */
     i8panel_fn panel[2];   /* scalar, vector */
-    i8direct_fn direct[4]; /* -, AVX2, VNNI, VNNI fast (512-bit) */
+    i8direct_fn direct[5]; /* -, AVX2, VNNI, VNNI fast (512-bit), VNNI transposed (512-bit) */
 } i8type_t;
 
-/* direct_below: rows below which the direct path runs on AVX2 (panels from there; the same
+/* ft_from, ft_below: on AVX512-VNNI (the default path), rows from which the transposed direct
+ * path runs instead of the folding one, and rows from which the panels run instead. Measured
+ * (benchmarks/bench_qmatmul.py --int8-paths, 7168 x 2048, 1 thread, 1-64 rows, 2026-12-02): the
+ * transposed path is 1.1-1.5x the folding one from 2-4 rows (Q8_0: from ~8; one row stays on
+ * the folding path, slightly faster there) and beats the panels through 64 rows for Q8_0, Q4_K,
+ * Q6_K, Q2_K, MXFP4 (Q3_K, Q5_K by analogy, not measured); the IQ types' panels, which decode
+ * each grid row once for 64 rows, win from 16 rows (IQ2_XS, IQ1_M by analogy).
+ * direct_below: rows below which the direct path runs on AVX2 (panels from there; the same
  * bits). Measured (AVX512-VNNI, 7168 x 2048, 1 thread, 2-8 rows): Q6_K's panels (16-value lanes:
  * half the integer work per float step) lose to the direct path up to 8+ rows, Q4_K's and Q8_0's
  * up to ~6-8, MXFP4's and IQ2_XXS's from 4; the other types take their lane width's figure.
@@ -2195,12 +2452,12 @@ typedef struct {
  * for Q6_K; the IQ types with costly grid gathers (IQ1_S, IQ2_XXS, IQ3_XXS) and Q8_0 cross over
  * between 8 and 16. */
 static const i8type_t I8TYPES[] = {
-    {39, I8_G(MXFP4), 0, 0, 4, 16, I8PANELS(mxfp4)},    {8, I8_G(Q8_0), 0, 0, 8, 12, I8PANELS(q8_0)},
-    {10, I8_G(Q2_K), 1, 1, 12, 24, I8PANELS(q2_k)},     {11, I8_G(Q3_K), 0, 1, 12, 24, I8PANELS(q3_k)},
-    {12, I8_G(Q4_K), 1, 1, 8, 20, I8PANELS(q4_k)},      {13, I8_G(Q5_K), 1, 1, 8, 24, I8PANELS(q5_k)},
-    {14, I8_G(Q6_K), 0, 1, 12, 40, I8PANELS(q6_k)},     {16, I8_G(IQ2_XXS), 0, 1, 4, 12, I8PANELS(iq2_xxs)},
-    {17, I8_G(IQ2_XS), 0, 1, 12, 16, I8PANELS(iq2_xs)}, {18, I8_G(IQ3_XXS), 0, 1, 4, 12, I8PANELS(iq3_xxs)},
-    {19, I8_G(IQ1_S), 0, 1, 4, 12, I8PANELS(iq1_s)},    {29, I8_G(IQ1_M), 0, 1, 12, 16, I8PANELS(iq1_m)},
+    {39, I8_G(MXFP4), 0, 0, 4, 16, 2, 65, I8PANELS(mxfp4)},    {8, I8_G(Q8_0), 0, 0, 8, 12, 8, 65, I8PANELS(q8_0)},
+    {10, I8_G(Q2_K), 1, 1, 12, 24, 2, 65, I8PANELS(q2_k)},     {11, I8_G(Q3_K), 0, 1, 12, 24, 2, 65, I8PANELS(q3_k)},
+    {12, I8_G(Q4_K), 1, 1, 8, 20, 2, 65, I8PANELS(q4_k)},      {13, I8_G(Q5_K), 1, 1, 8, 24, 2, 65, I8PANELS(q5_k)},
+    {14, I8_G(Q6_K), 0, 1, 12, 40, 2, 65, I8PANELS(q6_k)},     {16, I8_G(IQ2_XXS), 0, 1, 4, 12, 4, 16, I8PANELS(iq2_xxs)},
+    {17, I8_G(IQ2_XS), 0, 1, 12, 16, 4, 16, I8PANELS(iq2_xs)}, {18, I8_G(IQ3_XXS), 0, 1, 4, 12, 2, 16, I8PANELS(iq3_xxs)},
+    {19, I8_G(IQ1_S), 0, 1, 4, 12, 4, 16, I8PANELS(iq1_s)},    {29, I8_G(IQ1_M), 0, 1, 12, 16, 4, 16, I8PANELS(iq1_m)},
 };
 
 static const i8type_t *find_i8type(int ggml_type) {
@@ -2370,7 +2627,7 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
         for (Py_ssize_t r = 0; r < m; r++) {
             const float *xr = (const float *)x.buf + r * k;
             uint8_t *o = (uint8_t *)out.buf + r * (k / qk) * bytes;
-            if (act == 15) quantize_q8_k_row(xr, k, o);
+            if (act == 15) quantize_q8_k_any(xr, k, o);
             else quantize_q8_0_row(xr, k, o, variant);
         }
         ret = Py_NewRef(Py_None);
@@ -2385,9 +2642,12 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
  * `variant` as quantize_q8, or Q8_K), then integer dot products (see "int8 activations").
  * simd: -1 best, 0 scalar, 1 AVX2, 2 AVX512-VNNI (capped at what the CPU runs); every level gives
  * the same bits. Output columns split over `threads`. path: -1 by the row count (direct below
- * the type's direct_below rows, or fast_below on AVX512-VNNI, panels from there), 0 the direct
- * path's 256-bit form, 1 panels, 2 the direct path (512-bit on AVX512-VNNI, else as 0), 3 as -1
+ * the type's direct_below rows, panels from there; on AVX512-VNNI the folding 512-bit direct path
+ * below ft_from rows, the transposed one below ft_below, panels from there), 0 the direct path's
+ * 256-bit form, 1 panels, 2 the folding 512-bit direct path (on AVX512-VNNI, else as 0), 3 as -1
  * but with the 256-bit direct path and its thresholds (the kernels before the 512-bit path, for
+ * benchmarks), 4 the transposed 512-bit direct path (AVX512-VNNI, else as 0), 5 as -1 without the
+ * transposed path, the folding one below fast_below rows (the kernels before it, for
  * benchmarks): the same bits on every path and level. */
 static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
     Py_buffer w, x, y;
@@ -2420,23 +2680,35 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         const int nthreads = split_threads(n_out, k, threads);
         const int64_t gv = 16 * (int64_t)it->G, ngroups = (k + gv - 1) / gv;
         const int64_t qbytes = it->act_q8k ? k / 256 * Q8_K_BYTES : k / 32 * 34;
-        xlane_t xl = {NULL, NULL, NULL, NULL, NULL, ngroups, gv};
+        const int64_t rb = k / qt->qk * qt->bytes;
+        xlane_t xl = {NULL, NULL, NULL, NULL, NULL, ngroups, gv, NULL, NULL, NULL, NULL};
         xl.q = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
         xl.xn = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
         xl.dx = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         xl.dxs = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         xl.corr = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         uint8_t *qbuf = malloc((size_t)qbytes + 64);
-        const int auto_path = path < 0 || path == 3, d256 = path == 0 || path == 3;
-        const int below = level == 2 && path != 3 ? it->fast_below : it->direct_below;
-        const int direct = level > 0 && (auto_path ? m < below : path == 0 || path == 2);
-        const i8direct_fn dfn = !direct ? NULL : level == 2 && !d256 ? it->direct[3] : it->direct[level];
+        const int auto_path = path < 0 || path == 3 || path == 5, d256 = path == 0 || path == 3;
+        const int below = level == 2 && path < 0 ? it->ft_below : level == 2 && path == 5 ? it->fast_below
+                                                                                         : it->direct_below;
+        const int direct = level > 0 && (auto_path ? m < below : path == 0 || path == 2 || path == 4);
+        const int transposed = direct && level == 2 && !d256 && (path == 4 || (path < 0 && m >= it->ft_from));
+        const i8direct_fn dfn = !direct ? NULL : transposed ? it->direct[4] : level == 2 && !d256 ? it->direct[3]
+                                                                                               : it->direct[level];
         uint8_t *scratch = direct ? NULL : aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
-        if (!xl.q || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf || (!direct && !scratch)) {
+        if (transposed) {
+            xl.qt = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
+            xl.dxt = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
+            xl.dxst = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
+            xl.corrt = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
+        }
+        if (!xl.q || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf || (!direct && !scratch)
+            || (transposed && (!xl.qt || !xl.dxt || !xl.dxst || !xl.corrt))) {
             PyErr_NoMemory();
         } else {
             const i8job_t jb = {w.buf, it->panel[level > 0], qt->qk, qt->bytes, n_out, k, m,
-                                it->G, it->has_min, level, &xl, y.buf, dfn};
+                                it->G, it->has_min, level, &xl, y.buf, dfn,
+                                m > 8 ? (I8_CHUNK_BYTES + rb - 1) / rb : 0};
             Py_BEGIN_ALLOW_THREADS
             for (int64_t r = 0; r < m; r++)
                 prepare_x_row((const float *)x.buf + r * k, k, it->act_q8k, variant, it->G, qbuf, &xl, r);
@@ -2457,6 +2729,10 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         free(xl.dx);
         free(xl.dxs);
         free(xl.corr);
+        free(xl.qt);
+        free(xl.dxt);
+        free(xl.dxst);
+        free(xl.corrt);
         free(qbuf);
         free(scratch);
     }
@@ -2653,6 +2929,7 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
     if (use_simd == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("bmi2"))
         use_i8 = 2;
+    q8_avx512 = use_simd == 2 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 #endif
     return PyModule_Create(&module);
 }

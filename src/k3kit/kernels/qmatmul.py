@@ -104,7 +104,8 @@ ARITHS = ("float", "ggml")
 # LoadOptions resolves `--arith auto` (ggml on the CPU with the extension, else float) and passes it.
 DEFAULT_ARITH = "float"
 # matmul_q8's path argument for the "ggml" arithmetic: -1 chooses by the row count (the same bits on
-# every path). Benchmarks set 3 to time the 256-bit direct path that preceded the 512-bit one.
+# every path). Benchmarks set 3 to time the 256-bit direct path that preceded the 512-bit one, 5 the
+# folding 512-bit direct path alone (before the transposed one took 2-64 rows).
 I8_PATH = -1
 # The most bytes of dequantized weights a product beyond NATIVE_MAX_ROWS holds at once (a chunk
 # of W's rows in the compute dtype; 8 MiB measured as fast as the whole matrix, and stays in L3).

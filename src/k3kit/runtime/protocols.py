@@ -40,7 +40,10 @@ Draft — produces one block of proposals per call:
   * `sync(ring)` brings its context (projected K/V of committed tap features) up to the ring;
   * `draft_block(anchor, position)` runs one forward over [anchor, MASK x (B-1)] placed at
     position .. position+B-1 and returns the base logits and hidden rows of the proposal rows;
-  * Markov / confidence heads, when present (`has_markov`, `has_confidence`).
+  * Markov / confidence heads, when present (`has_markov`, `has_confidence`);
+  * optional `draft_blocks(contexts, anchors, positions)`: N sequences' blocks in one forward,
+    each equal to its own `draft_block` (a batching server drafts every sequence at once; found
+    by `hasattr`, serial `draft_block` calls otherwise).
 AttachableDraft is a draft loaded from its own file: `attach(target)` borrows the target's
 embedding and LM head, checks that the two fit and tells the target which layers to capture
 (`set_taps`); `set_block_size(k)` runs it with fewer proposals than it was trained for.

@@ -40,9 +40,11 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      per second passes with and without drafts really realized (their draft steps included) at
      this number of decoders, and where drafting has realized less it is only tried again
      rarely; greedy output does not depend on it (the tokens are AR's either way);
-  3. those propose (the draft runs per sequence; it is small), and `allocate_widths` again,
-     now with the draft's confidences (scaled by how many of the proposals they foretold were
-     really accepted) and the draft cost spent, picks each block's width;
+  3. those propose, all in ONE draft forward (`propose_many`: each block is its own serial draft
+     step's; a draft step's cost per sequence is DraftCost's fit of the batched steps run, so the
+     more draft together the cheaper each), and `allocate_widths` again, now with the draft's
+     confidences (scaled by how many of the proposals they foretold were really accepted) and
+     the draft cost spent, picks each block's width;
   4. ONE `verify_batch` runs every block [anchor, proposals] (not committed: ReplaySSM) with
      the other sequences' plain rows and prompt chunks (committed);
   5. each decoder accepts (greedy, or lossless sampled with its own generator) and commits
@@ -80,8 +82,10 @@ import torch
 
 from k3kit.runtime.protocols import BatchedModel, LoadedModel, SpeculativeBatchedModel, VerifyOutput
 from k3kit.runtime.sampling import Sampler
+from k3kit.runtime.speculative import DraftBlock
+from k3kit.runtime.speculative.decoder import batchable, draft_blocks, propose_many
 from k3kit.runtime.speculative.proposal import Proposal
-from k3kit.runtime.speculative.schedule import Claim, DraftGuard, allocate_widths, prefix_survival
+from k3kit.runtime.speculative.schedule import Claim, DraftCost, DraftGuard, allocate_widths, prefix_survival
 from k3kit.serve.scheduler import (
     Event,
     FinishEvent,
@@ -184,7 +188,8 @@ class BatchScheduler:
     def __init__(self, model: BatchedModel, codec: TextCodec, *, loaded: LoadedModel | None = None,
                  max_batch: int = 256, max_queue: int = 64, prefill_chunk: int | None = None,
                  invariant_rows: int | None = None, step_factory: StepFactory | None = None,
-                 max_sequences: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_sequences: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 guard: DraftGuard | None = None) -> None:
         """`max_batch`: rows per pass at most. `max_sequences`: sequences holding state at once
         (default max_batch).
         `prefill_chunk`: prompt rows per chunk (default max_batch; never more).
@@ -192,7 +197,8 @@ class BatchScheduler:
         0 = no invariance promised, passes fill up to max_batch).
         `step_factory`: (target, sampler) -> a SpeculativeDecoder for one sequence (its target:
         the model's `sequence_target(handle)`); needs a SpeculativeBatchedModel.
-        `clock`: seconds, what passes are timed with (tests give their own)."""
+        `clock`: seconds, what passes are timed with (tests give their own).
+        `guard`: what decides where greedy sequences may draft (default: a DraftGuard)."""
         if max_batch < 1 or max_queue < 0 or (max_sequences is not None and max_sequences < 1):
             raise ValueError("max_batch and max_sequences must be >= 1 and max_queue >= 0")
         self.model, self.codec, self.loaded = model, codec, loaded
@@ -212,7 +218,8 @@ class BatchScheduler:
                         "with the other requests served at the same time")
         self._draft_s: float | None = None        # running mean of one draft step, any sequence
         self._timing = PassTiming()               # measured pass seconds vs the model's cost()
-        self._guard = DraftGuard()                # realized tokens/s with and without drafts
+        self._guard = guard or DraftGuard()       # realized tokens/s with and without drafts
+        self._draft_fit = DraftCost()             # a draft step's seconds for n sequences drafted together
         self._clock = clock
         self._drafted = False                     # whether this pass ran a draft step
         self._draft_cost = 0.0                    # ... and their step seconds (decoder's draft_seconds)
@@ -465,9 +472,12 @@ class BatchScheduler:
 
         # 2. who drafts: the acceptance each has shown so far, its draft time
         claims = []
+        share = self._draft_fit.per_sequence(len(decs))      # all of them drafting in one forward
         for s in decs:
             p = s.dec.draft.n_proposals
             d = s.dec.draft_seconds if s.dec.draft_seconds is not None else self._draft_s
+            if share is not None:
+                d = share
             if not s.dec.sampling.greedy:     # no timing in a sampled sequence's choices: its seed repeats
                 d = 0.0
             budget = s.dec.schedule.budget
@@ -485,9 +495,13 @@ class BatchScheduler:
         for s in decs:
             s.undrafted = 0 if s in drafted else s.undrafted + 1
         props: dict[_Seq, Proposal] = {}
-        for s in drafted:
+        made = propose_many([s.dec for s in drafted], [s.out.last for s in drafted],
+                            [s.out.remaining for s in drafted])     # one draft forward for all
+        stepped = [s for s, pr in zip(drafted, made, strict=True) if pr is not None]
+        if stepped:
+            self._draft_fit.record(len(stepped), sum(s.dec.last_draft_seconds for s in stepped))
+        for s, pr in zip(drafted, made, strict=True):
             self._drafted = True
-            pr = s.dec.propose(s.out.last, s.out.remaining)
             self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is not None and pr.tokens:
                 props[s] = pr
@@ -531,10 +545,17 @@ class BatchScheduler:
         request would not repeat. Each drafts whenever two rows fit and verifies the leading
         proposals its confidence passes (`schedule.threshold`; all of them without one)."""
         out: dict[_Seq, tuple[Proposal, list[int]]] = {}
-        for s in decs:
-            if room < 2 or s.dec.schedule.budget == 1 or s.out.remaining <= 1:
+        decs = [s for s in decs if s.dec.drafts(s.out.remaining)] if room >= 2 else []
+        made: tuple[list[DraftBlock], list[float]] | None = None
+        if batchable([s.dec for s in decs]):      # their blocks in one forward (no draws in it)
+            made = draft_blocks([s.dec for s in decs], [s.out.last for s in decs])
+        for j, s in enumerate(decs):
+            if room < 2:
                 continue
-            pr = s.dec.propose(s.out.last, s.out.remaining)
+            if made is not None:
+                pr = s.dec.propose_block(made[0][j], s.out.last, made[1][j])
+            else:
+                pr = s.dec.propose(s.out.last, s.out.remaining)
             self._drafted = True
             self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is None or not pr.tokens:

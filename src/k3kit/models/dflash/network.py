@@ -23,7 +23,7 @@ drafter over the runtime's feature ring is k3kit.adapters.dflash.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -85,6 +85,30 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
         return self.o_proj(o.transpose(0, 1).reshape(n, self.nh * self.hd))
 
+    def forward_batch(self, x: Tensor, pos: Tensor, rope: tuple[Tensor, float],
+                      ctxs: Sequence[tuple[Tensor, Tensor] | None]) -> Tensor:
+        """`forward` for N blocks at once: x [N, B, H], pos [N, B], block i attending to ctxs[i].
+        Projections and rope run on all rows together, attention per block (contexts differ in length)."""
+        nb, b = x.shape[:2]
+        flat = pos.reshape(-1)
+        q = self.q_norm(rows_linear(x, self.q_proj).view(nb * b, self.nh, self.hd))
+        q = apply_rope(q, flat, *rope).view(nb, b, self.nh, self.hd)
+        k = self.k_norm(rows_linear(x, self.k_proj).view(nb * b, self.nkv, self.hd))
+        k = apply_rope(k, flat, *rope).view(nb, b, self.nkv, self.hd)
+        v = rows_linear(x, self.v_proj).view(nb, b, self.nkv, self.hd)
+        rep = self.nh // self.nkv
+        outs = []
+        for i, ctx in enumerate(ctxs):
+            ki, vi = k[i], v[i]
+            if ctx is not None and ctx[0].shape[0]:
+                ki = torch.cat([ctx[0].to(ki.dtype), ki], 0)
+                vi = torch.cat([ctx[1].to(vi.dtype), vi], 0)
+            ki = ki.repeat_interleave(rep, dim=1)
+            vi = vi.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q[i].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+            outs.append(o.transpose(0, 1).reshape(b, self.nh * self.hd))
+        return rows_linear(torch.stack(outs), self.o_proj)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
@@ -95,6 +119,11 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_batch(self, x: Tensor) -> Tensor:
+        """x [N, B, H]: each block's rows as `forward` gives them alone."""
+        h = F.silu(rows_linear(x, self.gate_proj)) * rows_linear(x, self.up_proj)
+        return rows_linear(h, self.down_proj)
 
 
 class DraftLayer(nn.Module):
@@ -108,6 +137,21 @@ class DraftLayer(nn.Module):
     def forward(self, x, pos, rope, ctx):
         x = x + self.self_attn(self.input_layernorm(x), pos, rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_batch(self, x, pos, rope, ctxs):
+        x = x + self.self_attn.forward_batch(self.input_layernorm(x), pos, rope, ctxs)
+        return x + self.mlp.forward_batch(self.post_attention_layernorm(x))
+
+
+def rows_linear(x: Tensor, lin: nn.Linear) -> Tensor:
+    """A bias-free nn.Linear on N blocks x [N, B, in] -> [N, B, out], as one GEMM over all rows.
+
+    torch's CPU GEMM picks its kernel by the row count: a one-row product is a GEMV and rounds
+    differently from the same row inside a larger product, but blocks of B >= 2 rows have come out
+    bit for bit as each block's own product (tests/runtime/test_spec_batch.py checks that drafting
+    many sequences in one forward gives each its serial proposals). A per-block bmm would promise
+    it for any B, at twice the time of the one GEMM here."""
+    return F.linear(x.reshape(-1, x.shape[-1]), lin.weight).view(*x.shape[:-1], -1)
 
 
 class MarkovHead(nn.Module):
@@ -234,6 +278,19 @@ class DSparkDraft(nn.Module):
         positions = positions.to(self.rope_inv_freq.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rope, None if ctx_kv is None else ctx_kv[i])
+        return self.norm(x)
+
+    def forward_batch(self, block_ids: Tensor, positions: Tensor,
+                      ctx_kvs: Sequence[list[tuple[Tensor, Tensor]] | None]) -> Tensor:
+        """N blocks [N, B] of ids at positions [N, B], block i over its own context ctx_kvs[i]
+        -> hidden rows [N, B, H], each block's equal to `forward` of it alone (see rows_linear)."""
+        nb, b = block_ids.shape
+        x = self.embed(block_ids.reshape(-1)).view(nb, b, -1)
+        rope = (self.rope_inv_freq, self.rope_mag)
+        positions = positions.to(self.rope_inv_freq.device)
+        for i, layer in enumerate(self.layers):
+            ctxs = [None if kv is None else kv[i] for kv in ctx_kvs]
+            x = cast(DraftLayer, layer).forward_batch(x, positions, rope, ctxs)
         return self.norm(x)
 
     # -- DSpark heads

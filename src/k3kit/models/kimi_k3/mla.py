@@ -74,12 +74,11 @@ class MLA(nn.Module):
         else:
             offset, c_all, pe_all = 0, c, k_pe
 
-        kv_b = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, L)
-        w_kb, w_vb = kv_b[:, :nope], kv_b[:, nope:]              # [H, nope, L], [H, v, L]
+        w_kb, w_vb = head_weights(self)
         rnd = self.ggml_inputs
         if rnd.get("kv_b"):     # llama.cpp's unabsorbed path multiplies kv_b with the latent rows
             c_all = ggml_input_round(c_all, rnd["kv_b"])
-        q_abs = torch.einsum("bthd,hdl->bthl", ggml_input_round(q_nope, rnd.get("k_b")), w_kb)
+        q_abs = absorb(ggml_input_round(q_nope, rnd.get("k_b")), w_kb)
         Q = torch.cat((q_abs, q_pe), dim=-1)                     # [B, T, H, L + pe]
         K = torch.cat((c_all, pe_all), dim=-1)                   # [B, S, L + pe]
         scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + pe_dim))
@@ -112,29 +111,75 @@ def project_rows(mla: MLA, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | 
     return q.view(B, T, cfg.num_heads, cfg.qk_head_dim), c, kv_pe[..., cfg.kv_lora_rank:], gate
 
 
+def head_weights(mla: MLA) -> tuple[Tensor, Tensor]:
+    """kv_b's per-head halves as views: W_kb [H, nope, L] and W_vb [H, v, L]."""
+    cfg = mla.cfg
+    kv_b = mla.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return kv_b[:, :cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim:]
+
+
+def _one_per_row(x: Tensor) -> bool:
+    """Whether a [B, T, ...] operand takes the per-row products (no gradient, T == 1)."""
+    return x.shape[1] == 1 and not torch.is_grad_enabled()
+
+
+def absorb(q_nope: Tensor, w_kb: Tensor) -> Tensor:
+    """W_kb^T q_nope per head: [B, T, H, nope] -> [B, T, H, L]. One-row operands (decode) go
+    through `absorb_rows`, so a decoding row gets the same floats alone or batched with others
+    (W_vb's product needs no such care: it runs per sequence, one row each, in both cases)."""
+    if _one_per_row(q_nope):
+        return absorb_rows(q_nope[:, 0], w_kb)[:, None]
+    return torch.einsum("bthd,hdl->bthl", q_nope, w_kb)
+
+
+def absorb_rows(x: Tensor, w_kb: Tensor) -> Tensor:
+    """x [N, H, nope] (N rows, of any sequences) -> [N, H, L], each (row, head) its own 1-row
+    product with W_kb[h] (the floats of the per-sequence einsum). For several rows, head by head:
+    W_kb[h] (256 KiB on K3) is read once for all of them, where a GEMM over the rows would sum
+    differently for different N, and a product per sequence reads all of W_kb (25 MB in float32
+    on K3) for each row."""
+    N, H, d = x.shape
+    L = w_kb.shape[-1]
+    if N == 1:
+        return torch.bmm(x.transpose(0, 1), w_kb).transpose(0, 1)
+    out = x.new_empty(H, N, 1, L)
+    for h in range(H):
+        torch.bmm(x[:, h, None, :], w_kb[h].expand(N, d, L), out=out[h])
+    return out[:, :, 0].transpose(0, 1)
+
+
+def attend_latent(mla: MLA, cache: MLACache, q_abs: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor) -> Tensor:
+    """One sequence's attention over its latents: append the rows' latents to `cache`, attend
+    with the absorbed queries q_abs [B, T, H, L] (+ q_pe [B, T, H, pe]); the attended latents
+    [B, T, H, L] (rounded as ggml rounds W_vb's input), before W_vb."""
+    cfg = mla.cfg
+    T = q_abs.shape[1]
+    offset = cache.length
+    cache.append(c, k_pe)
+    c_all, pe_all = cache.view()
+    rnd = mla.ggml_inputs
+    if rnd.get("kv_b"):
+        c_all = ggml_input_round(c_all, rnd["kv_b"])
+    Q = torch.cat((q_abs, q_pe), dim=-1)
+    K = torch.cat((c_all, pe_all), dim=-1)
+    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    scores = torch.einsum("bthc,bsc->bhts", Q, K) * scale
+    rows = offset + torch.arange(T, device=q_abs.device)
+    allowed = torch.arange(K.shape[1], device=q_abs.device)[None, :] <= rows[:, None]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return ggml_input_round(torch.einsum("bhts,bsl->bthl", probs, c_all), rnd.get("v_b"))
+
+
 def attend_rows(mla: MLA, cache: MLACache, q: Tensor, c: Tensor, k_pe: Tensor) -> Tensor:
     """The per-sequence half: append the rows' latents to `cache` and attend over it; the
     value-projected heads [B, T, H * v] (before the gate and W_o)."""
     cfg = mla.cfg
     B, T = q.shape[:2]
-    H, nope, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    offset = cache.length
-    cache.append(c, k_pe)
-    c_all, pe_all = cache.view()
-    kv_b = mla.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, L)
-    w_kb, w_vb = kv_b[:, :nope], kv_b[:, nope:]
-    rnd = mla.ggml_inputs
-    if rnd.get("kv_b"):
-        c_all = ggml_input_round(c_all, rnd["kv_b"])
-    q_abs = torch.einsum("bthd,hdl->bthl", ggml_input_round(q[..., :nope], rnd.get("k_b")), w_kb)
-    Q = torch.cat((q_abs, q[..., nope:]), dim=-1)
-    K = torch.cat((c_all, pe_all), dim=-1)
-    scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + cfg.qk_rope_head_dim))
-    rows = offset + torch.arange(T, device=q.device)
-    allowed = torch.arange(K.shape[1], device=q.device)[None, :] <= rows[:, None]
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    lat = ggml_input_round(torch.einsum("bhts,bsl->bthl", probs, c_all), rnd.get("v_b"))
-    return torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(B, T, H * cfg.v_head_dim)
+    nope = cfg.qk_nope_head_dim
+    w_kb, w_vb = head_weights(mla)
+    q_abs = absorb(ggml_input_round(q[..., :nope], mla.ggml_inputs.get("k_b")), w_kb)
+    lat = attend_latent(mla, cache, q_abs, q[..., nope:], c, k_pe)
+    return torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(B, T, cfg.num_heads * cfg.v_head_dim)
 
 
 def output_rows(mla: MLA, out: Tensor, gate: Tensor | None) -> Tensor:

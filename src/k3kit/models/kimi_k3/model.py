@@ -35,7 +35,10 @@ from .kda import output_rows as kda_output_rows
 from .kda import project_rows as kda_project_rows
 from .kda import recur_rows as kda_recur_rows
 from .mla import MLA
+from .mla import absorb_rows as mla_absorb_rows
+from .mla import attend_latent as mla_attend_latent
 from .mla import attend_rows as mla_attend_rows
+from .mla import head_weights as mla_head_weights
 from .mla import output_rows as mla_output_rows
 from .mla import project_rows as mla_project_rows
 from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE, Router
@@ -347,11 +350,12 @@ def _kda_rows(kda: KDA, h: Tensor, states: list[KDAState], bounds: list[int],
     o = torch.empty_like(gate)
     if singles:
         rows = torch.tensor([bounds[i] for i in singles], device=h.device)
-        batch = KDAState(torch.cat([states[i].S for i in singles]),
+        S = [states[i].S for i in singles]
+        batch = KDAState(_stacked(S) if not torch.is_grad_enabled() else torch.cat(S),
                          torch.cat([states[i].conv for i in singles]))
         o[0, rows] = kda_recur_rows(kda, batch, conv_in[0, rows, None], g[0, rows, None],
-                                    beta[0, rows, None])[:, 0]
-        for j, i in enumerate(singles):     # views of the batch: the next pass's cat copies them
+                                    beta[0, rows, None], inplace=not torch.is_grad_enabled())[:, 0]
+        for j, i in enumerate(singles):     # views of the batch: the next pass steps them in place
             states[i].S, states[i].conv = batch.S[j:j + 1], batch.conv[j:j + 1]
     for i in range(n):
         s = slice(bounds[i], bounds[i + 1])
@@ -363,6 +367,20 @@ def _kda_rows(kda: KDA, h: Tensor, states: list[KDAState], bounds: list[int],
         elif bounds[i + 1] - bounds[i] > 1:
             o[:, s] = kda_recur_rows(kda, states[i], conv_in[:, s], g[:, s], beta[:, s])
     return kda_output_rows(kda, o, gate)
+
+
+def _stacked(parts: list[Tensor]) -> Tensor:
+    """The states `parts` (each [1, ...]) as one [n, ...] tensor: the tensor they are already
+    consecutive views of, in this order (the batch of the previous pass when the same sequences
+    decode again: no copy, the states are stepped in place), else a new one (torch.cat)."""
+    first = parts[0]
+    n, per = len(parts), first.numel()
+    storage = first.untyped_storage()
+    if all(p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype
+           and p.untyped_storage().data_ptr() == storage.data_ptr() and p.storage_offset() == j * per
+           for j, p in enumerate(parts)):
+        return first.as_strided((n, *first.shape[1:]), first.stride(), 0)
+    return torch.cat(parts)
 
 
 def _kda_verify_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta: Tensor
@@ -384,11 +402,33 @@ def _kda_verify_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta
 
 
 def _mla_rows(mla: MLA, h: Tensor, caches: list[MLACache], bounds: list[int]) -> Tensor:
-    """An MLA layer over a pass's rows: projections on all rows, attention per sequence."""
+    """An MLA layer over a pass's rows: projections on all rows, attention per sequence. The
+    one-row segments (decoding sequences) take W_kb^T q together (mla.absorb_rows: the floats
+    each row gets alone, W_kb read once for all)."""
     q, c, k_pe, gate = mla_project_rows(mla, h)
-    parts = [mla_attend_rows(mla, cache, q[:, bounds[i]:bounds[i + 1]], c[:, bounds[i]:bounds[i + 1]],
-                             k_pe[:, bounds[i]:bounds[i + 1]]) for i, cache in enumerate(caches)]
-    return mla_output_rows(mla, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), gate)
+    n = len(caches)
+    singles = [i for i in range(n) if bounds[i + 1] - bounds[i] == 1]
+    if len(singles) < 2 or torch.is_grad_enabled():
+        parts = [mla_attend_rows(mla, cache, q[:, bounds[i]:bounds[i + 1]], c[:, bounds[i]:bounds[i + 1]],
+                                 k_pe[:, bounds[i]:bounds[i + 1]]) for i, cache in enumerate(caches)]
+        return mla_output_rows(mla, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), gate)
+    cfg = mla.cfg
+    nope, H = cfg.qk_nope_head_dim, cfg.num_heads
+    w_kb, w_vb = mla_head_weights(mla)
+    rnd = mla.ggml_inputs
+    rows = torch.tensor([bounds[i] for i in singles], device=h.device)
+    q_abs = mla_absorb_rows(ggml_input_round(q[0, rows, :, :nope], rnd.get("k_b")), w_kb)   # [N, H, L]
+    out = q.new_empty(1, q.shape[1], H * cfg.v_head_dim)
+    for j, i in enumerate(singles):
+        r = bounds[i]
+        lat = mla_attend_latent(mla, caches[i], q_abs[j][None, None], q[:, r:r + 1, :, nope:],
+                                c[:, r:r + 1], k_pe[:, r:r + 1])
+        out[:, r:r + 1] = torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(1, 1, -1)
+    for i, cache in enumerate(caches):
+        if bounds[i + 1] - bounds[i] > 1:
+            s = slice(bounds[i], bounds[i + 1])
+            out[:, s] = mla_attend_rows(mla, cache, q[:, s], c[:, s], k_pe[:, s])
+    return mla_output_rows(mla, out, gate)
 
 
 def _row_product(x: Tensor, weight: Tensor) -> Tensor:

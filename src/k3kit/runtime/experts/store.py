@@ -120,8 +120,15 @@ class ExpertStore:
             with aligned buffers; falls back to "fadvise" where the filesystem refuses).
             True means "direct": the device writes a quantized miss straight into the buffer
             the cache keeps (laid out around the slice's aligned span, `ExpertCache.buffer`),
-            so a read costs no copy and no page-cache work on a CPU the products need
-            (measured on the 52 GB K3 file: see benchmarks/bench_out_of_core.py).
+            so a read costs no copy and no page-cache work on a CPU the products need.
+            Why it is the default: at the disk the two paths are equal (4 readers of random
+            5.8 MB slices, no products: 780-980 MB/s each), but "fadvise" costs the kernel
+            0.5-0.8 s of CPU per GB read (page-cache pages allocated, copied out, dropped), and on
+            a 2-core machine that is the core the products and the readers share. On the 36 GB
+            K3 file (1.4x RAM), 1 thread, alternated in one process (`bench_out_of_core.py
+            --ab cold,fadvise`, 11 pairs): system CPU 0.2-1.2 s vs 4.8-6.2 s per run, expert
+            payload 1.27-1.93x fadvise's in every pair (median 1.51; 933 vs 641 MB/s, 0.81 vs
+            0.64 of the disk's limit). `set_cold` switches a live store between the modes.
     madvise_random: MADV_RANDOM on the expert ranges of each mapping, so a fault does not
             read ahead into neighbouring experts nobody asked for.
     slice_readahead: on a miss, MADV_WILLNEED + MADV_POPULATE_READ on exactly the slice
@@ -290,6 +297,25 @@ class ExpertStore:
 
     def is_cached(self, layer: int, expert: int) -> bool:
         return (layer, int(expert)) in self._cache
+
+    def set_cold(self, cold: bool | str) -> None:
+        """Switch the read mode (False, "fadvise", "direct"/True) of a store in use: drops every
+        cached expert and read in flight and reopens the files. Lets one process compare the
+        modes back to back on the same loaded model (benchmarks/bench_out_of_core.py `ab`); a
+        new `read_threads` applies from here too."""
+        if cold is True:
+            cold = "direct"
+        if cold not in (False, "fadvise", "direct"):
+            raise ValueError(f"cold must be False, 'fadvise' or 'direct', not {cold!r}")
+        self.clear()
+        if self._executor is not None:     # idle now; the next read starts `read_threads` anew
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self.cold = cold
+        self._validate_and_open(madvise_random=True)
 
     @property
     def direct_io(self) -> bool:

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3kit.runtime.protocols import Draft, Target, VerifyOutput
+from k3kit.runtime.protocols import Draft, DraftBlock, Target, VerifyOutput
 from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.feature_ring import FeatureRing
-from k3kit.runtime.speculative.proposal import Proposal, propose
+from k3kit.runtime.speculative.proposal import Proposal, chain, propose
 from k3kit.runtime.speculative.sampling import Sampling, probs
 from k3kit.runtime.speculative.schedule import DepthAcceptance, ScheduleConfig, choose_width
 
@@ -105,6 +105,7 @@ class SpeculativeDecoder:
         self.stats = DecodeStats(acceptance_histogram=[0] * (draft.n_proposals + 1))
         self.depth = DepthAcceptance()
         self.draft_seconds: float | None = None    # running mean of a draft step's wall time
+        self.last_draft_seconds = 0.0              # the last step's (a batched step: its share)
         self.last_accepted = 0                     # proposals the last accept() kept
         self._synced = 0                           # ring length at the last draft step
         if ring is None:
@@ -126,18 +127,40 @@ class SpeculativeDecoder:
         """The draft half of a step: sync the draft to the ring and propose a block after
         `anchor` (None when there is nothing to propose: a fixed budget of 1 row, or one token
         left). Times the draft step (`draft_seconds`, a running mean)."""
-        if self.schedule.budget == 1 or remaining <= 1:
+        if not self.drafts(remaining):
             return None
-        t0 = time.perf_counter()
-        self.draft.sync(self.ring)
+        dt = self._sync()
         t1 = time.perf_counter()
         props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen)
-        dt = time.perf_counter() - t1
-        if self.ring.length - self._synced <= self.draft.n_proposals + 1:
-            dt += t1 - t0        # a step's own sync; a prompt's context is a one-off, not a step's cost
+        self._stepped(dt + time.perf_counter() - t1)
+        return props
+
+    def drafts(self, remaining: int) -> bool:
+        """Whether `propose` would draft at all (a fixed budget of 1 row, or one token left: no)."""
+        return self.schedule.budget != 1 and remaining > 1
+
+    def _sync(self) -> float:
+        """Sync the draft to the ring; -> the seconds that count as the step's (a step's own sync;
+        a prompt's context is a one-off, not a step's cost)."""
+        t0 = time.perf_counter()
+        self.draft.sync(self.ring)
+        dt = time.perf_counter() - t0
+        own = self.ring.length - self._synced <= self.draft.n_proposals + 1
         self._synced = self.ring.length
+        return dt if own else 0.0
+
+    def _stepped(self, dt: float) -> None:
+        self.last_draft_seconds = dt
         self.draft_seconds = dt if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * dt
         self.stats.draft_steps += 1
+
+    def propose_block(self, block: DraftBlock, anchor: int, seconds: float = 0.0) -> Proposal:
+        """The rest of a draft step whose block `draft_blocks` made: the Markov chain with this
+        sequence's sampling and generator (its draws, as `propose` makes them). `seconds`: this
+        sequence's share of the block's making, counted with the chain as its step time."""
+        t0 = time.perf_counter()
+        props = chain(self.draft, [block], [anchor], [self.sampling], [self.gen])[0]
+        self._stepped(seconds + time.perf_counter() - t0)
         return props
 
     def confidence(self, props: Proposal) -> list[float]:
@@ -205,3 +228,60 @@ class SpeculativeDecoder:
         """The statistics, with the target's counters (replay, experts) merged in."""
         merge_counters(self.target, self.stats)
         return self.stats
+
+
+def batchable(decoders: Sequence[SpeculativeDecoder]) -> bool:
+    """Whether these decoders can draft in one forward: one draft that makes blocks together
+    (`draft_blocks`, `context`), and no decoder whose `propose` was replaced on the instance (an
+    instrumented one keeps its own draft step)."""
+    if len(decoders) < 2:
+        return False
+    draft = decoders[0].draft
+    return (hasattr(draft, "draft_blocks") and hasattr(draft, "context")
+            and all(d.draft is draft and "propose" not in vars(d) for d in decoders))
+
+
+def draft_blocks(decoders: Sequence[SpeculativeDecoder],
+                 anchors: Sequence[int]) -> tuple[list[DraftBlock], list[float]]:
+    """The draft forward of several decoders' steps as one (`batchable` ones): each ring synced,
+    then every block after its anchor in one forward. -> (the blocks, each decoder's seconds so
+    far: its share of the forward and its own sync; `propose_block` adds its chain)."""
+    draft: Any = decoders[0].draft
+    ctxs, own = [], []
+    for d in decoders:
+        own.append(d._sync())
+        ctxs.append(draft.context())
+    t0 = time.perf_counter()
+    blocks = draft.draft_blocks(ctxs, anchors, [d.target.position for d in decoders])
+    share = (time.perf_counter() - t0) / len(decoders)
+    return blocks, [share + dt for dt in own]
+
+
+def propose_many(decoders: Sequence[SpeculativeDecoder], anchors: Sequence[int],
+                 remainings: Sequence[int]) -> list[Proposal | None]:
+    """`propose` for several decoders, drafted in one forward when they are `batchable`, else one
+    by one. Each block is its own draft_block's; a sampled decoder's proposal is then exactly its
+    `propose`'s, greedy ones chain together (`chain`: the same tokens unless a Markov row's last
+    bit breaks a tie; tests/runtime/test_spec_batch.py). Each decoder's step time
+    (`draft_seconds`) is its share of the batch's."""
+    out: list[Proposal | None] = [None] * len(decoders)
+    idx = [i for i, d in enumerate(decoders) if d.drafts(remainings[i])]
+    group = [decoders[i] for i in idx]
+    if not batchable(group):
+        for i in idx:
+            out[i] = decoders[i].propose(anchors[i], remainings[i])
+        return out
+    blocks, seconds = draft_blocks(group, [anchors[i] for i in idx])
+    greedy = [j for j, d in enumerate(group) if d.sampling.greedy]
+    for j, d in enumerate(group):
+        if not d.sampling.greedy:            # chains alone: its draws are exactly propose's
+            out[idx[j]] = d.propose_block(blocks[j], anchors[idx[j]], seconds[j])
+    if greedy:
+        t0 = time.perf_counter()
+        props = chain(group[0].draft, [blocks[j] for j in greedy], [anchors[idx[j]] for j in greedy],
+                      [group[j].sampling for j in greedy], [group[j].gen for j in greedy])
+        dt = (time.perf_counter() - t0) / len(greedy)
+        for j, p in zip(greedy, props, strict=True):
+            group[j]._stepped(seconds[j] + dt)
+            out[idx[j]] = p
+    return out

@@ -65,7 +65,10 @@ class FeatureRing:
             self.length += n - self.capacity
             self.start = max(self.start, self.length)
             rows, n = rows[-self.capacity:], self.capacity
-        idx = (torch.arange(self.length, self.length + n)) % self.capacity
+        at = self.length % self.capacity
+        # a slice where the rows do not wrap round (a decode pass's few rows: the common case)
+        idx: slice | Tensor = (slice(at, at + n) if at + n <= self.capacity
+                               else torch.arange(self.length, self.length + n) % self.capacity)
         if self._scale is not None:
             data, scale = q8_encode(rows)
             self._scale[idx] = scale
@@ -80,10 +83,12 @@ class FeatureRing:
         end = self.length if end is None else end
         if not self.start <= begin <= end <= self.length:
             raise IndexError(f"feature rows [{begin}, {end}) not held (window [{self.start}, {self.length}))")
-        idx = torch.arange(begin, end) % self.capacity
+        at = begin % self.capacity
+        idx: slice | Tensor = (slice(at, at + end - begin) if at + end - begin <= self.capacity
+                               else torch.arange(begin, end) % self.capacity)
         if self._scale is not None:
             return q8_decode(self._buf[idx], self._scale[idx])
-        return self._buf[idx].to(torch.float32)
+        return self._buf[idx].to(torch.float32, copy=True)     # never a view the ring overwrites
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (a rollback of committed state)."""

@@ -10,12 +10,13 @@ row k on the token actually proposed at k-1 is what keeps rejection sampling exa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from k3kit.runtime.protocols import Draft
+from k3kit.runtime.protocols import Draft, DraftBlock
 from k3kit.runtime.speculative.sampling import Sampling, probs, sample
 
 
@@ -59,3 +60,50 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
         q=torch.stack(qs) if qs else None,
         confidence=confidence,
     )
+
+
+def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], samplings: Sequence[Sampling],
+          gens: Sequence[torch.Generator | None]) -> list[Proposal]:
+    """`propose`'s Markov chain for several draft blocks at once (a server drafting many sequences
+    in one forward): step k of every chain together, each sequence choosing with its own sampling
+    and generator. One block takes exactly `propose`'s calls, so its proposal is `propose`'s;
+    with several, a step's Markov rows are one product, whose rows may round in the last bit
+    unlike a one-row product (a GEMV): greedy chains (the target judges their tokens, so their
+    output cannot change) may go together, a sampled one (its draws must be the seed's) goes
+    alone (decoder.propose_many). -> one Proposal per block."""
+    n_seq = len(blocks)
+    if not n_seq:
+        return []
+    n = blocks[0].logits.shape[0]
+    logits = torch.stack([b.logits for b in blocks]) if n_seq > 1 else blocks[0].logits[None]
+    rows: list[Tensor] = []
+    w1s: list[Tensor] = []
+    tokens: list[list[int]] = [[] for _ in blocks]
+    qs: list[list[Tensor]] = [[] for _ in blocks]
+    prev = [int(a) for a in anchors]
+    for k in range(n):
+        logits_k = logits[:, k]
+        if draft.has_markov:
+            w1 = draft.markov_embed(torch.tensor(prev))
+            w1s.append(w1)
+            logits_k = logits_k + draft.markov_bias(w1).to(logits_k.dtype)
+        best = torch.argmax(logits_k, dim=-1).tolist() if any(s.greedy for s in samplings) else []
+        for i, s in enumerate(samplings):
+            if s.greedy:
+                tok = int(best[i])
+            else:
+                q_k = probs(logits_k[i], s)
+                tok = sample(q_k, gens[i])
+                qs[i].append(q_k)
+            tokens[i].append(tok)
+            prev[i] = tok
+        rows.append(logits_k)
+    out = []
+    for i, block in enumerate(blocks):
+        confidence = None
+        if draft.has_confidence and n:
+            w1_all = torch.cat([w[i:i + 1] for w in w1s]) if w1s else None
+            confidence = draft.confidence(block.hidden, w1_all).detach().to(torch.float64)
+        out.append(Proposal(tokens=tokens[i], logits=torch.stack([r[i] for r in rows]),
+                            q=torch.stack(qs[i]) if qs[i] else None, confidence=confidence))
+    return out

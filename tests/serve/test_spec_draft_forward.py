@@ -1,0 +1,84 @@
+"""The server drafting for many sequences in one draft forward (shipped mini K3 + its drafter)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from k3kit.runtime.sampling import make_sampling
+from k3kit.runtime.speculative.schedule import DraftGuard
+from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.scheduler import GenerationRequest, TokenEvent
+
+
+def _factory(session):
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    def build(target, sampler):
+        return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(budget=4, draft_cost=None),
+                                  stop_ids=session.codec.stop_ids())
+    return build
+
+
+def _serve(sched, reqs):
+    """Submit every request before the worker's next pass (so passes hold the same sequences
+    whenever this runs), -> each one's tokens."""
+    async def collect(stream):
+        out = []
+        async for ev in stream:
+            if isinstance(ev, TokenEvent):
+                out += ev.tokens
+        return out
+
+    async def main():
+        with sched._cv:
+            streams = [sched.submit(r) for r in reqs]
+        return await asyncio.gather(*[collect(s) for s in streams])
+    return asyncio.run(main())
+
+
+def _requests(codec):
+    texts = ["import os", "def add(a, b):", "class Foo:", "x = [", "import os", "import os"]
+    samp = [(0.0, 1), (0.0, 1), (0.0, 1), (0.0, 1), (1.0, 7), (0.8, 8)]
+    return [GenerationRequest(prompt_ids=tuple(codec.encode(t)), max_tokens=16,
+                              sampling=make_sampling(temp, 1.0, 0, seed))
+            for t, (temp, seed) in zip(texts, samp, strict=True)]
+
+
+def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch):
+    """Four greedy and two seeded sampled requests served together: the drafts of several sequences
+    run as one forward; the greedy outputs are the AR outputs, and the sampled ones are exactly what
+    the same requests get when every sequence drafts by itself (the serial draft step)."""
+    import k3kit.serve.batch as batch
+
+    model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
+    reqs = _requests(codec)
+    ar = BatchScheduler(model, codec, max_batch=64, max_queue=16)
+    try:
+        ref = _serve(ar, reqs[:4])
+    finally:
+        ar.close()
+
+    sizes: list[int] = []
+    real = draft.draft_blocks
+    monkeypatch.setattr(draft, "draft_blocks", lambda c, a, p: sizes.append(len(a)) or real(c, a, p))
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session),
+                        guard=DraftGuard(judge=False))      # drafts whatever the machine's pass times
+    try:
+        together = _serve(sp, reqs)
+        assert sp.stats().spec_accepted > 0
+    finally:
+        sp.close()
+    assert together[:4] == ref and max(sizes) >= 4
+
+    monkeypatch.setattr(batch, "batchable", lambda decs: False)           # the sampled blocks' path
+    monkeypatch.setattr("k3kit.runtime.speculative.decoder.batchable", lambda decs: False)
+    sizes.clear()
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session))
+    try:
+        alone = _serve(sp, reqs)
+    finally:
+        sp.close()
+    assert not sizes and alone[:4] == ref
+    assert alone[4:] == together[4:] and alone[4] != alone[5]
+    assert model.sequences == 0 and draft.contexts == 0
