@@ -153,26 +153,7 @@ def step_seq(path: Path, gib: float) -> dict[str, Any]:
             os.close(fd)
         out[name] = want / dt
     # four sequential streams at once (O_DIRECT): a virtual disk may give more to several requests
-    streams = 4
-    part = want // streams // CHUNK * CHUNK
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-
-    def stream(i: int) -> None:
-        b = mmap.mmap(-1, CHUNK)
-        start = (lo + 2 * want + i * part) // 4096 * 4096
-        for off in range(start, start + part, CHUNK):
-            os.preadv(fd, [b], off)
-
-    try:
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        out["direct_x4"] = streams * part / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
+    out["direct_x4"] = parallel_direct(path, (lo + 2 * want) // 4096 * 4096, want, 4)
     return {"bytes": want, "direct_Bps": out["direct"], "buffered_Bps": out["buffered"],
             "direct_x4_Bps": out["direct_x4"], "seq_Bps": max(out.values())}
 
@@ -237,6 +218,12 @@ def quick_limit(path: Path, k: int, n: int = 256 * MIB, streams: int = 4) -> tup
     one = quick_seq(path, 2 * k, n)
     lo, size = expert_region(path)
     start = max(lo, lo + size - (200 + k + 1) * n - CHUNK) // 4096 * 4096
+    return one, parallel_direct(path, start, n, streams)
+
+
+def parallel_direct(path: Path, start: int, n: int, streams: int) -> float:
+    """O_DIRECT bytes/s of `streams` threads each reading its own sequential part of the `n`
+    bytes from `start` (4096-aligned) at once."""
     part = n // streams // CHUNK * CHUNK or CHUNK
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
 
@@ -252,10 +239,9 @@ def quick_limit(path: Path, k: int, n: int = 256 * MIB, streams: int = 4) -> tup
             t.start()
         for t in threads:
             t.join()
-        many = streams * part / (time.perf_counter() - t0)
+        return streams * part / (time.perf_counter() - t0)
     finally:
         os.close(fd)
-    return one, many
 
 
 def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: int, trunk: str,

@@ -3,10 +3,9 @@ proposal must be the one its own serial draft step gives."""
 
 import pytest
 import torch
-from toy_target import one_thread  # noqa: F401  (autouse fixture)
+from toy_target import draft_config, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 from k3kit.adapters.dflash import DSparkDrafter
-from k3kit.models.dflash.config import DraftConfig
 from k3kit.models.dflash.network import DSparkDraft
 from k3kit.runtime.speculative import FeatureRing, Sampling, ScheduleConfig, SpeculativeDecoder
 from k3kit.runtime.speculative.decoder import batchable, draft_blocks, propose_many
@@ -15,13 +14,9 @@ V, H = 32, 16
 
 
 def _draft(**kw):
-    base = dict(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
-                vocab_size=V, block_size=5, target_layer_ids=(0, 2), mask_token_id=V - 1, markov_rank=4,
-                has_confidence=True, rms_norm_eps=1e-5, rope_theta=1000.0)
-    base.update(kw)
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
-    d = DSparkDraft(DraftConfig(**base), embed=torch.randn(V, H, generator=g, dtype=torch.float64),
+    d = DSparkDraft(draft_config(**kw), embed=torch.randn(V, H, generator=g, dtype=torch.float64),
                     lm_head=torch.randn(V, H, generator=g, dtype=torch.float64)).double()
     for p in d.parameters():
         if p.dim() == 1:

@@ -5,6 +5,7 @@ import torch
 from toy_target import (
     ToyTarget,
     bigram_dspark,
+    draft_config,
     one_thread,  # noqa: F401  (autouse fixture)
 )
 
@@ -21,20 +22,12 @@ from k3kit.runtime.speculative.sampling import probs
 V, H = 32, 16
 
 
-def _cfg(**kw):
-    base = dict(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
-                vocab_size=V, block_size=5, target_layer_ids=(0, 2), mask_token_id=V - 1, markov_rank=4,
-                has_confidence=True, rms_norm_eps=1e-5, rope_theta=1000.0)
-    base.update(kw)
-    return DraftConfig(**base)
-
-
 def _draft(cfg=None, seed=0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     emb = torch.randn(V, H, generator=g, dtype=torch.float64)
     head = torch.randn(V, H, generator=g, dtype=torch.float64)
-    d = DSparkDraft(cfg or _cfg(), embed=emb, lm_head=head).double()
+    d = DSparkDraft(cfg or draft_config(), embed=emb, lm_head=head).double()
     for p in d.parameters():                      # non-trivial norms too
         if p.dim() == 1:
             p.data = 1 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64)
@@ -73,7 +66,7 @@ def test_every_hidden_row_is_a_proposal():
         assert bumped.tokens[k] == tok and bumped.tokens[:k] == prop.tokens[:k]
         assert len(bumped.tokens) == 5
     # DFlash layout (row 0 only re-reads the anchor) gives block_size - 1 proposals
-    d2 = _draft(_cfg(sample_from_anchor=False, markov_rank=0, has_confidence=False))
+    d2 = _draft(draft_config(sample_from_anchor=False, markov_rank=0, has_confidence=False))
     dr2 = DSparkDrafter(d2)
     dr2.sync(ring)
     assert len(propose(dr2, 4, ring.length, Sampling()).tokens) == 4
@@ -105,7 +98,7 @@ def test_markov_chain_and_confidence_by_hand():
 
 
 def test_hidden_only_confidence_head():
-    d = _draft(_cfg(markov_rank=0, has_confidence=True, confidence_with_markov=False))
+    d = _draft(draft_config(markov_rank=0, has_confidence=True, confidence_with_markov=False))
     assert d.confidence_head.proj.weight.shape == (1, H)
     dr = DSparkDrafter(d)
     dr.sync(FeatureRing(2 * H))
@@ -115,7 +108,7 @@ def test_hidden_only_confidence_head():
     assert torch.allclose(prop.confidence, torch.sigmoid(block.hidden @ w + b).detach())
     assert prop.tokens == block.logits.argmax(-1).tolist()      # no Markov head: base logits
     with pytest.raises(ConvertError):
-        _cfg(markov_rank=0, has_confidence=True).validate()
+        draft_config(markov_rank=0, has_confidence=True).validate()
 
 
 def test_context_injection_and_bidirectional_block():
@@ -167,7 +160,7 @@ def test_drafter_incremental_context_equals_full_recompute():
 
 
 def test_yarn_frequencies_by_hand():
-    cfg = _cfg(head_dim=64, rope_theta=50000.0,
+    cfg = draft_config(head_dim=64, rope_theta=50000.0,
                rope_scaling=YarnScaling(factor=16.0, original_max_position_embeddings=4096))
     inv, mag = rope_inv_freq(cfg)
     base = 50000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
@@ -182,7 +175,7 @@ def test_yarn_frequencies_by_hand():
     mid = (low + high) // 2
     t = (mid - low) / (high - low)
     assert inv[mid].item() == pytest.approx(base[mid].item() * (1 - t) + base[mid].item() / 16 * t)
-    plain, one = rope_inv_freq(_cfg(head_dim=64, rope_theta=50000.0))
+    plain, one = rope_inv_freq(draft_config(head_dim=64, rope_theta=50000.0))
     assert one == 1.0 and torch.allclose(plain, base)
 
 
@@ -210,7 +203,7 @@ def test_parameter_names_map_to_gguf():
 
 def test_embedding_and_logit_scales():
     d = _draft()
-    ds = _draft(_cfg(embedding_scale=2.0, logit_scale=0.5, final_logit_softcapping=3.0))
+    ds = _draft(draft_config(embedding_scale=2.0, logit_scale=0.5, final_logit_softcapping=3.0))
     ids = torch.tensor([1, 2])
     assert torch.allclose(ds.embed(ids), 2 * d.embed(ids))
     h = torch.randn(2, H, dtype=torch.float64)
@@ -280,14 +273,14 @@ def test_block_protocol_shapes():
 
 
 def test_gguf_metadata_round_trip():
-    cfg = _cfg(rope_scaling=YarnScaling(factor=16.0, original_max_position_embeddings=4096, beta_fast=24.0),
-               target_layer_ids=(7, 23, 51), block_size=7)
+    yarn = YarnScaling(factor=16.0, original_max_position_embeddings=4096, beta_fast=24.0)
+    cfg = draft_config(rope_scaling=yarn, target_layer_ids=(7, 23, 51), block_size=7)
     kv = cfg.to_gguf_kv()
     assert kv["dflash.target_layers"] == [8, 24, 52]          # llama.cpp reads layer inputs
     assert kv["dflash.block_size"] == 7 and kv["tokenizer.ggml.mask_token_id"] == V - 1
     back = DraftConfig.from_gguf_kv(kv, vocab_size=V, markov_rank=4)
     assert back == cfg
-    scaled = _cfg(embedding_scale=2.0, logit_scale=0.5, final_logit_softcapping=30.0)
+    scaled = draft_config(embedding_scale=2.0, logit_scale=0.5, final_logit_softcapping=30.0)
     assert DraftConfig.from_gguf_kv(scaled.to_gguf_kv(), vocab_size=V, markov_rank=4) == scaled
     del kv["dflash.block_count"]
     with pytest.raises(ConvertError, match="dflash.block_count"):

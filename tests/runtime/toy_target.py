@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from k3kit.models.dflash.config import DraftConfig
 from k3kit.runtime.protocols import VerifyOutput
 
 
@@ -224,3 +225,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def draft_config(**kw) -> DraftConfig:
+    """A toy DSpark/DFlash drafter's config (vocab 32, hidden 16, block 5, taps 0 and 2, Markov
+    rank 4, a confidence head) with `kw` changed."""
+    base = dict(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
+                vocab_size=32, block_size=5, target_layer_ids=(0, 2), mask_token_id=31, markov_rank=4,
+                has_confidence=True, rms_norm_eps=1e-5, rope_theta=1000.0)
+    base.update(kw)
+    return DraftConfig(**base)
