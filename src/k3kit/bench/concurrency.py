@@ -123,7 +123,7 @@ class LlamaServer(Server):
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
-                pass
+                pass                    # not listening yet: poll again until the timeout
             time.sleep(0.2)
         self.close_with_error()
 
