@@ -391,10 +391,11 @@ def test_planned_fetches_read_ahead_with_the_same_bytes_and_ledger(tmp_path):
     nothing stays mapped in this process (the background read is a pread)."""
     path, spec = _big_expert_file(tmp_path, n_experts=5)
     order = [4, 0, 2, 3]
-    with ExpertStore(spec, cache_mib=3, keep="quantized", read_ahead=False) as plain:
+    with ExpertStore(spec, cache_mib=3, keep="quantized", map_misses=False, read_ahead=False) as plain:
         want = [bytes(plain.get(0, [e])[e][0].raw.numpy()) for e in order]
         want_stats = plain.stats()
-    with ExpertStore(spec, cache_mib=3, keep="quantized") as store:   # holds one 2.1 MiB expert
+    # holds one 2.1 MiB expert
+    with ExpertStore(spec, cache_mib=3, keep="quantized", map_misses=False) as store:
         store.plan(0, order)
         assert len(store._pending) == 1 and (0, 4) in store._pending
         for e, w in zip(order, want, strict=True):
@@ -412,7 +413,7 @@ def test_planned_fetches_read_ahead_with_the_same_bytes_and_ledger(tmp_path):
 def test_read_ahead_of_a_changed_file_raises_on_fetch(tmp_path):
     """A file that changes under a background read is reported by the fetch that wanted it."""
     path, spec = _big_expert_file(tmp_path, n_experts=3)
-    with ExpertStore(spec, cache_mib=16, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=16, keep="quantized", map_misses=False) as store:
         store.get(0, [0])
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
@@ -441,10 +442,12 @@ def test_deep_read_ahead_stays_within_the_budget(tmp_path, cold):
     path, spec = _big_expert_file(tmp_path, n_experts=8)
     per = spec[0][0].expert_nbytes                     # 2.1 MiB
     order = [7, 1, 2, 5, 0, 3]
-    with ExpertStore(spec, cache_mib=0, keep="quantized", read_ahead=False, cold=cold) as plain:
+    with ExpertStore(spec, cache_mib=0, keep="quantized", map_misses=False, read_ahead=False,
+                     cold=cold) as plain:
         want = [bytes(plain.get(0, [e])[e][0].raw.numpy()) for e in order]
         want_stats = plain.stats()
-    with ExpertStore(spec, cache_mib=12, keep="quantized", cold=cold, read_threads=2) as store:
+    with ExpertStore(spec, cache_mib=12, keep="quantized", map_misses=False, cold=cold,
+                     read_threads=2) as store:
         budget = store.cache_bytes
         store.plan(0, order)
         assert len(store._pending) == (budget // 2) // per == 2     # half the budget ahead
@@ -477,10 +480,10 @@ def test_prefetch_reads_the_guess_and_only_fetches_change_the_cache(tmp_path):
         got += [bytes(store.get(1, [e])[e][0].raw.numpy()) for e in (3, 4, 5)]
         return got
 
-    with ExpertStore(spec, cache_mib=64, keep="quantized") as plain:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False) as plain:
         want = run(plain, None)
         want_cached = sorted(k for k in plain._cache._entries)
-    with ExpertStore(spec, cache_mib=64, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False) as store:
         assert run(store, [4, 5, 6, 7]) == want
         s = store.stats()
         assert sorted(store._cache._entries) == want_cached
@@ -514,11 +517,12 @@ def test_direct_reads_land_in_the_cache_buffer_with_the_same_bytes(tmp_path, rea
     path, spec, blob = _misaligned_file(tmp_path)
     order = [5, 0, 3, 1, 4, 2, 0, 5]
     n = spec[0][0].expert_nbytes
-    with ExpertStore(spec, cache_mib=0.25, keep="quantized", cold=True, read_ahead=read_ahead) as store:
+    with ExpertStore(spec, cache_mib=0.25, keep="quantized", map_misses=False, cold=True,
+                     read_ahead=read_ahead) as store:
         if not store.direct_io:
             pytest.skip("this filesystem refuses O_DIRECT")
         assert store.cold == "direct"
-        with ExpertStore(spec, cache_mib=0.25, keep="quantized", read_ahead=False) as plain:
+        with ExpertStore(spec, cache_mib=0.25, keep="quantized", map_misses=False, read_ahead=False) as plain:
             for i in range(0, len(order), 3):
                 batch = order[i:i + 3]
                 store.plan(0, batch)
@@ -542,7 +546,7 @@ def test_a_dropped_guess_stops_reading_and_the_ledger_adds_up(tmp_path):
     slice; whatever they read is wasted_bytes, never a cached expert, and io = payload + wasted."""
     path, spec1 = _big_expert_file(tmp_path, n_experts=8)
     spec = {0: spec1[0], 1: spec1[0] * 3}      # layer 1: three projections over the same bytes
-    with ExpertStore(spec, cache_mib=64, keep="quantized", read_threads=2) as store:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False, read_threads=2) as store:
         store.prefetch(1, [0, 1, 2, 3, 4, 5])
         store.plan(1, [6, 7])                  # none guessed right: every guess is dropped
         got = store.get(1, [6, 7])
@@ -552,7 +556,7 @@ def test_a_dropped_guess_stops_reading_and_the_ledger_adds_up(tmp_path):
         assert s.io_bytes == s.bytes_read + s.wasted_bytes
         assert s.wasted_bytes <= s.prefetched * store.expert_nbytes(1)
         assert store._cache.in_flight == 0 and not store._stops
-    with ExpertStore(spec, cache_mib=64, keep="quantized", read_ahead=False) as plain:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False, read_ahead=False) as plain:
         want = plain.get(1, [6, 7])
     for e in (6, 7):
         assert [bytes(w.raw.numpy()) for w in got[e]] == [bytes(w.raw.numpy()) for w in want[e]]
@@ -561,7 +565,7 @@ def test_a_dropped_guess_stops_reading_and_the_ledger_adds_up(tmp_path):
 def test_a_stopped_read_reports_what_it_read(tmp_path):
     from k3kit.runtime.experts.store import _Stopped
     path, spec1 = _big_expert_file(tmp_path, n_experts=2)
-    with ExpertStore(spec1, cache_mib=64, keep="quantized") as store:
+    with ExpertStore(spec1, cache_mib=64, keep="quantized", map_misses=False) as store:
         stop = threading.Event()
         stop.set()
         buffers = [store._buffer(t, 1) for t in store.layers[0]]
@@ -578,7 +582,7 @@ def test_prefetch_is_scored_and_read_only_while_it_guesses_well_enough(tmp_path,
     from k3kit.runtime.experts.store import PRECISION_WARMUP
     path, spec1 = _big_expert_file(tmp_path, n_experts=8)
     spec = {0: spec1[0], 1: spec1[0]}
-    with ExpertStore(spec, cache_mib=64, keep="quantized", read_threads=1,
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False, read_threads=1,
                      prefetch_precision=precision) as store:
         rounds = PRECISION_WARMUP // 4
         for _ in range(rounds):

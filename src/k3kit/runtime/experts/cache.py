@@ -84,6 +84,10 @@ class ExpertCache:
         self._pinned = 0
         self.in_flight = 0     # bytes of background reads the store holds: they count against the budget
         self.protect: set[Key] = set()   # planned experts not fetched yet: not evicted to make room
+        # experts held as views of a file mapping (nothing to reuse); evicted ones wait in
+        # `unmapped` for the store to drop their pages from this process
+        self.mapped: set[Key] = set()
+        self.unmapped: list[Key] = []
         self._spare: dict[int, list[torch.Tensor]] = {}   # byte buffers of evicted quantized experts
         # allocations of the buffers made for in-place O_DIRECT reads, by the buffer's address
         # (weak: an entry lives as long as the buffer, which holds its allocation)
@@ -136,9 +140,11 @@ class ExpertCache:
         self._entries.move_to_end(key)
         return entry.tensors
 
-    def admit(self, key: Key, tensors: tuple[Weight, ...]) -> None:
-        """Keep a freshly loaded expert if it fits the budget at all, evicting the least recent."""
-        nbytes = sum(w.nbytes for w in tensors)
+    def admit(self, key: Key, tensors: tuple[Weight, ...], nbytes: int | None = None) -> None:
+        """Keep a freshly loaded expert if it fits the budget at all, evicting the least recent.
+        `nbytes`: what holding it costs, if not its tensors' bytes (a view of a mapping: the
+        pages a fault may map around it)."""
+        nbytes = sum(w.nbytes for w in tensors) if nbytes is None else nbytes
         if 0 < nbytes <= self.budget:
             self._entries[key] = _Entry(tensors, nbytes)
             self._resident += nbytes
@@ -179,6 +185,10 @@ class ExpertCache:
             if entry.pinned or key in self.protect:
                 continue
             del self._entries[key]
+            if key in self.mapped:
+                self.mapped.discard(key)
+                self.unmapped.append(key)
+                entry = _Entry((), entry.nbytes)   # no buffers of ours to reuse
             for w in entry.tensors:
                 if isinstance(w, QuantizedMatrix):
                     spare = self._spare.setdefault(w.nbytes, [])
@@ -236,4 +246,6 @@ class ExpertCache:
         """Drop every cached expert, pinned ones included (the ledger's counters stay)."""
         self._entries.clear()
         self._spare.clear()
+        self.unmapped.extend(self.mapped)
+        self.mapped.clear()
         self._resident = self._pinned = 0

@@ -21,9 +21,12 @@ Nothing here counts bytes: the caller's ledger does (k3kit.runtime.experts.cache
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +53,12 @@ class MappedFile:
         self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
         # Python's mmap never passes MAP_POPULATE: nothing is read until a slice is touched.
         self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if use_mmap and self.size else None
+        self._addr = 0          # the mapping's address, for mincore (`resident`)
+        if self.mm is not None:
+            first = np.frombuffer(self.mm, np.uint8, 1)
+            self._addr = first.ctypes.data
+            del first           # an exported buffer would keep mm.close() from closing
+        self._vec: np.ndarray | None = None
         self.direct_fd: int | None = None
         if direct:
             try:
@@ -80,6 +89,23 @@ class MappedFile:
         """The n mapped bytes at `start`, zero-copy (pages fault in as they are touched)."""
         assert self.mm is not None, "file opened without a mapping"
         return np.frombuffer(self.mm, np.uint8, n, start)
+
+    def resident(self, start: int, n: int) -> bool:
+        """Whether every page of bytes [start, start + n) is in the page cache (mincore(2) on
+        the mapping: it reports the file's cached pages, mapped into this process or not).
+        False without a mapping or where mincore is unavailable."""
+        fn = _mincore()
+        if self.mm is None or fn is None or n <= 0:
+            return False
+        lo = start // PAGE * PAGE
+        pages = -(-(start + n - lo) // PAGE)
+        if self._vec is None or self._vec.size < pages:
+            self._vec = np.empty(pages, np.uint8)
+        vec = self._vec[:pages]
+        if fn(ctypes.c_void_p(self._addr + lo), ctypes.c_size_t(pages * PAGE),
+              vec.ctypes.data_as(ctypes.c_void_p)):
+            return False
+        return bool(np.bitwise_and(vec, 1).all())
 
     def advise_random(self, start: int, n: int) -> None:
         """MADV_RANDOM on a range: a fault there does not read ahead into its neighbours."""
@@ -123,6 +149,14 @@ class MappedFile:
         hi = min(len(mm), -(-(start + n) // PAGE_TABLE_SPAN) * PAGE_TABLE_SPAN)
         with contextlib.suppress(OSError, ValueError):     # best effort: the kernel may refuse
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    @staticmethod
+    def mapped_span(start: int, n: int) -> int:
+        """Bytes that touching [start, start + n) of a mapping may map into this process: its
+        PAGE_TABLE_SPAN windows (a fault maps fault-around neighbours and whole large folios,
+        never past the window one page table spans; `release` drops whole windows too)."""
+        lo = start // PAGE_TABLE_SPAN * PAGE_TABLE_SPAN
+        return -(-(start + n) // PAGE_TABLE_SPAN) * PAGE_TABLE_SPAN - lo
 
     # -- reads that map nothing ---------------------------------------------------------------
 
@@ -197,12 +231,24 @@ class MappedFile:
 
     def close(self) -> None:
         if self.mm is not None:
-            self.mm.close()
+            with contextlib.suppress(BufferError):   # views still held (experts multiplied where they
+                self.mm.close()                      # lie): the mapping goes when the last one does
             self.mm = None
         for fd in (self.fd, self.direct_fd):
             if fd is not None:
                 os.close(fd)
         self.direct_fd = None
+
+
+@functools.cache
+def _mincore() -> Callable[..., int] | None:
+    """libc's mincore, or None off Linux-like systems."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p), ctypes.c_int
+    return fn
 
 
 class AlignedScratch:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from k3kit.gguf.shards import Model
 
 ByteBuffer = np.ndarray | bytes | bytearray | memoryview
+MAP_SPAN_LIMIT = 1.5    # map_misses: largest (mapped windows / slice bytes) of an expert served as views
 PRECISION_WARMUP = 64   # scored guesses before prefetch_precision may turn prefetch reads off
 # Guesses read only while at least this share is right. On the 52 GB random-weight K3 file the
 # next-layer guess is right 39% of the time (137 of 348) and prefetch cost 12-23% of decode speed
@@ -138,6 +140,17 @@ class ExpertStore:
             the slice in large requests without reading a byte outside it.
     release_pages: after a miss copied a slice out of a mapping, unmap its pages from this
             process (MADV_DONTNEED; see `release`). Only mmap mode maps anything.
+    map_misses: in mmap mode with keep="quantized", a miss whose slices are all in the page
+            cache already (mincore) and large (MAP_SPAN_LIMIT) is not copied anywhere: its
+            `QuantizedMatrix` weights are views of the mapping and the products read the page
+            cache's pages where they lie, as llama.cpp's mmap does. Such experts are not read
+            ahead either (there is nothing to read). The budget still bounds what stays mapped
+            into this process: a mapped expert counts the page-table windows around its slices
+            (what faults may map, see `MappedFile.mapped_span`), and an evicted one's pages are
+            dropped from it (MADV_DONTNEED, when release_pages) at the next `get`, once its
+            caller is done. Why: with a cache smaller than a token's experts, each miss used to
+            copy its slices (~280 MB a token on a K3 slice) out of the page cache into cache
+            buffers, on the cores the products need.
     check_scales: on every miss, check the slice's scale fields (`first_nonfinite_block`: one
             byte column per block, well under a millisecond per K3 projection) and raise
             CorruptBlockError naming file, tensor, expert and block instead of letting a NaN
@@ -164,6 +177,7 @@ class ExpertStore:
         madvise_random: bool = True,
         slice_readahead: bool = True,
         release_pages: bool = True,
+        map_misses: bool = True,
         read_ahead: bool = True,
         check_scales: bool = True,
         read_ahead_mib: float = 512,
@@ -189,6 +203,8 @@ class ExpertStore:
         self.cold = cold
         self.slice_readahead = slice_readahead
         self.release_pages = release_pages
+        self.map_misses = map_misses
+        self._checked: set[Key] = set()     # mapped experts whose scales were checked (once)
         self._files: dict[Path, MappedFile] = {}
         self._direct = AlignedScratch()
         self._raw: np.ndarray | None = None
@@ -350,6 +366,7 @@ class ExpertStore:
         n = self.n_experts(layer)
         if ids and (ids[0] < 0 or ids[-1] >= n):
             raise ValueError(f"layer {layer}: expert ids must be in [0, {n}), got {ids[0]}..{ids[-1]}")
+        self._unmap_evicted()
         if self.slice_readahead and not self.cold:
             # Ask for every missing slice of the batch now: the kernel reads the later ones
             # while the earlier ones are being dequantized. Nothing outside the batch is touched.
@@ -394,7 +411,8 @@ class ExpertStore:
         for key in [k for k in self._pending if k not in self._planned]:
             self._drop(key)
         self._predicted &= set(self._pending)     # read as a guess, now planned: still a prefetch hit
-        self._queue = [k for k in keys if k not in self._pending and k not in self._cache]
+        self._queue = [k for k in keys if k not in self._pending and k not in self._cache
+                       and not self._maps(*k)]
         self._pump()
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
@@ -417,7 +435,7 @@ class ExpertStore:
             return
         for e in expert_ids:
             key = (layer, int(e))
-            if key in self._cache or key in self._pending or key in self._queue:
+            if key in self._cache or key in self._pending or key in self._queue or self._maps(*key):
                 continue
             self._queue.append(key)
             self._predicted.add(key)
@@ -558,17 +576,87 @@ class ExpertStore:
         self._cache.record_miss(layer)
         fut = self._pending.pop(key, None)
         self._stops.pop(key, None)
+        mapped = False
         if fut is not None:
             out = self._collect(key, fut)
         else:
             if key in self._queue:
                 self._queue.remove(key)
-            out = self._load(layer, e)
+            mapped = self._maps(layer, e)
+            out = self._map(layer, e) if mapped else self._load(layer, e)
         self._predicted.discard(key)
         self._cache.protect.discard(key)
-        self._cache.admit(key, out)
+        if mapped:
+            self._cache.mapped.add(key)
+            self._cache.admit(key, out, self._mapped_bytes(layer, e))
+            if key not in self._cache:          # larger than the budget: dropped after this batch
+                self._cache.mapped.discard(key)
+                self._cache.unmapped.append(key)
+        else:
+            self._cache.admit(key, out)
         self._pump()                        # after eviction: its buffers can take the next read
         return out
+
+    def _maps(self, layer: int, e: int) -> bool:
+        """Whether a miss of expert e of `layer` is served as views of the mapping (map_misses):
+        mmap mode, every projection kept quantized from a file, every slice in the page cache,
+        and slices large enough that the windows a view may keep mapped (what it costs the
+        budget) are at most MAP_SPAN_LIMIT times their bytes: a K3 expert's 5.8 MB slices at
+        most ~1.4x, a small model's 100 KB slices 20x and more (those are copied)."""
+        if not self.map_misses or self.cold or layer not in self.layers:
+            return False
+        if self._mapped_bytes(layer, e) > MAP_SPAN_LIMIT * self.expert_nbytes(layer):
+            return False
+        for t in self.layers[layer]:
+            f = self._files.get(t.path) if t.path is not None else None
+            if f is None or f.mm is None or not self._kept_quantized(t):
+                return False
+            if not f.resident(t.offset + e * t.expert_nbytes, t.expert_nbytes):
+                return False
+        return True
+
+    def _mapped_bytes(self, layer: int, e: int) -> int:
+        """What keeping expert e of `layer` mapped may hold in this process's RSS: the page-table
+        windows around its slices, not just their bytes (MappedFile.mapped_span). The budget
+        counts this for a mapped expert, so mapped pages stay within it."""
+        return sum(MappedFile.mapped_span(t.offset + e * t.expert_nbytes, t.expert_nbytes)
+                   for t in self.layers[layer])
+
+    def _map(self, layer: int, e: int) -> tuple[Weight, ...]:
+        """Expert e of `layer` as views of the mapping: its pages mapped in one call
+        (POPULATE_READ), scales checked the first time, nothing copied."""
+        tensors: list[Weight] = []
+        ledger = self._cache.ledger
+        for t in self.layers[layer]:
+            start, n = t.offset + e * t.expert_nbytes, t.expert_nbytes
+            f = self._files[t.path]         # type: ignore[index]  # _maps checked it is a file
+            f.check()
+            t0 = time.perf_counter()
+            if self.slice_readahead:
+                f.advise_slice(start, n, populate=True)
+            view = f.view(start, n)
+            check = 0.0
+            if self.check_scales and t.ggml_type in CHECKED and (layer, e) not in self._checked:
+                check = self._check(layer, e, t, view)
+            with warnings.catch_warnings():     # read-only bytes: the products only read them
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(view)
+            tensors.append(self._quantized(t, raw))
+            ledger.io_bytes += n
+            ledger.read_seconds += time.perf_counter() - t0 - check
+            ledger.check_seconds += check
+            self._cache.record_read(layer, n)
+        self._checked.add((layer, e))
+        return tuple(tensors)
+
+    def _unmap_evicted(self) -> None:
+        """Drop from this process the pages of evicted views (see map_misses), unless the
+        expert was mapped again since."""
+        unmapped, self._cache.unmapped = self._cache.unmapped, []
+        if self.release_pages:
+            for layer, e in unmapped:
+                if (layer, e) not in self._cache:
+                    self.release(layer, e)
 
     def _load(self, layer: int, e: int) -> tuple[Weight, ...]:
         """Read (and dequantize, unless kept quantized) one expert on this thread."""
