@@ -61,7 +61,7 @@ def test_a_miss_in_the_page_cache_is_a_view_with_the_same_products(tmp_path):
     path, spec = _file(tmp_path)
     x = torch.randn(3, SHAPE[0])
     with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False) as copy, \
-            ExpertStore(spec, cache_mib=64, keep="quantized") as mapped:
+            ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=True) as mapped:
         f = mapped._files[path]
         assert f.resident(0, f.size)                      # just written: in the page cache
         mapped.plan(0, [4, 1])
@@ -88,7 +88,7 @@ def test_evicted_views_leave_the_process_and_the_budget_bounds_what_stays_mapped
     n = spec[0][0].expert_nbytes
     one = max(MappedFile.mapped_span(e * n, n) for e in range(N_EXP))
     room_for_one = (one + PAGE_TABLE_SPAN) / MIB
-    with ExpertStore(spec, cache_mib=room_for_one, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=room_for_one, keep="quantized", map_misses=True) as store:
         for e in range(N_EXP):
             w = store.get(0, [e])[e][0]
             assert _inside(w, store._files[path])
@@ -98,7 +98,7 @@ def test_evicted_views_leave_the_process_and_the_budget_bounds_what_stays_mapped
         store.get(0, [N_EXP - 1])                           # a hit: the evicted one's pages go
         assert store.stats().hits == 1 and _mapped_kib(path) * 1024 <= one
     # a budget below one expert's windows keeps nothing, and maps nothing past the next get
-    with ExpertStore(spec, cache_mib=1, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=1, keep="quantized", map_misses=True) as store:
         store.get(0, [2])
         assert store.stats().resident_experts == 0 and store._cache.unmapped == [(0, 2)]
         store.get(0, [3])
@@ -114,7 +114,7 @@ def test_slices_not_in_the_page_cache_are_read_as_before(tmp_path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    with ExpertStore(spec, cache_mib=64, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=True) as store:
         f = store._files[path]
         if f.resident(0, spec[0][0].expert_nbytes):
             pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
@@ -133,14 +133,14 @@ def test_small_slices_are_copied(tmp_path):
     data.reshape(-1, 17)[:, 0] = 127
     path.write_bytes(data.tobytes())
     spec = {0: [ExpertTensor(path, 0, T.MXFP4, (256, 64), 4, "gate")]}
-    with ExpertStore(spec, cache_mib=64, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=True) as store:
         assert store._files[path].resident(0, per) and not store._maps(0, 1)
         assert not _inside(store.get(0, [1])[1][0], store._files[path])
 
 
 def test_a_mapped_miss_checks_scales_and_names_file_and_expert(tmp_path):
     path, spec = _file(tmp_path, nan_expert=3)
-    with ExpertStore(spec, cache_mib=64, keep="quantized") as store:
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=True) as store:
         assert store._maps(0, 3)
         assert _inside(store.get(0, [2])[2][0], store._files[path])
         with pytest.raises(CorruptBlockError, match=re.escape(str(path)) + r".*expert 3 .*non-finite"):
