@@ -28,6 +28,14 @@ from .config import K3ModelConfig
 from .mxfp4 import ggml_input_round
 from .state import MLACache
 
+# Rows (of one call: B * T) up to which a quantized kv_b multiplies natively; beyond (prefill),
+# its halves are dequantized for the call and torch's GEMM runs, as a float kv_b would. K3's W_kb
+# rows are 128 values, a quarter of the int8 kernels' 512-value lane group, so their many-row
+# panels run 1.2-1.7x the float32 einsum's time from 16 rows (K3 geometry, 96 heads, 1 thread,
+# 8-512 rows, /tmp/H/micro_prefill.py, 2026-12-02), and 0.2-0.5x it up to 8. Row-batched decode
+# rows (absorb_q_rows, value_rows) always run natively: a row's floats must not depend on N.
+HEADS_NATIVE_MAX_ROWS = 12
+
 
 class MLA(nn.Module):
     def __init__(self, cfg: K3ModelConfig):
@@ -175,10 +183,11 @@ def absorb_rows(x: Tensor, w_kb: Tensor) -> Tensor:
 
 def absorb_q(mla: MLA, q_nope: Tensor) -> Tensor:
     """q_abs = W_kb^T q_nope per head, [B, T, H, nope] -> [B, T, H, L], with the input rounded as
-    ggml rounds it where the arithmetic does not already."""
+    ggml rounds it where the arithmetic does not already. A quantized kv_b multiplies natively up
+    to HEADS_NATIVE_MAX_ROWS rows (decode, verify blocks), a float W_kb beyond (prefill)."""
     heads = mla.kv_b_heads
-    if heads is not None and heads.native:
-        B, T, H, d = q_nope.shape
+    B, T, H, d = q_nope.shape
+    if heads is not None and heads.native and B * T <= HEADS_NATIVE_MAX_ROWS:
         return heads.absorb(heads.round_k(q_nope, mla.ggml_inputs).reshape(B * T, H, d)).reshape(B, T, H, -1)
     return absorb(ggml_input_round(q_nope, mla.ggml_inputs.get("k_b")), _w_kb(mla))
 
@@ -194,11 +203,11 @@ def absorb_q_rows(mla: MLA, x: Tensor) -> Tensor:
 
 def value_heads(mla: MLA, lat: Tensor) -> Tensor:
     """W_vb per head on the attended latents: [B, T, H, L] -> [B, T, H * v], the input rounded as
-    ggml rounds it where the arithmetic does not already. The native head products never mix
-    rows, so a row's floats do not depend on the others; the float product runs per sequence."""
+    ggml rounds it where the arithmetic does not already. Natively up to HEADS_NATIVE_MAX_ROWS
+    rows (which never mixes rows), else a float W_vb (as absorb_q)."""
     B, T, H, L = lat.shape
     heads = mla.kv_b_heads
-    if heads is not None and heads.native:
+    if heads is not None and heads.native and B * T <= HEADS_NATIVE_MAX_ROWS:
         return heads.value(heads.round_v(lat, mla.ggml_inputs).reshape(B * T, H, L)).reshape(B, T, -1)
     lat = ggml_input_round(lat, mla.ggml_inputs.get("v_b"))
     return torch.einsum("bthl,hvl->bthv", lat, _w_vb(mla)).reshape(B, T, H * mla.cfg.v_head_dim)
@@ -206,10 +215,10 @@ def value_heads(mla: MLA, lat: Tensor) -> Tensor:
 
 def value_rows(mla: MLA, lat: Tensor) -> Tensor:
     """value_heads for lat [N, H, L], one row of each of N sequences -> [N, H * v], each row's
-    floats the ones its own sequence's pass gives it."""
+    floats the ones its own sequence's one-row pass gives it (natively for any N)."""
     heads = mla.kv_b_heads
     if heads is not None and heads.native:
-        return value_heads(mla, lat[None])[0]
+        return heads.value(heads.round_v(lat, mla.ggml_inputs))
     return torch.cat([value_heads(mla, lat[i][None, None])[0] for i in range(lat.shape[0])])
 
 
@@ -264,7 +273,8 @@ class LatentHeads(nn.Module):
     A float kv_b_proj is 4x (Q8_0) to 7x (Q4_K) the file's bytes (50 MB per K3 MLA layer in
     float32 where the file holds 10 MB) and read whole by every decode step. Here, on the CPU
     with a type the extension multiplies, each half is one native call over all heads
-    (k3kit.kernels.qmatmul.QuantizedHeads) in the trunk's arithmetic: in "ggml" it is llama.cpp's
+    (k3kit.kernels.qmatmul.QuantizedHeads; up to HEADS_NATIVE_MAX_ROWS rows per call, and for
+    row-batched decode rows always, see absorb_q) in the trunk's arithmetic: in "ggml" it is llama.cpp's
     product (q_nope / the latents rounded to Q8_0 / Q8_K blocks, integer dots), so the input
     rounding emulation (MLA.ggml_inputs) is skipped; in "float" the inputs are rounded as before
     and multiplied by the exactly dequantized weights. Elsewhere (CUDA, types without a kernel)
