@@ -30,11 +30,12 @@ from .state import MLACache
 
 # Rows (of one call: B * T) up to which a quantized kv_b multiplies natively; beyond (prefill),
 # its halves are dequantized for the call and torch's GEMM runs, as a float kv_b would. K3's W_kb
-# rows are 128 values, a quarter of the int8 kernels' 512-value lane group, so their many-row
-# panels run 1.2-1.7x the float32 einsum's time from 16 rows (K3 geometry, 96 heads, 1 thread,
-# 8-512 rows, /tmp/H/micro_prefill.py, 2026-12-02), and 0.2-0.5x it up to 8. Row-batched decode
-# rows (absorb_q_rows, value_rows) always run natively: a row's floats must not depend on N.
-HEADS_NATIVE_MAX_ROWS = 12
+# rows are 128 values, a quarter of the int8 kernels' 512-value lane group, so many rows lose to
+# the float32 einsums: both halves, Q8_0 k_b + Q4_K v_b, ggml arithmetic, 1 thread, time over the
+# float kv_b's = 0.26 at 1 row, 0.49 at 8, 0.79 at 16, 1.09 at 64, 1.92 at 512
+# (benchmarks/bench_mla_heads.py, 2026-12-02). Row-batched decode rows (absorb_q_rows,
+# value_rows) always run natively: a row's floats must not depend on how many share the call.
+HEADS_NATIVE_MAX_ROWS = 32
 
 
 class MLA(nn.Module):
