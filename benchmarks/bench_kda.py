@@ -15,7 +15,7 @@ states / time), and torch / native. The two agree to float32 rounding: the large
 of o and of S is printed. Wall clock; run under the machine lock, nothing else timed alongside.
 
 --model: whole serving passes of a K3 GGUF (loaded as `k3kit serve` loads it) instead. Per
-count of sequences: each sequence prefilled with a bench prompt (all in one pass), then decode
+count of sequences: each sequence prefilled with a bench prompt (plain text) (all in one pass), then decode
 passes of one row per sequence (forward_batch, greedy), alternating native steps and torch steps
 (kda.NATIVE_STEPS) pass by pass, the same sequences going on: ms per pass and the part of it
 spent in the KDA recurrence (kda.delta_rule), median (min-max), and torch / native.
@@ -64,14 +64,13 @@ def spread(ts: list[float]) -> str:
 def serving_passes(path: str, seqs: list[int], passes: int) -> None:
     """Decode passes of `seqs` sequences on the model at `path`, native and torch steps alternated."""
     from k3kit.adapters import load_model
-    from k3kit.bench.workloads import encode, resolve
+    from k3kit.bench.workloads import shipped
     from k3kit.models.kimi_k3 import kda as kda_mod
     from k3kit.runtime.loader import LoadOptions
 
     loaded = load_model(path, LoadOptions())
     model = loaded.model
-    chat = resolve("chat", list)
-    prompts = [encode(loaded.codec, chat, text) for text in chat.texts]
+    prompts = [loaded.codec.encode(text) for text in shipped("chat")]   # plain text: slices have no template
     in_kda = [0.0]
     rule = kda_mod.delta_rule
 
