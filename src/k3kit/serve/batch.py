@@ -38,8 +38,9 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      all sequences instead of its own last ones); before that, DraftGuard (runtime.speculative.
      schedule) may rule drafting out for the greedy sequences of this pass: it keeps the tokens
      per second passes with and without drafts really realized (their draft steps included) at
-     this number of decoders, and where drafting has realized less it is only tried again
-     rarely; greedy output does not depend on it (the tokens are AR's either way);
+     this number of decoders, with their standard errors, and where drafting has realized less
+     beyond the noise, over enough passes each way, it is only tried again rarely; greedy output
+     does not depend on it (the tokens are AR's either way);
   3. those propose, all in ONE draft forward (`propose_many`: each block is its own serial draft
      step's; a draft step's cost per sequence is DraftCost's fit of the batched steps run, so the
      more draft together the cheaper each), and `allocate_widths` again, now with the draft's
@@ -49,6 +50,10 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      the other sequences' plain rows and prompt chunks (committed);
   5. each decoder accepts (greedy, or lossless sampled with its own generator) and commits
      its accepted rows (`commit_sequence`), its taps going to its ring.
+A sequence that does not draft in a pass costs the pass no draft work: its row's tap features
+(rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
+brought up to date from the ring only in the next pass where it drafts (tests/serve/
+test_spec_declined.py).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
 segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
 plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
@@ -120,18 +125,21 @@ class PassTiming:
         self.xtx = np.zeros((3, 3))
         self.xty = np.zeros(3)
         self.theta = np.array([1.0, 0.0, 0.0])
+        self._last_cost: float | None = None      # the last pass's cost(), when theta is not solved for it
 
     def record(self, cost: float, extra_rows: int, blocks: int, seconds: float) -> None:
         x = np.array([cost, extra_rows * 1e-3, blocks * 1e-3])       # b, c in ms: like-sized columns
         self.xtx = self.FORGET * self.xtx + np.outer(x, x)
         self.xty = self.FORGET * self.xty + x * seconds
-        scale = self.PRIOR * max(cost, 1e-3) ** 2
-        prior = np.eye(3) * scale
-        theta = np.linalg.solve(self.xtx + prior, self.xty + prior @ np.array([1.0, 0.0, 0.0]))
-        self.theta = np.maximum(theta, [0.1, 0.0, 0.0])
+        self._last_cost = cost                    # solved when asked: most passes never ask
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, c) with b and c in seconds."""
+        if self._last_cost is not None:
+            prior = np.eye(3) * self.PRIOR * max(self._last_cost, 1e-3) ** 2
+            theta = np.linalg.solve(self.xtx + prior, self.xty + prior @ np.array([1.0, 0.0, 0.0]))
+            self.theta = np.maximum(theta, [0.1, 0.0, 0.0])
+            self._last_cost = None
         a, b, c = (float(v) for v in self.theta)
         return a, b * 1e-3, c * 1e-3
 
@@ -433,6 +441,8 @@ class BatchScheduler:
             if n_rows > prompt_rows and dt > pre:
                 st.last_decode_tok_s = (n_rows - prompt_rows) / (dt - pre)
             st.spec_passes += spec[0]
+            st.decode_passes += n_rows > prompt_rows
+            st.drafted_passes += self._drafted
             st.spec_committed += spec[1]
             st.spec_proposed += spec[2]
             st.spec_accepted += spec[3]
@@ -464,8 +474,12 @@ class BatchScheduler:
         base_tokens = sum(1 if s.decoding else len(r) for s, r in entries)
         scale, row_cost, block_cost = self._timing.coefficients()
 
+        memo: dict[int, float] = {}               # both allocations of this pass ask for the same rows
+
         def cost(n: int) -> float:
-            return scale * spec_model.cost(n)
+            if n not in memo:
+                memo[n] = scale * spec_model.cost(n)
+            return memo[n]
 
         def max_rows(s: _Seq, proposals: int) -> int:
             return max(1, min(proposals + 1, s.out.remaining))
