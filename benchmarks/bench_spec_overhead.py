@@ -7,9 +7,10 @@
 Default: the shipped mini K3 and its drafter. Two BatchSchedulers share one loaded model, as
 `k3kit serve` and `k3kit serve --draft` would build them (the same ScheduleConfig, `--feature-ring
 f16`), each kept for the whole run like a server's, so the draft side's guard and cost fits learn
-as they would in service. At each concurrency N, N clients each send `--requests` greedy requests
-one after the other (bench_serve.py's prompts, `--max-tokens`); AR and draft take turns, the
-order flipping every repeat. Reported per N: aggregate generated tok/s of each (median, min-max),
+as they would in service. `--repeat` sweeps over the concurrencies, as bench_serve.py runs them: at
+each N, N clients each send `--requests` greedy requests one after the other (bench_serve.py's
+prompts, `--max-tokens`); AR and draft take turns, the order flipping every sweep. Reported per
+N: aggregate generated tok/s of each (median, min-max),
 draft / AR per repeat and its median, the share of the draft server's passes that drafted,
 whether every request's tokens were AR's (greedy output must not depend on the draft), and the
 same ratio in tokens per CPU second of the worker thread (median, min-max): the other jobs on a
@@ -110,39 +111,44 @@ def main() -> None:
     sizes = [int(x) for x in args.concurrency.split(",")]
     print(f"{'N':>3} {'AR tok/s':>22} {'draft tok/s':>22} {'draft/AR per repeat':>40} {'median':>7} "
           f"{'drafted':>8} {'same':>5} {'cpu d/AR':>8}", flush=True)
+    tok: dict[tuple[str, int], list[float]] = {}
+    cpu_tok: dict[tuple[str, int], list[float]] = {}
+    passes: dict[int, list[int]] = {n: [0, 0] for n in sizes}      # decode passes, drafted ones
+    same: dict[int, bool] = {n: True for n in sizes}
     try:
-        for n in sizes:
-            def requests(n: int = n) -> list[list[GenerationRequest]]:
-                return [[GenerationRequest(prompts[(c + k) % len(prompts)], args.max_tokens,
+        for rep in range(args.repeat):            # sweeps, as bench_serve.py runs them
+            for n in sizes:
+                reqs = [[GenerationRequest(prompts[(c + k) % len(prompts)], args.max_tokens,
                                            make_sampling(0.0, seed=0)) for k in range(args.requests)]
                         for c in range(n)]
-            tok: dict[str, list[float]] = {"ar": [], "sp": []}
-            cpu_tok: dict[str, list[float]] = {"ar": [], "sp": []}
-            same = True
-            before = sp.stats()
-            for rep in range(args.repeat):
                 order = [("ar", ar), ("sp", sp)] if rep % 2 == 0 else [("sp", sp), ("ar", ar)]
                 outs = {}
                 for name, sched in order:
-                    dt, cpu, got = run_clients(sched, requests())
+                    before = sched.stats()
+                    dt, cpu, got = run_clients(sched, reqs)
+                    after = sched.stats()
                     outs[name] = got
                     n_tok = sum(len(t) for c in got for t in c)
-                    tok[name].append(n_tok / dt)
-                    cpu_tok[name].append(n_tok / cpu)
-                same = same and outs["ar"] == outs["sp"]
-            after = sp.stats()
-            # (getattr: the counters are new; this script also runs against older trees)
-            passes = getattr(after, "decode_passes", 0) - getattr(before, "decode_passes", 0)
-            drafted = getattr(after, "drafted_passes", 0) - getattr(before, "drafted_passes", 0)
-            ratios = [s / a for s, a in zip(tok["sp"], tok["ar"], strict=True)]
-            cpu_ratios = [s / a for s, a in zip(cpu_tok["sp"], cpu_tok["ar"], strict=True)]
+                    tok.setdefault((name, n), []).append(n_tok / dt)
+                    cpu_tok.setdefault((name, n), []).append(n_tok / cpu)
+                    if name == "sp":   # (getattr: the counters are new; this also runs on older trees)
+                        for j, key in enumerate(("decode_passes", "drafted_passes")):
+                            passes[n][j] += getattr(after, key, 0) - getattr(before, key, 0)
+                same[n] = same[n] and outs["ar"] == outs["sp"]
+                print(f"  sweep {rep} N={n}: AR {tok[('ar', n)][-1]:.1f}, draft {tok[('sp', n)][-1]:.1f} "
+                      "tok/s", flush=True)
+        print(f"{'N':>3} {'AR tok/s':>22} {'draft tok/s':>22} {'draft/AR per repeat':>40} {'median':>7} "
+              f"{'drafted':>8} {'same':>5} {'cpu d/AR':>8}", flush=True)
+        for n in sizes:
+            ratios = [s / a for s, a in zip(tok[("sp", n)], tok[("ar", n)], strict=True)]
+            cpu_ratios = [s / a for s, a in zip(cpu_tok[("sp", n)], cpu_tok[("ar", n)], strict=True)]
 
             def fmt(v: list[float]) -> str:
                 return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
-            print(f"{n:>3} {fmt(tok['ar']):>22} {fmt(tok['sp']):>22} "
+            print(f"{n:>3} {fmt(tok[('ar', n)]):>22} {fmt(tok[('sp', n)]):>22} "
                   f"{', '.join(f'{r:.2f}' for r in ratios):>40} {statistics.median(ratios):>7.3f} "
-                  f"{drafted / max(1, passes):>8.1%} "
-                  f"{'yes' if same else 'NO':>5} {statistics.median(cpu_ratios):>8.3f} "
+                  f"{passes[n][1] / max(1, passes[n][0]):>8.1%} "
+                  f"{'yes' if same[n] else 'NO':>5} {statistics.median(cpu_ratios):>8.3f} "
                   f"({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})", flush=True)
     finally:
         ar.close()

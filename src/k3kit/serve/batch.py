@@ -230,7 +230,7 @@ class BatchScheduler:
         self._draft_fit = DraftCost()             # a draft step's seconds for n sequences drafted together
         self._clock = clock
         self._drafted = False                     # whether this pass ran a draft step
-        self._draft_cost = 0.0                    # ... and their step seconds (decoder's draft_seconds)
+        self._sync_row_s: float | None = None     # running mean of a draft context's catch-up, per ring row
         self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
         self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
         self.stop_ids = frozenset(codec.stop_ids())
@@ -374,9 +374,9 @@ class BatchScheduler:
 
     def _run(self, entries: list[tuple[_Seq, list[int]]]) -> None:
         """One target pass: the plan's rows, widened into verify blocks where speculation pays."""
-        self._drafted, self._draft_cost = False, 0.0
-        blocks = self._speculate(entries)
+        self._drafted = False
         t_start = self._clock()
+        blocks = self._speculate(entries)
         rows = [(s, [*r, *blocks[s][1]] if s in blocks else r) for s, r in entries]
         n_rows = sum(len(r) for _, r in rows)
         prompt_rows = sum(len(r) for s, r in entries if not s.decoding)
@@ -426,9 +426,9 @@ class BatchScheduler:
                 row = out.logits[-1]
                 s.out.push(s.sampler(row), row)
         if self.step_factory is not None and spec[0] and not prompt_rows:     # pure decode passes
-            # the draft steps count at their measured step time: a sequence's first draft (the prompt's
-            # context) or a catch-up after undrafted passes syncs more, a one-off that is no step's cost
-            self._guard.record(spec[0], self._drafted, spec[1], self._clock() - t_start + self._draft_cost)
+            # the whole pass as it ran, its choices and draft steps included: a first draft's context (the
+            # prompt's) or a catch-up after undrafted passes is a one-off, but paid by the requests served
+            self._guard.record(spec[0], self._drafted, spec[1], self._clock() - t_start)
         with self._cv:
             st = self._stats
             st.batch_rows, st.batch_sequences = n_rows, len(entries)
@@ -494,6 +494,10 @@ class BatchScheduler:
                 d = share
             if not s.dec.sampling.greedy:     # no timing in a sampled sequence's choices: its seed repeats
                 d = 0.0
+            elif self._sync_row_s is not None and d is not None:
+                # a context behind its ring (never drafted, or not for a while) catches up first: that
+                # one-off is this pass's to pay, so a sequence far behind drafts only where it pays
+                d += max(0, s.dec.behind - p - 1) * self._sync_row_s
             budget = s.dec.schedule.budget
             if budget is not None:        # a fixed verify budget: draft whenever it is > 1
                 claims.append(Claim([1.0] * p, min(max_rows(s, p), budget), 0.0))
@@ -514,9 +518,13 @@ class BatchScheduler:
         stepped = [s for s, pr in zip(drafted, made, strict=True) if pr is not None]
         if stepped:
             self._draft_fit.record(len(stepped), sum(s.dec.last_draft_seconds for s in stepped))
+            late = [s.dec.last_sync for s in stepped if s.dec.last_sync[0] > s.dec.draft.n_proposals + 1]
+            rows = sum(r for r, _ in late)
+            if rows > 0:                          # catch-ups only: a step's own few rows are in its time
+                rate = sum(t for _, t in late) / rows
+                self._sync_row_s = rate if self._sync_row_s is None else 0.8 * self._sync_row_s + 0.2 * rate
         for s, pr in zip(drafted, made, strict=True):
             self._drafted = True
-            self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is not None and pr.tokens:
                 props[s] = pr
                 ds = s.dec.draft_seconds
@@ -571,7 +579,6 @@ class BatchScheduler:
             else:
                 pr = s.dec.propose(s.out.last, s.out.remaining)
             self._drafted = True
-            self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is None or not pr.tokens:
                 continue
             conf = s.dec.confidence(pr)
