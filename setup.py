@@ -1,7 +1,8 @@
-"""Build the optional native quantized-matmul kernels; everything else is in pyproject.toml.
+"""Build the optional native kernels; everything else is in pyproject.toml.
 
-The extension is optional: where no C compiler is available the install still succeeds and
-the engine falls back to dequantizing with torch (k3kit.kernels.qmatmul says which).
+The extensions are optional: where no C compiler is available the install still succeeds and
+the engine falls back to torch (dequantizing, k3kit.kernels.qmatmul says which; the KDA steps,
+k3kit.kernels.kda_step).
 """
 
 from setuptools import Extension, setup
@@ -16,6 +17,15 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
             optional=True,
-        )
+        ),
+        Extension(
+            "k3kit.kernels._kda",
+            sources=["src/k3kit/kernels/_kda.c"],
+            # the KDA recurrence step (kernels/kda_step.py; without it the torch steps run).
+            # -ffp-contract=off: the same products and sums, each rounded, on every SIMD path.
+            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
     ]
 )

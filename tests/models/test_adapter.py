@@ -19,6 +19,7 @@ from k3kit.adapters.session import open_session  # noqa: E402
 from k3kit.errors import K3Error  # noqa: E402
 from k3kit.layers.quantized_linear import quantized_modules  # noqa: E402
 from k3kit.mini.paths import shipped_draft, shipped_gguf  # noqa: E402
+from k3kit.models.kimi_k3.mla import LatentHeads  # noqa: E402
 from k3kit.runtime.loader import LoadOptions  # noqa: E402
 from k3kit.runtime.protocols import AttachableDraft, CausalModel, ExpertBacked, MemoryFigures, Target  # noqa: E402
 
@@ -154,7 +155,8 @@ def test_loaded_model_carries_codec_ledger_and_memory(tiny):
         assert isinstance(a, CausalModel) and isinstance(a, Target) and isinstance(a, ExpertBacked)
         assert loaded.expert_kernel == "torch"
         m = loaded.memory()
-        held = quantized_modules(a.model)                         # the default trunk: file bytes
+        held = [*quantized_modules(a.model),                      # the default trunk: file bytes
+                *(h for h in a.model.modules() if isinstance(h, LatentHeads))]
         assert m.trunk == "quantized" and held
         assert m.trunk_bytes == (sum(p.numel() * p.element_size() for p in a.model.parameters())
                                  + sum(q.nbytes for q in held))

@@ -212,7 +212,11 @@ def test_draft_guard_stops_drafting_where_drafted_passes_realized_less():
     assert [i + 3 for i, a in enumerate(seen) if a] == [8, 18, 38, 58]
     assert g.allow(12) is False                             # starts undrafted where fewer users lost
     assert g.verdict(4) is None and g.allow(4)              # fewer users: still the allocator's call
-    for _ in range(8):                                      # probes that now pay turn the verdict over
+    for _ in range(8):                                      # probes that pay: first the evidence is mixed
+        g.record(8, True, 8, 0.5)
+    # within the noise: no verdict; the undrafted side, now far lighter, is measured again first
+    assert g.verdict(8) is None and not g.allow(8)
+    for _ in range(30):                                     # ... then the old losses are forgotten
         g.record(8, True, 8, 0.5)
     assert g.verdict(8) is True
     seen = [g.allow(8) for _ in range(10)]
@@ -231,6 +235,41 @@ def test_draft_guard_keeps_drafting_where_it_pays():
         DraftGuard(samples=0)
 
 
+def _noisy_passes(g, n, drafted, rate, passes, seed):
+    """`passes` passes at n whose tokens are 1..8 at random (a drafted pass's spread), each taking
+    tokens / rate seconds times a +-30% load factor."""
+    import random
+    rnd = random.Random(seed)
+    for _ in range(passes):
+        tokens = rnd.randint(1, 8) if drafted else 1
+        g.record(n, drafted, tokens, tokens / rate * rnd.uniform(0.7, 1.3))
+
+
+def test_draft_guard_does_not_condemn_drafting_on_few_or_noisy_passes():
+    """Fewer than `samples` passes each way give no verdict however bad they look (an unlucky
+    start must not switch drafting off); many noisy passes at the same real rate give none either
+    (the allocator keeps deciding), where a clear loss in the same noise is found."""
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    g = DraftGuard(samples=6)
+    for _ in range(5):
+        assert g.allow(1)                                   # the allocator's call while learning
+        g.record(1, True, 1, 1.0)                           # 5 drafted passes that each kept 1 token, slowly
+        g.record(1, False, 1, 0.2)
+    assert g.verdict(1) is None and g.allow(1)
+    for seed in range(5):
+        even = DraftGuard()
+        _noisy_passes(even, 4, True, 50.0, 60, seed)
+        _noisy_passes(even, 4, False, 50.0, 60, seed + 100)
+        assert even.verdict(4) is None, seed
+        assert sum(even.allow(4) for _ in range(50)) == 50
+        losing = DraftGuard()
+        _noisy_passes(losing, 4, True, 25.0, 60, seed)
+        _noisy_passes(losing, 4, False, 50.0, 60, seed + 100)
+        assert losing.verdict(4) is False, seed
+        assert sum(losing.allow(4) for _ in range(50)) <= 2
+
+
 def test_draft_guard_that_does_not_judge_leaves_every_pass_to_the_allocator():
     from k3kit.runtime.speculative.schedule import DraftGuard
 
@@ -240,3 +279,25 @@ def test_draft_guard_that_does_not_judge_leaves_every_pass_to_the_allocator():
             g.record(3, drafted, 4, seconds)
     assert judging.verdict(3) is False and not judging.allow(3)
     assert all(trusting.allow(n) for n in (1, 3, 3, 8))
+
+
+def test_draft_guard_confirms_a_clear_gain_on_few_undrafted_passes_but_condemns_only_on_samples():
+    """A verdict for drafting needs `samples` drafted passes and two undrafted ones (it only leaves the
+    choice to the allocator); one against it needs `samples` undrafted passes as well."""
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    wins = DraftGuard(samples=6)
+    for t in (5, 6, 4, 5, 6, 5):
+        wins.record(2, True, t, 0.1)                        # ~50 tokens/s drafted
+    assert not wins.allow(2)                                # measure the undrafted side first
+    for _ in range(2):
+        wins.record(2, False, 2, 0.1)                       # 20 tokens/s
+    assert wins.verdict(2) is True and wins.allow(2)
+    loses = DraftGuard(samples=6)
+    for t in (1, 2, 1, 1, 2, 1):
+        loses.record(2, True, t, 0.1)                       # ~13 tokens/s drafted
+    for i in range(5):
+        loses.record(2, False, 2, 0.1)                      # 20 tokens/s
+        assert loses.verdict(2) is None and not loses.allow(2), i     # still measuring, not condemned
+    loses.record(2, False, 2, 0.1)
+    assert loses.verdict(2) is False

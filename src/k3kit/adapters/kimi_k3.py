@@ -29,7 +29,7 @@ next planned miss being read in the background.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,6 +47,7 @@ from k3kit.models.kimi_k3.gguf_load import (
     expert_tensor_names,
     ggml_input_kinds,
 )
+from k3kit.models.kimi_k3.mla import LatentHeads
 from k3kit.models.kimi_k3.model import Captured, K3Model, commit_rows
 from k3kit.models.kimi_k3.moe import set_expert_prefetch
 from k3kit.models.kimi_k3.state import K3State, KDAState
@@ -160,7 +161,8 @@ class K3Adapter:
         self.dtype = options.dtype
         # held for compute: float parameters + the file bytes quantized layers keep (mapped: they
         # are resident once the first forward touched them)
-        quantized = quantized_modules(model)
+        quantized: list[QuantizedLinear | QuantizedEmbedding | LatentHeads] = [
+            *quantized_modules(model), *(m for m in model.modules() if isinstance(m, LatentHeads))]
         self.trunk = "quantized" if quantized else "float"
         self.trunk_bytes = (sum(p.numel() * p.element_size() for p in model.parameters())
                             + sum(m.nbytes for m in quantized))
@@ -496,6 +498,10 @@ class K3Adapter:
                 trunk[name] = f"native-{native_simd()} {m.matrix.arith}"
             else:
                 trunk[name] = "dequantize per product + torch GEMM"
+        for h in (m for m in self.model.modules() if isinstance(m, LatentHeads)):
+            for qh in (h.k_b, h.v_b):
+                trunk.setdefault(qh.qtype.name, f"native-{native_simd()} {qh.arith}" if qh.native
+                                 else "dequantize per product + torch")
         if not trunk:
             trunk["all"] = f"torch ({self.options.dtype}, dequantized at load)"
         experts: dict[str, str] = {}
@@ -585,6 +591,16 @@ class _TrunkBytes:
                 m.check = partial(self.source.check_finite, name)
             else:
                 m.corrupt_row = partial(self.source.check_row_finite, name)
+        for h in (m for m in model.modules() if isinstance(m, LatentHeads)):
+            names = [self.mapped.get(r.data_ptr()) for r in (h.k_raw, h.v_raw) if r.device.type == "cpu"]
+            checks = [partial(self.source.check_finite, n) for n in names if n is not None]
+            if checks:
+                h.check = partial(_run_all, checks)
+
+
+def _run_all(checks: Sequence[Callable[[], None]]) -> None:
+    for check in checks:
+        check()
 
 
 def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:

@@ -41,3 +41,8 @@ def tiling(qtype: int, /) -> dict[str, int]:
 
 def types() -> tuple[int, ...]:
     """The ggml type ids with a native kernel."""
+
+def matmul_heads(qtype: int, w: Any, x: Any, y: Any, heads: int, n_out: int, k: int, m: int, w_stride: int,
+                 i8: int = 1, simd: int = -1, threads: int = 1, /) -> None:
+    """y[h] = x[h] @ W_h.T for `heads` ggml matrices [n_out, k] at a byte stride of w_stride: each
+    head bit for bit matmul_q8 (i8 = 1) or matmul (i8 = 0) on that head alone."""

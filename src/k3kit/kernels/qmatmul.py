@@ -283,3 +283,85 @@ class QuantizedMatrix:
             w = self._dequantize_rows(r0, r1, buf[:r1 - r0]).to(x.device)
             y[:, r0:r1] = torch.mv(w, xc[0]).unsqueeze(0) if one_row else xc @ w.t()
         return y.to(x.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedHeads:
+    """A 3-D ggml tensor of ggml shape (n_in, n_out, heads) kept as its bytes: `heads` matrices
+    [n_out, n_in], head h multiplying its own rows of x.
+
+    Such stacks (e.g. a latent attention's per-head up-projections) are small per head, so one
+    product per head pays more in call overhead than in arithmetic; `matmul` runs every head in
+    one native call (threads over heads), each head's result bit for bit what a QuantizedMatrix
+    over that head's bytes gives in the same arithmetic, for any row count: rows never influence
+    each other.
+    """
+
+    raw: torch.Tensor                  # uint8, contiguous, exactly the tensor's bytes
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int, int]        # ggml order: (n_in, n_out, heads)
+    dtype: torch.dtype = torch.float32
+    arith: str = ""                    # "float" or "ggml" (ARITHS); "" takes DEFAULT_ARITH
+    _raw_np: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.arith:
+            object.__setattr__(self, "arith", DEFAULT_ARITH)
+        if self.arith not in ARITHS:
+            raise ValueError(f"QuantizedHeads arith {self.arith!r} is not one of {ARITHS}")
+        if len(self.shape) != 3:
+            raise ValueError(f"QuantizedHeads needs a 3-D ggml shape, got {self.shape}")
+        if self.raw.dtype != torch.uint8 or not self.raw.is_contiguous():
+            raise ValueError("QuantizedHeads bytes must be a contiguous uint8 tensor")
+        n_in, n_out, heads = self.shape
+        if n_in % block_size(self.qtype)[0]:
+            raise ValueError(f"{T(self.qtype).name} heads {self.shape}: rows of {n_in} values are not "
+                             f"whole blocks")
+        need = nbytes_for(self.qtype, n_in * n_out * heads)
+        if self.raw.numel() != need:
+            raise ValueError(f"{T(self.qtype).name} heads {self.shape} need {need} bytes, "
+                             f"got {self.raw.numel()}")
+        on_cpu = self.raw.device.type == "cpu"
+        object.__setattr__(self, "_raw_np", self.raw.numpy() if on_cpu else np.empty(0, np.uint8))
+
+    @property
+    def heads(self) -> int:
+        return self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def native(self) -> bool:
+        """Whether `matmul` runs the extension (CPU bytes, a type it multiplies)."""
+        return _qmatmul is not None and self.qtype in NATIVE_TYPES and self.raw.device.type == "cpu"
+
+    def head(self, h: int) -> QuantizedMatrix:
+        """Head h as a QuantizedMatrix over its bytes (no copy; CPU bytes)."""
+        per = self.nbytes // self.heads
+        return QuantizedMatrix(self.raw[h * per:(h + 1) * per], self.qtype, self.shape[:2], self.dtype,
+                               self.arith)
+
+    def dequantize(self) -> torch.Tensor:
+        """[heads, n_out, n_in] in the compute dtype, on the bytes' device (a fresh tensor)."""
+        n_in, n_out, heads = self.shape
+        return dequantize(self.raw, self.qtype, (n_in, n_out * heads), self.dtype).view(heads, n_out, n_in)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [heads, m, n_in] -> [heads, m, n_out] (x[h] @ W_h.T), in x's dtype. Natively: one
+        call, float32 sums ("float") or ggml's int8 arithmetic ("ggml"). Otherwise the stack
+        is dequantized for this call and multiplied by torch.bmm (no row invariance)."""
+        n_in, n_out, heads = self.shape
+        if x.dim() != 3 or x.shape[0] != heads or x.shape[2] != n_in:
+            raise ValueError(f"matmul: x {tuple(x.shape)} does not fit {heads} heads of [{n_out}, {n_in}]")
+        if not (self.native and x.device.type == "cpu"):
+            return torch.bmm(x.to(self.dtype), self.dequantize().to(x.device).transpose(1, 2)).to(x.dtype)
+        xf = x.detach()
+        if xf.dtype != torch.float32 or not xf.is_contiguous():
+            xf = xf.to(torch.float32).contiguous()
+        m = x.shape[1]
+        y = torch.empty(heads, m, n_out, dtype=torch.float32)
+        _qmatmul.matmul_heads(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), heads, n_out, n_in, m,
+                              self.nbytes // heads, int(self.arith == "ggml"), -1, torch.get_num_threads())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

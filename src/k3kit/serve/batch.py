@@ -38,8 +38,9 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      all sequences instead of its own last ones); before that, DraftGuard (runtime.speculative.
      schedule) may rule drafting out for the greedy sequences of this pass: it keeps the tokens
      per second passes with and without drafts really realized (their draft steps included) at
-     this number of decoders, and where drafting has realized less it is only tried again
-     rarely; greedy output does not depend on it (the tokens are AR's either way);
+     this number of decoders, with their standard errors, and where drafting has realized less
+     beyond the noise, over enough passes each way, it is only tried again rarely; greedy output
+     does not depend on it (the tokens are AR's either way);
   3. those propose, all in ONE draft forward (`propose_many`: each block is its own serial draft
      step's; a draft step's cost per sequence is DraftCost's fit of the batched steps run, so the
      more draft together the cheaper each), and `allocate_widths` again, now with the draft's
@@ -49,6 +50,10 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      the other sequences' plain rows and prompt chunks (committed);
   5. each decoder accepts (greedy, or lossless sampled with its own generator) and commits
      its accepted rows (`commit_sequence`), its taps going to its ring.
+A sequence that does not draft in a pass costs the pass no draft work: its row's tap features
+(rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
+brought up to date from the ring only in the next pass where it drafts (tests/serve/
+test_spec_declined.py).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
 segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
 plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
@@ -120,18 +125,21 @@ class PassTiming:
         self.xtx = np.zeros((3, 3))
         self.xty = np.zeros(3)
         self.theta = np.array([1.0, 0.0, 0.0])
+        self._last_cost: float | None = None      # the last pass's cost(), when theta is not solved for it
 
     def record(self, cost: float, extra_rows: int, blocks: int, seconds: float) -> None:
         x = np.array([cost, extra_rows * 1e-3, blocks * 1e-3])       # b, c in ms: like-sized columns
         self.xtx = self.FORGET * self.xtx + np.outer(x, x)
         self.xty = self.FORGET * self.xty + x * seconds
-        scale = self.PRIOR * max(cost, 1e-3) ** 2
-        prior = np.eye(3) * scale
-        theta = np.linalg.solve(self.xtx + prior, self.xty + prior @ np.array([1.0, 0.0, 0.0]))
-        self.theta = np.maximum(theta, [0.1, 0.0, 0.0])
+        self._last_cost = cost                    # solved when asked: most passes never ask
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, c) with b and c in seconds."""
+        if self._last_cost is not None:
+            prior = np.eye(3) * self.PRIOR * max(self._last_cost, 1e-3) ** 2
+            theta = np.linalg.solve(self.xtx + prior, self.xty + prior @ np.array([1.0, 0.0, 0.0]))
+            self.theta = np.maximum(theta, [0.1, 0.0, 0.0])
+            self._last_cost = None
         a, b, c = (float(v) for v in self.theta)
         return a, b * 1e-3, c * 1e-3
 
@@ -222,7 +230,7 @@ class BatchScheduler:
         self._draft_fit = DraftCost()             # a draft step's seconds for n sequences drafted together
         self._clock = clock
         self._drafted = False                     # whether this pass ran a draft step
-        self._draft_cost = 0.0                    # ... and their step seconds (decoder's draft_seconds)
+        self._sync_row_s: float | None = None     # running mean of a draft context's catch-up, per ring row
         self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
         self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
         self.stop_ids = frozenset(codec.stop_ids())
@@ -366,9 +374,9 @@ class BatchScheduler:
 
     def _run(self, entries: list[tuple[_Seq, list[int]]]) -> None:
         """One target pass: the plan's rows, widened into verify blocks where speculation pays."""
-        self._drafted, self._draft_cost = False, 0.0
-        blocks = self._speculate(entries)
+        self._drafted = False
         t_start = self._clock()
+        blocks = self._speculate(entries)
         rows = [(s, [*r, *blocks[s][1]] if s in blocks else r) for s, r in entries]
         n_rows = sum(len(r) for _, r in rows)
         prompt_rows = sum(len(r) for s, r in entries if not s.decoding)
@@ -418,9 +426,9 @@ class BatchScheduler:
                 row = out.logits[-1]
                 s.out.push(s.sampler(row), row)
         if self.step_factory is not None and spec[0] and not prompt_rows:     # pure decode passes
-            # the draft steps count at their measured step time: a sequence's first draft (the prompt's
-            # context) or a catch-up after undrafted passes syncs more, a one-off that is no step's cost
-            self._guard.record(spec[0], self._drafted, spec[1], self._clock() - t_start + self._draft_cost)
+            # the whole pass as it ran, its choices and draft steps included: a first draft's context (the
+            # prompt's) or a catch-up after undrafted passes is a one-off, but paid by the requests served
+            self._guard.record(spec[0], self._drafted, spec[1], self._clock() - t_start)
         with self._cv:
             st = self._stats
             st.batch_rows, st.batch_sequences = n_rows, len(entries)
@@ -433,6 +441,8 @@ class BatchScheduler:
             if n_rows > prompt_rows and dt > pre:
                 st.last_decode_tok_s = (n_rows - prompt_rows) / (dt - pre)
             st.spec_passes += spec[0]
+            st.decode_passes += n_rows > prompt_rows
+            st.drafted_passes += self._drafted
             st.spec_committed += spec[1]
             st.spec_proposed += spec[2]
             st.spec_accepted += spec[3]
@@ -464,8 +474,12 @@ class BatchScheduler:
         base_tokens = sum(1 if s.decoding else len(r) for s, r in entries)
         scale, row_cost, block_cost = self._timing.coefficients()
 
+        memo: dict[int, float] = {}               # both allocations of this pass ask for the same rows
+
         def cost(n: int) -> float:
-            return scale * spec_model.cost(n)
+            if n not in memo:
+                memo[n] = scale * spec_model.cost(n)
+            return memo[n]
 
         def max_rows(s: _Seq, proposals: int) -> int:
             return max(1, min(proposals + 1, s.out.remaining))
@@ -480,6 +494,10 @@ class BatchScheduler:
                 d = share
             if not s.dec.sampling.greedy:     # no timing in a sampled sequence's choices: its seed repeats
                 d = 0.0
+            elif self._sync_row_s is not None and d is not None:
+                # a context behind its ring (never drafted, or not for a while) catches up first: that
+                # one-off is this pass's to pay, so a sequence far behind drafts only where it pays
+                d += max(0, s.dec.behind - p - 1) * self._sync_row_s
             budget = s.dec.schedule.budget
             if budget is not None:        # a fixed verify budget: draft whenever it is > 1
                 claims.append(Claim([1.0] * p, min(max_rows(s, p), budget), 0.0))
@@ -500,9 +518,13 @@ class BatchScheduler:
         stepped = [s for s, pr in zip(drafted, made, strict=True) if pr is not None]
         if stepped:
             self._draft_fit.record(len(stepped), sum(s.dec.last_draft_seconds for s in stepped))
+            late = [s.dec.last_sync for s in stepped if s.dec.last_sync[0] > s.dec.draft.n_proposals + 1]
+            rows = sum(r for r, _ in late)
+            if rows > 0:                          # catch-ups only: a step's own few rows are in its time
+                rate = sum(t for _, t in late) / rows
+                self._sync_row_s = rate if self._sync_row_s is None else 0.8 * self._sync_row_s + 0.2 * rate
         for s, pr in zip(drafted, made, strict=True):
             self._drafted = True
-            self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is not None and pr.tokens:
                 props[s] = pr
                 ds = s.dec.draft_seconds
@@ -557,7 +579,6 @@ class BatchScheduler:
             else:
                 pr = s.dec.propose(s.out.last, s.out.remaining)
             self._drafted = True
-            self._draft_cost += s.dec.draft_seconds or 0.0
             if pr is None or not pr.tokens:
                 continue
             conf = s.dec.confidence(pr)

@@ -62,6 +62,9 @@ class SchedulerCollector(Collector):
         yield counter("speculative_committed_tokens", "tokens those passes committed", s.spec_committed)
         yield counter("speculative_proposals", "draft proposals verified", s.spec_proposed)
         yield counter("speculative_accepted", "draft proposals accepted", s.spec_accepted)
+        yield counter("decode_passes", "target passes with decoding sequences", s.decode_passes)
+        yield counter("speculative_drafted_passes", "decode passes that ran a draft step first",
+                      s.drafted_passes)
         yield gauge("speculative_committed_per_pass", "tokens committed per target pass since start",
                     s.spec_committed / s.spec_passes if s.spec_passes else 0)
         yield gauge("speculative_acceptance", "accepted / verified draft proposals since start",

@@ -111,6 +111,8 @@ class SchedulerStats:
     spec_committed: int = 0               # tokens those passes committed
     spec_proposed: int = 0                # draft proposals verified
     spec_accepted: int = 0                # of which accepted
+    decode_passes: int = 0                # target passes with at least one decoding sequence
+    drafted_passes: int = 0               # of which ran a draft step first
 
 
 class Scheduler(Protocol):

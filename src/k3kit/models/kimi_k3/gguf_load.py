@@ -9,9 +9,10 @@ Quantized trunk (`build_trunk(..., raw=source.raw)`): every Linear that is one 2
 (attention and KDA projections, dense FFN, shared experts, latent projections, lm_head)
 becomes a QuantizedLinear and token_embd a QuantizedEmbedding (rows dequantized per lookup),
 both over the tensor's bytes. What stays float, dequantized to the compute dtype: norms,
-attn-res scores, KDA convs / A_log / dt_bias, the router and its bias, and MLA's kv_b (the
-attention multiplies its per-head halves directly, not as one Linear; built from attn_k_b +
-attn_v_b). Any matrix whose tensor is not a plain 2-D [n_in, n_out] stays float too.
+attn-res scores, KDA convs / A_log / dt_bias, the router and its bias. MLA's split kv_b
+(attn_k_b + attn_v_b, 3-D per-head stacks) becomes a LatentHeads over their bytes (the
+attention multiplies each head's matrix where it lies); a fused attn_kv_b stays a float
+kv_b_proj. Any other matrix whose tensor is not a plain 2-D [n_in, n_out] stays float too.
 
 The name mapping and the inverse transforms are gguf_map's (llama.cpp's converter, inverted):
 ssm_conv1d_* -> [C, K]; ssm_a = -exp(A_log) -> A_log; attn_k_b + attn_v_b -> kv_b_proj.
@@ -33,7 +34,7 @@ from k3kit.layers.quantized_linear import GGMLWeight, use_quantized_weights
 
 from .config import K3ModelConfig
 from .gguf_map import KDA_CONVS, _param_map, config_from_gguf_kv, expert_tensor_name, infer_optional_parts
-from .mla import MLA
+from .mla import MLA, LatentHeads
 from .model import K3Model
 from .moe import LatentMoE
 from .mxfp4 import input_kind
@@ -79,6 +80,37 @@ def expert_tensor_names(cfg: K3ModelConfig) -> dict[int, list[str]]:
     """Per MoE layer, the 3-D routed expert tensors in EXPERT_PROJECTIONS order."""
     return {il: [expert_tensor_name(il, p) for p in EXPERT_PROJECTIONS]
             for il in range(cfg.num_layers) if not cfg.is_dense(il)}
+
+
+def p_kv_b(layer_prefix: str) -> str:
+    return layer_prefix + "kv_b_proj.weight"
+
+
+def _quantize_kv_b(src: Source, model: K3Model, dtype: torch.dtype, raw: Callable[[str], torch.Tensor],
+                   arith: str = "") -> None:
+    """Give every MLA layer whose file splits kv_b into attn_k_b + attn_v_b a LatentHeads over
+    those tensors' bytes in place of the float kv_b_proj (a fused attn_kv_b stays float)."""
+    cfg = model.cfg
+    H, nope, v, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    for il, layer in enumerate(model.layers):
+        mla = layer.attn
+        k_name, v_name = blk(il, fmt.ATTN_K_B), blk(il, fmt.ATTN_V_B)
+        if not isinstance(mla, MLA) or k_name not in src.tensors or v_name not in src.tensors:
+            continue
+        w = []
+        for gname, want in ((k_name, (nope, L, H)), (v_name, (L, v, H))):
+            info = src.tensors[gname]
+            shape = tuple(int(d) for d in info.shape)
+            if shape != want:
+                raise FormatError(f"{src.where}: tensor {gname!r} has shape {list(shape)}, "
+                                  f"expected {list(want)}")
+            w.append(GGMLWeight(raw(gname), GGMLQuantizationType(info.ggml_type), shape))
+        try:
+            heads = LatentHeads(w[0], w[1], dtype, arith)
+        except ValueError as e:
+            raise FormatError(f"{src.where}: layer {il} attn_k_b / attn_v_b: {e}") from None
+        mla.kv_b_proj = None
+        mla.kv_b_heads = heads
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -142,6 +174,7 @@ def build_trunk(src: Source, cfg: K3ModelConfig, dtype: torch.dtype,
     names = set(src.tensors)
     if raw is not None:
         _quantize_trunk(src, model, mapped, dtype, raw, arith)
+        _quantize_kv_b(src, model, dtype, raw, arith)
 
     def load(gname: str, shape: tuple[int, ...], pname: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         if gname not in names:
@@ -167,9 +200,9 @@ def build_trunk(src: Source, cfg: K3ModelConfig, dtype: torch.dtype,
             if not bool((ssm_a < 0).all()):
                 raise FormatError(f"{src.where}: {a_name} must be negative (it holds -exp(A_log))")
             _set_param(model, o + "A_log", torch.log(-ssm_a).to(dtype))
-        else:
+        elif p_kv_b(o) in params:      # else held as the file's bytes (_quantize_kv_b)
             H, nope, v, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-            p = o + "kv_b_proj.weight"
+            p = p_kv_b(o)
             if blk(il, fmt.ATTN_KV_B) in names:
                 kv_b = load(blk(il, fmt.ATTN_KV_B), (H * (nope + v), L), p)
             else:

@@ -16,7 +16,9 @@ first n of them, with the same step function, so the result is what a normal run
 those n rows leaves behind.
 
 Three forms of the same recurrence, by use:
-  delta_rule          one step per row: decode, prefill and replay (llama.cpp's order)
+  delta_rule          one step per row: decode, prefill and replay (llama.cpp's order); in
+                      inference the steps run natively (k3kit.kernels.kda_step, one pass over
+                      each head's state per call), with gradients as torch ops
   delta_rule_chunked  per-chunk triangular solve: stateless forwards with gradients, T >= 32
   delta_rule_wy       chunkwise WY / UT form, all chunks at once: `KDA.chunked` modules
                       (training, scoring; switched on by `use_fast_kda`) without a state
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k3kit.kernels import kda_step
 from k3kit.layers.norm import rms_norm
 
 from .activations import l2_norm
@@ -68,8 +71,24 @@ def delta_step(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, inplace
 def delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                inplace: bool = False) -> tuple[Tensor, Tensor]:
     """Run the recurrence over T rows: q/k/v/g [B,T,H,d], beta [B,T,H]; returns (o [B,T,H,d], S).
-    The caller's S is left as it was unless `inplace` (then it is the returned S); without a
-    gradient, the steps after the first update the step's own copy in place."""
+    The caller's S is left as it was unless `inplace` (then it is the returned S).
+
+    Float32 on the CPU without a gradient (decode, prefill, verify, serving passes) runs the
+    native steps (`native_steps`); otherwise `delta_rule_torch`."""
+    if native_steps(S, q, k, v, g, beta):
+        o, S_new = kda_step.rows(S, k, v, g, beta, q, inplace=inplace and S.is_contiguous())
+        assert o is not None
+        if inplace and S_new is not S:
+            S_new = S.copy_(S_new)
+        return o, S_new
+    return delta_rule_torch(S, q, k, v, g, beta, inplace)
+
+
+def delta_rule_torch(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """`delta_rule` as torch ops, one `delta_step` per row (differentiable; the reference of the
+    native steps). Without a gradient, the steps after the first update the step's own copy in
+    place."""
     scale = 1.0 / math.sqrt(v.shape[-1])
     outs = []
     own = not torch.is_grad_enabled()
@@ -77,6 +96,18 @@ def delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         S = delta_step(S, k[:, t], v[:, t], g[:, t], beta[:, t], inplace=own and (inplace or t > 0))
         outs.append(torch.einsum("bhij,bhi->bhj", S, q[:, t]) * scale)
     return torch.stack(outs, dim=1), S
+
+
+# False: every step runs as torch ops (tests and benchmarks compare the two ways)
+NATIVE_STEPS = True
+
+
+def native_steps(*tensors: Tensor) -> bool:
+    """Whether the recurrence's steps on these tensors run in the `_kda` extension: one pass over
+    each head's state per call instead of ~7 per row (k3kit.kernels.kda_step). Float32 on the CPU
+    without a gradient, and the extension built; the results agree with the torch steps to float32
+    rounding and are the same for any batch of sequences and thread count."""
+    return NATIVE_STEPS and kda_step.usable(*tensors)
 
 
 CHUNK = 16
@@ -414,8 +445,12 @@ def commit_rows(state: KDAState, rows: KDARows, n: int) -> None:
         S = rows.final          # every row accepted: verify already ran exactly these steps
     else:
         S = state.S
-        for t in range(n):
-            S = delta_step(S, rows.k[:, t], rows.v[:, t], rows.g[:, t], rows.beta[:, t])
+        k, v, g, beta = rows.k[:, :n], rows.v[:, :n], rows.g[:, :n], rows.beta[:, :n]
+        if native_steps(S, k, v, g, beta):      # the steps verify ran, without their outputs
+            _, S = kda_step.rows(S, k, v, g, beta)
+        else:
+            for t in range(n):
+                S = delta_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
     K1 = state.conv.shape[2]
     xx = torch.cat((state.conv, rows.conv_in[:, :n].transpose(1, 2)), dim=2)   # [B, 3, K-1+n, C]
     state.S = S

@@ -35,12 +35,12 @@ from .kda import output_rows as kda_output_rows
 from .kda import project_rows as kda_project_rows
 from .kda import recur_rows as kda_recur_rows
 from .mla import MLA
-from .mla import absorb_rows as mla_absorb_rows
+from .mla import absorb_q_rows as mla_absorb_q_rows
 from .mla import attend_latent as mla_attend_latent
 from .mla import attend_rows as mla_attend_rows
-from .mla import head_weights as mla_head_weights
 from .mla import output_rows as mla_output_rows
 from .mla import project_rows as mla_project_rows
+from .mla import value_rows as mla_value_rows
 from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE, Router
 from .mxfp4 import ggml_input_round
 from .state import K3State, KDAState, MLACache
@@ -403,8 +403,9 @@ def _kda_verify_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta
 
 def _mla_rows(mla: MLA, h: Tensor, caches: list[MLACache], bounds: list[int]) -> Tensor:
     """An MLA layer over a pass's rows: projections on all rows, attention per sequence. The
-    one-row segments (decoding sequences) take W_kb^T q together (mla.absorb_rows: the floats
-    each row gets alone, W_kb read once for all)."""
+    one-row segments (decoding sequences) take the per-head products W_kb^T q and W_vb lat
+    together (mla.absorb_q_rows / value_rows: the floats each row gets alone, W_kb and W_vb read
+    once for all)."""
     q, c, k_pe, gate = mla_project_rows(mla, h)
     n = len(caches)
     singles = [i for i in range(n) if bounds[i + 1] - bounds[i] == 1]
@@ -414,16 +415,15 @@ def _mla_rows(mla: MLA, h: Tensor, caches: list[MLACache], bounds: list[int]) ->
         return mla_output_rows(mla, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), gate)
     cfg = mla.cfg
     nope, H = cfg.qk_nope_head_dim, cfg.num_heads
-    w_kb, w_vb = mla_head_weights(mla)
-    rnd = mla.ggml_inputs
     rows = torch.tensor([bounds[i] for i in singles], device=h.device)
-    q_abs = mla_absorb_rows(ggml_input_round(q[0, rows, :, :nope], rnd.get("k_b")), w_kb)   # [N, H, L]
-    out = q.new_empty(1, q.shape[1], H * cfg.v_head_dim)
+    q_abs = mla_absorb_q_rows(mla, q[0, rows, :, :nope])       # [N, H, L]
+    lat = q_abs.new_empty(len(singles), H, cfg.kv_lora_rank)
     for j, i in enumerate(singles):
         r = bounds[i]
-        lat = mla_attend_latent(mla, caches[i], q_abs[j][None, None], q[:, r:r + 1, :, nope:],
-                                c[:, r:r + 1], k_pe[:, r:r + 1])
-        out[:, r:r + 1] = torch.einsum("bthl,hvl->bthv", lat, w_vb).reshape(1, 1, -1)
+        lat[j] = mla_attend_latent(mla, caches[i], q_abs[j][None, None], q[:, r:r + 1, :, nope:],
+                                   c[:, r:r + 1], k_pe[:, r:r + 1])[0, 0]
+    out = q.new_empty(1, q.shape[1], H * cfg.v_head_dim)
+    out[0, rows] = mla_value_rows(mla, lat)
     for i, cache in enumerate(caches):
         if bounds[i + 1] - bounds[i] > 1:
             s = slice(bounds[i], bounds[i + 1])

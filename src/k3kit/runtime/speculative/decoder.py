@@ -108,6 +108,7 @@ class SpeculativeDecoder:
         self.last_draft_seconds = 0.0              # the last step's (a batched step: its share)
         self.last_accepted = 0                     # proposals the last accept() kept
         self._synced = 0                           # ring length at the last draft step
+        self.last_sync = (0, 0.0)                  # (ring rows, seconds) the last step's sync brought in
         if ring is None:
             ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
         if ring.length != target.position:
@@ -145,9 +146,16 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         self.draft.sync(self.ring)
         dt = time.perf_counter() - t0
-        own = self.ring.length - self._synced <= self.draft.n_proposals + 1
+        rows = self.behind
+        own = rows <= self.draft.n_proposals + 1
+        self.last_sync = (rows, dt)
         self._synced = self.ring.length
         return dt if own else 0.0
+
+    @property
+    def behind(self) -> int:
+        """Ring rows the draft's context has not seen (what the next step's sync brings in)."""
+        return self.ring.length - self._synced
 
     def _stepped(self, dt: float) -> None:
         self.last_draft_seconds = dt

@@ -294,26 +294,36 @@ class DraftGuard:
     """Whether drafting has really paid at a given number of decoding sequences, from the passes run.
 
     allocate_widths judges a draft by a model of the pass; this judges it by what passes realized:
-    committed tokens per second of the whole pass (its draft steps included), kept as running means
-    apart for passes that drafted and passes that did not, per number of decoders `n`. Once both
-    are known at `n`, greedy sequences draft there only if drafting has realized at least as much
-    (their output does not depend on it), and now and then the other way is tried once to see
-    whether that still holds: after `probe_every` passes at `n`, then twice as many each time the
-    verdict stands (a probe that drafts where drafting loses costs a few passes' time). Before
-    that: the allocator decides for `samples` drafted passes, then `samples` passes run undrafted
-    to measure the other side; where drafting lost at the nearest smaller count that knows, a
-    count starts undrafted (more users leave less room for speculation) and drafts only to probe.
-    Every input comes through record(), so the verdicts follow from the pass times given and nothing else."""
+    committed tokens per second of the whole pass (its draft steps included), apart for passes that
+    drafted and passes that did not, per number of decoders `n`. A pass's rate is noisy (a drafted
+    pass commits 1 to block+1 tokens; the machine's other load moves pass times by 15% and more),
+    so each side keeps the ratio estimate R = sum(tokens) / sum(seconds) over its passes, with
+    forgetting (`forget` per pass of that side: recent passes weigh most), and its standard error
+    (the ratio estimator's: the spread of tokens_i - R * seconds_i). A verdict needs `samples`
+    drafted passes AND a difference of `z` standard errors, and one against drafting `samples`
+    undrafted passes too (for one for it, two do): where the two are within the noise,
+    nothing is condemned and the allocator decides (its passes go on being measured, the
+    undrafted side kept at least a third of the drafted one's weight, so the evidence grows on
+    both). Once significant, greedy sequences draft at `n` only if drafting realized more (their
+    output does not depend on it), and now and then the other way is tried once to see whether
+    that still holds: after `probe_every` questions at `n`, then twice as many each time the
+    verdict stands (a probe that drafts where drafting loses costs a pass's draft step). Before
+    `samples` drafted passes at `n`: the allocator decides, except where drafting lost (at the
+    nearest smaller count that has a verdict): then the count starts undrafted (more users leave
+    less room for speculation) and drafts only to probe. Every input comes through record(), so
+    the verdicts follow from the pass times given and nothing else."""
 
-    def __init__(self, samples: int = 3, probe_every: int = 32, max_interval: int = 512,
-                 weight: float = 0.25, judge: bool = True) -> None:
+    def __init__(self, samples: int = 6, probe_every: int = 32, max_interval: int = 512,
+                 forget: float = 0.95, z: float = 2.0, judge: bool = True) -> None:
         """`judge=False`: allow() always leaves the choice to the allocator (tests that need
         drafting to happen whatever a loaded machine's pass times say)."""
-        if samples < 1 or not 2 <= probe_every <= max_interval or not 0 < weight <= 1:
-            raise ValueError("samples must be >= 1, 2 <= probe_every <= max_interval and weight in (0, 1]")
+        if samples < 1 or not 2 <= probe_every <= max_interval or not 0 < forget <= 1 or z < 0:
+            raise ValueError("samples must be >= 1, 2 <= probe_every <= max_interval, forget in (0, 1] "
+                             "and z >= 0")
         self.samples, self.probe_every, self.max_interval = samples, probe_every, max_interval
-        self.weight, self.judge = weight, judge
-        self.rate: dict[tuple[int, bool], float] = {}     # (n, drafted) -> running tokens/s
+        self.forget, self.z, self.judge = forget, z, judge
+        # (n, drafted) -> weighted sums [w, w^2, tokens, seconds, tokens^2, tokens*seconds, seconds^2]
+        self.sums: dict[tuple[int, bool], list[float]] = {}
         self.count: dict[tuple[int, bool], int] = {}
         self.asked: dict[int, int] = {}                    # allow() calls per n
         self.last: dict[int, bool] = {}                    # the verdict probes were last timed for, per n
@@ -324,20 +334,51 @@ class DraftGuard:
         """A pass with `n` decoders, which drafted or not, committed `tokens` in `seconds`."""
         if n < 1 or seconds <= 0:
             return
-        key, r = (n, drafted), tokens / seconds
-        old = self.rate.get(key)
-        self.rate[key] = r if old is None else (1 - self.weight) * old + self.weight * r
+        key, f = (n, drafted), self.forget
+        old = self.sums.get(key, [0.0] * 7)
+        new = (1.0, 1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
+        self.sums[key] = [f * a + b for a, b in zip(old, new, strict=True)]
+        self.sums[key][1] = f * f * old[1] + 1.0              # sum of squared weights
         self.count[key] = self.count.get(key, 0) + 1
 
-    def _known(self, n: int) -> bool:
-        return min(self.count.get((n, True), 0), self.count.get((n, False), 0)) >= self.samples
+    def rate(self, n: int, drafted: bool) -> float | None:
+        """Realized tokens per second (the ratio estimate), None before any pass."""
+        s = self.sums.get((n, drafted))
+        return None if s is None or s[3] <= 0 else s[2] / s[3]
+
+    def _stat(self, n: int, drafted: bool) -> tuple[float, float]:
+        """(R, variance of R) of one side."""
+        w, w2, t, sec, tt, ts, ss = self.sums[(n, drafted)]
+        r = t / sec
+        resid = max(0.0, (tt - 2 * r * ts + r * r * ss) / w)
+        return r, resid * w2 / (sec * sec)
+
+    def _measured(self, n: int) -> bool:
+        """Enough passes at n for a verdict: `samples` drafted ones and a few undrafted ones (a
+        verdict against drafting asks for `samples` of those too, see _judged)."""
+        return (self.count.get((n, True), 0) >= self.samples
+                and self.count.get((n, False), 0) >= min(2, self.samples))
+
+    def _judged(self, n: int) -> bool | None:
+        """n's own verdict: both sides measured and `z` standard errors apart (None: not so).
+        Drafting is only condemned on `samples` undrafted passes: a wrong False costs the gain until
+        a probe turns it, a wrong True only leaves the choice to the allocator, as before a verdict."""
+        if not self._measured(n):
+            return None
+        rt, vt = self._stat(n, True)
+        rf, vf = self._stat(n, False)
+        if (rt - rf) ** 2 <= self.z ** 2 * (vt + vf) and rt != rf:
+            return None
+        if rt >= rf:
+            return True
+        return False if self.count.get((n, False), 0) >= self.samples else None
 
     def verdict(self, n: int) -> bool | None:
-        """True: drafting has realized at least the undrafted rate at n (or at the nearest smaller
-        count that knows); False: less; None: not known yet."""
+        """True: drafting has realized more than the undrafted rate at n, beyond the noise (or at the
+        nearest smaller count measured both ways, if n is not); False: less; None: not known."""
         for m in range(n, 0, -1):
-            if self._known(m):
-                return self.rate[(m, True)] >= self.rate[(m, False)]
+            if self._measured(m):
+                return self._judged(m)
         return None
 
     def _probe(self, n: int, k: int, verdict: bool) -> bool:
@@ -358,11 +399,14 @@ class DraftGuard:
         k = self.asked[n] = self.asked.get(n, 0) + 1
         if not self.judge:
             return True
-        if self._known(n):
-            wins = self.rate[(n, True)] >= self.rate[(n, False)]
-            return wins != self._probe(n, k, wins)         # the other way now and then, to recheck
-        if self.count.get((n, True), 0) >= self.samples:
+        own = self._judged(n)
+        if own is not None:
+            return own != self._probe(n, k, own)           # the other way now and then, to recheck
+        if self.count.get((n, True), 0) < self.samples:
+            if self.verdict(n) is False:
+                return self._probe(n, k, False)            # fewer users lost with drafts: start without
+            return True                                    # the allocator decides; its passes are measured
+        if self.count.get((n, False), 0) < self.samples:
             return False                                   # drafted enough here: measure the other side
-        if self.verdict(n) is False:
-            return self._probe(n, k, False)                # fewer users lost with drafts: start without
-        return True                                        # the allocator decides; its passes are measured
+        # measured both ways, within the noise: the allocator decides, the undrafted side kept in view
+        return 3 * self.sums[(n, False)][0] >= self.sums[(n, True)][0]

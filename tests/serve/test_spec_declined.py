@@ -1,0 +1,141 @@
+"""What the draft server does where drafting is declined (shipped mini K3 + its drafter): no draft
+work at all in those passes, and everything a later draft needs kept, so that drafting can resume
+at any pass with the AR output."""
+
+from __future__ import annotations
+
+import asyncio
+
+from k3kit.runtime.sampling import make_sampling
+from k3kit.runtime.speculative.schedule import DraftGuard
+from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.scheduler import GenerationRequest, TokenEvent
+
+TEXTS = ["import os", "def add(a, b):", "class Foo:", "x = [", "for i in range(10):", "# a comment"]
+
+
+class _Gate(DraftGuard):
+    """Declines drafting for the first `closed` questions, then leaves it to the allocator."""
+
+    def __init__(self, closed: int) -> None:
+        super().__init__(judge=False)
+        self.closed, self.questions = closed, 0
+
+    def allow(self, n: int) -> bool:
+        self.questions += 1
+        return self.questions > self.closed
+
+
+def _factory(session):
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    def build(target, sampler):
+        return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(budget=4, draft_cost=None),
+                                  stop_ids=session.codec.stop_ids())
+    return build
+
+
+def _serve(sched, reqs):
+    async def collect(stream):
+        out = []
+        async for ev in stream:
+            if isinstance(ev, TokenEvent):
+                out += ev.tokens
+        return out
+
+    async def main():
+        with sched._cv:                     # all admitted at the same pass
+            streams = [sched.submit(r) for r in reqs]
+        return await asyncio.gather(*[collect(s) for s in streams])
+    return asyncio.run(main())
+
+
+def _requests(codec, max_tokens=20):
+    return [GenerationRequest(prompt_ids=tuple(codec.encode(t)), max_tokens=max_tokens,
+                              sampling=make_sampling(0.0, seed=1)) for t in TEXTS]
+
+
+def _spy(monkeypatch, draft):
+    """Count every call into the draft network's forward paths and its context syncs."""
+    calls = {"sync": 0, "context_kv": 0, "draft_blocks": 0, "draft_block": 0, "forward": 0}
+    net = draft.draft
+    for obj, name in [(draft, "sync"), (draft, "draft_blocks"), (draft, "draft_block"),
+                      (net, "context_kv"), (net, "forward_batch")]:
+        real = getattr(obj, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            calls["forward" if _name == "forward_batch" else _name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(obj, name, wrapped)
+    return calls
+
+
+def _ar(session, reqs):
+    ar = BatchScheduler(session.model, session.codec, max_batch=64, max_queue=16)
+    try:
+        return _serve(ar, reqs)
+    finally:
+        ar.close()
+
+
+def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeypatch):
+    """Drafting declined in every pass: the drafter never runs (no sync, no context K/V, no draft
+    forward), no draft context is held, each sequence's feature ring still follows its committed
+    positions, and the greedy tokens are the AR tokens."""
+    model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
+    reqs = _requests(codec)
+    ref = _ar(spec_session, reqs)
+    calls = _spy(monkeypatch, draft)
+    rings: list[tuple[int, int]] = []
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session),
+                        guard=_Gate(closed=10**9))
+    run = sp._run
+
+    def checked(entries):
+        run(entries)
+        for s, _ in entries:
+            if s.dec is not None:
+                rings.append((s.dec.ring.length, s.dec.target.position))
+    monkeypatch.setattr(sp, "_run", checked)
+    try:
+        got = _serve(sp, reqs)
+        st = sp.stats()
+    finally:
+        sp.close()
+    assert got == ref
+    assert calls == {"sync": 0, "context_kv": 0, "draft_blocks": 0, "draft_block": 0, "forward": 0}
+    assert st.drafted_passes == 0 and st.decode_passes > 0 and st.spec_proposed == 0
+    assert rings and all(a == b for a, b in rings)          # the ring holds every committed position
+    assert draft.contexts == 0 and model.sequences == 0
+
+
+def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, monkeypatch):
+    """Drafting declined for the first passes (prompts and several tokens decoded without the
+    drafter), then allowed: the draft context is built from the ring only then, the drafts are
+    accepted (the ring's taps are the right ones), and the output is still AR's."""
+    model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
+    reqs = _requests(codec, max_tokens=24)
+    ref = _ar(spec_session, reqs)
+    calls = _spy(monkeypatch, draft)
+    gate = _Gate(closed=8)
+    first_sync: list[int] = []
+    sync = draft.sync
+
+    def noted(ring):
+        if not first_sync:
+            first_sync.append(gate.questions)
+        return sync(ring)
+    monkeypatch.setattr(draft, "sync", noted)
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session),
+                        guard=gate)
+    try:
+        got = _serve(sp, reqs)
+        st = sp.stats()
+    finally:
+        sp.close()
+    assert got == ref
+    assert first_sync and first_sync[0] > gate.closed       # no draft work before drafting was allowed
+    assert calls["forward"] > 0 and st.drafted_passes > 0
+    assert st.spec_accepted > 0 and st.spec_committed > st.spec_passes
+    assert draft.contexts == 0 and model.sequences == 0
