@@ -187,7 +187,9 @@ static void run(const job_t *jb, int threads) {
     if (threads > units) threads = (int)units;
 #ifdef _OPENMP
     if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+        /* dynamic: on a shared machine a thread that loses its core leaves its units to the
+         * others instead of holding up the call (a unit's bits do not depend on its thread) */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
         for (int64_t u = 0; u < units; u++) run_unit(jb, u);
         return;
     }
