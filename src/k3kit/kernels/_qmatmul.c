@@ -2289,7 +2289,9 @@ DEFINE_FD(MXFP4, mxfp4, 0)
  * group's scales (one permute a group) and the accumulators are kept in that order, and each
  * accumulator is put back in lane order (one permute) before the 16 lanes are reduced. The
  * integer sums are exact and each lane's float operations are the other paths', in the same
- * order, so the bits are theirs. */
+ * order, so the bits are theirs. From 4 rows W's rows go two at a time (ft_group2: each vector of
+ * x loaded once for both), and Q8_0 and MXFP4 decode their groups with fewer loads than the
+ * one-row decoders (ftd_q8_0, ftd_mxfp4: no gathers). */
 #define FT_ROWS 8   /* rows of x per pass over a W row (passes of 8, 4, then 1-3) */
 #define FT_NB 16    /* W rows walked together, chunk by chunk */
 #define FT_XBYTES (16 << 10)   /* bytes of x rows (RT of them) per chunk: well inside L1 */
@@ -2338,11 +2340,134 @@ __attribute__((target(VNNI_TARGET))) INLINE void ft_group(const __m512i *z, cons
     }
 }
 
-/* Rows n0 .. n1 - 1 of W times rows r0 .. r0 + RT - 1 of x, transposed. 8 rows of a 7168-value
- * x are 57 KB, more than L1, so W's rows are taken FT_NB at a time and walked in chunks of gc
- * groups (RT gc groups of x fit in FT_XBYTES), the accumulators of each W row kept in accb
- * between chunks: every lane's float operations still run over the groups in order, so the bits
- * do not change. (Measured against no chunks: 1.0-1.2x at 8 rows, within this machine's noise.) */
+/* Two W rows' transposed groups (za, zb) times RT rows of x: each vector of x is loaded once for
+ * both (loads, not dot products, bound this loop: a vpdpbusd with a memory operand runs at a
+ * third of the register form's rate here). The accumulators live in memory (acc[t] for za,
+ * acc[FT_ROWS + t] for zb: 16 of them do not fit in the registers beside 16 decoded vectors).
+ * Each lane's float operations are ft_group's, in its order. */
+__attribute__((target(VNNI_TARGET))) INLINE void ft_group2(const __m512i *za, const __m512i *zb, const int NZ,
+                                                          __m512 wsa, __m512 mna, __m512 wsb, __m512 mnb,
+                                                          const int has_min, const int bias, const xlane_t *xl,
+                                                          const int8_t *xq, int64_t xs, int64_t lx, int64_t ls,
+                                                          const int RT, float *acc) {
+    const int shift = bias == 128 ? 0 : bias == 32 ? 2 : 5;
+    for (int t = 0; t < RT; t++) {
+        const int8_t *xt = xq + t * xs;
+        const __m512i c = bias ? _mm512_srai_epi32(_mm512_loadu_si512(xl->corrt + lx + t * ls), shift)
+                               : _mm512_setzero_si512();
+        __m512i a0 = c, b0 = c, a1 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+        for (int m = 0; m < NZ; m += 2) {
+            __m512i x0 = _mm512_loadu_si512(xt + 64 * m), x1 = _mm512_loadu_si512(xt + 64 * m + 64);
+            __asm__("" : "+v"(x0), "+v"(x1));   /* in registers: else GCC folds each load into both uses */
+            a0 = _mm512_dpbusd_epi32(a0, za[m], x0);
+            b0 = _mm512_dpbusd_epi32(b0, zb[m], x0);
+            a1 = _mm512_dpbusd_epi32(a1, za[m + 1], x1);
+            b1 = _mm512_dpbusd_epi32(b1, zb[m + 1], x1);
+        }
+        const __m512 dx = _mm512_loadu_ps(xl->dxt + lx + t * ls);
+        float *pa = acc + 16 * t, *pb = acc + 16 * (FT_ROWS + t);
+        const __m512 fa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), wsa);
+        const __m512 fb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), wsb);
+        __m512 va = _mm512_fmadd_ps(fa, dx, _mm512_load_ps(pa));
+        __m512 vb = _mm512_fmadd_ps(fb, dx, _mm512_load_ps(pb));
+        if (has_min) {
+            const __m512 dxs = _mm512_loadu_ps(xl->dxst + lx + t * ls);
+            va = _mm512_fnmadd_ps(mna, dxs, va);
+            vb = _mm512_fnmadd_ps(mnb, dxs, vb);
+        }
+        _mm512_store_ps(pa, va);
+        _mm512_store_ps(pb, vb);
+    }
+}
+
+/* Q8_0's group for this path with fewer loads than zq_q8_0 + zs_q8_0 (16 half loads and a
+ * 16-way gather): the group's 544 bytes as 9 vectors; blocks 2m, 2m + 1 (bytes 68 m + 2 .. 33
+ * and 36 .. 67, word-aligned) picked from vectors m, m + 1 by one vpermt2w, +128 as the others
+ * make it; the 16 f16 d (word 17 i: two in each of vectors 0-7) by 4 vpermt2w and 3 blends.
+ * The same operand bytes and scales as zq_q8_0 / zs_q8_0. */
+__attribute__((target(VNNI_TARGET))) INLINE void ftd_q8_0(const uint8_t *gp, __m512i *z, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    __m512i c[9];
+    for (int q = 0; q < 8; q++) c[q] = _mm512_loadu_si512(gp + 64 * q);
+    c[8] = _mm512_maskz_loadu_epi16(0xFFFF, gp + 512);   /* bytes 512 .. 543: no read past the group */
+    const __m512i base = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008, 0x000B000A,
+                                           0x000D000C, 0x000F000E, 0x00120011, 0x00140013, 0x00160015, 0x00180017,
+                                           0x001A0019, 0x001C001B, 0x001E001D, 0x0020001F);
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int m = 0; m < 8; m++)
+        z[m] = _mm512_xor_si512(_mm512_permutex2var_epi16(c[m], _mm512_add_epi16(base, _mm512_set1_epi16((short)(2 * m + 1))),
+                                                          c[m + 1]), bias);
+    /* output word 4 h + e = scale 4 h + e = word 4 h + 17 e of vectors 2 h, 2 h + 1 (as one 64-word table) */
+    const __m512i si = _mm512_setr_epi32(0x00110000, 0x00330022, 0x00150004, 0x00370026, 0x00190008, 0x003B002A,
+                                         0x001D000C, 0x003F002E, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i s = _mm512_permutex2var_epi16(c[0], si, c[1]);
+    s = _mm512_mask_mov_epi16(s, 0x00F0, _mm512_permutex2var_epi16(c[2], si, c[3]));
+    s = _mm512_mask_mov_epi16(s, 0x0F00, _mm512_permutex2var_epi16(c[4], si, c[5]));
+    s = _mm512_mask_mov_epi16(s, 0xF000, _mm512_permutex2var_epi16(c[6], si, c[7]));
+    *ws = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
+}
+/* The other types: their one-row decoders. */
+#define DEFINE_FTD(NAME_LC)                                                                          \
+    __attribute__((target(VNNI_TARGET))) INLINE void ftd_##NAME_LC(const uint8_t *gp, __m512i *z, __m512 *ws, \
+                                                                  __m512 *wm) {                     \
+        zq_##NAME_LC(gp, z);                                                                       \
+        zs_##NAME_LC(gp, ws, wm);                                                                  \
+    }
+DEFINE_FTD(q4_k)
+DEFINE_FTD(q5_k)
+DEFINE_FTD(q6_k)
+DEFINE_FTD(q2_k)
+DEFINE_FTD(q3_k)
+DEFINE_FTD(iq2_xxs)
+DEFINE_FTD(iq2_xs)
+DEFINE_FTD(iq3_xxs)
+DEFINE_FTD(iq1_s)
+DEFINE_FTD(iq1_m)
+/* MXFP4: zq_mxfp4's operand; the 16 exponent bytes (byte 17 i: all in the group's first 256
+ * bytes) picked from 4 vectors by 2 vpermt2w and a shift instead of zs_mxfp4's 16-way gather,
+ * then zs_mxfp4's arithmetic. */
+__attribute__((target(VNNI_TARGET))) INLINE void ftd_mxfp4(const uint8_t *gp, __m512i *z, __m512 *ws, __m512 *wm) {
+    (void)wm;
+    zq_mxfp4(gp, z);
+    /* word of byte 17 i, i = 0..7 in vectors 0 | 1, i = 8..15 in vectors 2 | 3 (at positions 8..15) */
+    const __m512i wi = _mm512_setr_epi32(0x00080000, 0x00190011, 0x002A0022, 0x003B0033, 0x000C0004, 0x001D0015,
+                                         0x002E0026, 0x003F0037, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i lo = _mm512_permutex2var_epi16(_mm512_loadu_si512(gp), wi, _mm512_loadu_si512(gp + 64));
+    const __m512i hi = _mm512_permutex2var_epi16(_mm512_loadu_si512(gp + 128), wi, _mm512_loadu_si512(gp + 192));
+    const __m512i w = _mm512_mask_mov_epi16(lo, 0xFF00, hi);
+    const __m512i sh = _mm512_srlv_epi16(w, _mm512_set1_epi32(0x00080000));   /* odd i: the high byte */
+    const __m512i e = _mm512_and_si512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(sh)), _mm512_set1_epi32(0xFF));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 lt2 = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    *ws = _mm512_castsi512_ps(_mm512_mask_blend_epi32(lt2, big, small));
+}
+
+/* W row n's group g decoded and transposed, its scales (and mins) permuted to the same lanes. */
+#define FT_DECODE(T, NAME_LC, HAS_MIN, ri, z, ws, wm)                                               \
+    do {                                                                                           \
+        const uint8_t *gp = (ri) + g * gbytes;                                                     \
+        wm = _mm512_setzero_ps();                                                                  \
+        if (g < nfull) {                                                                           \
+            for (int64_t o = 0; o < gbytes; o += 64)                                               \
+                __builtin_prefetch(gc < ng ? gp + 2 * rb + o : gp + I8_PREFETCH + o);              \
+            ftd_##NAME_LC(gp, z, &ws, &wm);                                                        \
+        } else {                                                                                   \
+            const int nsub = (int)((k - g * gv) / 32);                                             \
+            zqg_##NAME_LC(gp, nsub, z);                                                            \
+            zsg_##NAME_LC(gp, nsub, &ws, &wm);                                                     \
+        }                                                                                          \
+        ft_transpose(z, NZ);                                                                       \
+        ws = _mm512_permutexvar_ps(pi, ws);                                                        \
+        if (HAS_MIN || g >= nfull) wm = _mm512_permutexvar_ps(pi, wm);                             \
+    } while (0)
+
+/* Rows n0 .. n1 - 1 of W times rows r0 .. r0 + RT - 1 of x, transposed, W's rows two at a time
+ * (ft_group2). 8 rows of a 7168-value x are 57 KB, more than L1, so W's rows are taken FT_NB at
+ * a time and walked in chunks of gc groups (RT gc groups of x fit in FT_XBYTES), the accumulators
+ * of each W row kept in accb between chunks: every lane's float operations still run over the
+ * groups in order, so the bits do not change. (Measured against no chunks: 1.0-1.2x at 8 rows,
+ * within this machine's noise.) */
 #define DEFINE_FT(T, NAME_LC, HAS_MIN)                                                              \
     __attribute__((target(VNNI_TARGET))) INLINE void ftrows_##NAME_LC(const i8job_t *jb, int64_t n0, int64_t n1, \
                                                                      int64_t r0, const int RT) {    \
@@ -2360,39 +2485,40 @@ __attribute__((target(VNNI_TARGET))) INLINE void ft_group(const __m512i *z, cons
             const int64_t b = n1 - a < FT_NB ? n1 : a + FT_NB;                                     \
             for (int64_t g0 = 0; g0 < ng; g0 += gc) {                                              \
                 const int64_t g1 = ng - g0 < gc ? ng : g0 + gc;                                    \
-                for (int64_t n = a; n < b; n++) {                                                  \
+                if (g0 == 0)                                                                       \
+                    for (int64_t n = a; n < b; n++)                                                \
+                        for (int t = 0; t < RT; t++) accb[n - a][t] = _mm512_setzero_ps();         \
+                int64_t n = a;                                                                     \
+                for (; RT >= 4 && n + 1 < b; n += 2) {                                             \
+                    const uint8_t *ra = jb->w + n * rb, *rbw = ra + rb;                            \
+                    for (int64_t g = g0; g < g1; g++) {                                            \
+                        __m512i za[8], zb[8];                                                      \
+                        __m512 wsa, wma, wsb, wmb;                                                 \
+                        FT_DECODE(T, NAME_LC, HAS_MIN, ra, za, wsa, wma);                          \
+                        FT_DECODE(T, NAME_LC, HAS_MIN, rbw, zb, wsb, wmb);                         \
+                        ft_group2(za, zb, NZ, wsa, wma, wsb, wmb, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, \
+                                  lx0 + g * 16, ls, RT, (float *)accb[n - a]);                     \
+                    }                                                                              \
+                }                                                                                  \
+                for (; n < b; n++) {                                                               \
                     const uint8_t *ri = jb->w + n * rb;                                            \
                     __m512 acc[FT_ROWS];                                                           \
-                    for (int t = 0; t < RT; t++) acc[t] = g0 == 0 ? _mm512_setzero_ps() : accb[n - a][t]; \
+                    for (int t = 0; t < RT; t++) acc[t] = accb[n - a][t];                          \
                     for (int64_t g = g0; g < g1; g++) {                                            \
-                        const uint8_t *gp = ri + g * gbytes;                                       \
                         __m512i z[8];                                                              \
-                        __m512 ws, wm = _mm512_setzero_ps();                                       \
-                        if (g < nfull) {                                                           \
-                            for (int64_t o = 0; o < gbytes; o += 64)                               \
-                                __builtin_prefetch(gc < ng ? gp + 2 * rb + o : gp + I8_PREFETCH + o); \
-                            zq_##NAME_LC(gp, z);                                                   \
-                            zs_##NAME_LC(gp, &ws, &wm);                                            \
-                        } else {                                                                   \
-                            const int nsub = (int)((k - g * gv) / 32);                             \
-                            zqg_##NAME_LC(gp, nsub, z);                                            \
-                            zsg_##NAME_LC(gp, nsub, &ws, &wm);                                     \
-                        }                                                                          \
-                        ft_transpose(z, NZ);                                                       \
-                        ws = _mm512_permutexvar_ps(pi, ws);                                        \
-                        if (HAS_MIN || g >= nfull) wm = _mm512_permutexvar_ps(pi, wm);             \
+                        __m512 ws, wm;                                                             \
+                        FT_DECODE(T, NAME_LC, HAS_MIN, ri, z, ws, wm);                             \
                         ft_group(z, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
                     }                                                                              \
-                    if (g1 < ng) {                                                                 \
-                        for (int t = 0; t < RT; t++) accb[n - a][t] = acc[t];                      \
-                        continue;                                                                  \
-                    }                                                                              \
+                    for (int t = 0; t < RT; t++) accb[n - a][t] = acc[t];                          \
+                }                                                                                  \
+                if (g1 < ng) continue;                                                             \
+                for (n = a; n < b; n++)                                                            \
                     for (int t = 0; t < RT; t++) {                                                 \
-                        const __m512 v = _mm512_permutexvar_ps(back, acc[t]);                      \
+                        const __m512 v = _mm512_permutexvar_ps(back, accb[n - a][t]);              \
                         jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(v),  \
                                                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))); \
                     }                                                                              \
-                }                                                                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
