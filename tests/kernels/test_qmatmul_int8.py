@@ -249,3 +249,21 @@ def test_same_activation_type_and_dot_as_ggml(cpu, qtype: T) -> None:  # type: i
                        for r in range(3)])
     ratio = np.abs(ours - theirs) / bound
     assert (ratio <= 2).all(), f"max |diff| / bound {ratio.max():.3g}"
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4, T.IQ3_XXS], ids=lambda t: t.name)
+def test_long_decode_row_same_on_every_path(qtype: T) -> None:
+    """A decode row as long as K3's ffn_down input (18432 values: its bytes and lane scales outgrow
+    L1) on the default path (the 512-bit direct one, which lays out x without the panels' copy),
+    forced onto the 256-bit direct path, the panels and the transposed path, at 1 and 2 threads:
+    the same bits, within the float64 product's rounding bound."""
+    n_out, k = 40, 18432           # 737280 weights: >= 2^19 per thread only below 2 threads
+    rng, raw = setup(qtype, n_out, k, 70)
+    w = weights(qtype, raw, n_out, k)
+    x = activations(rng, 1, k)
+    xd = dequantize_q8(q8(x, ACT_TYPE[qtype]), ACT_TYPE[qtype], 1, k).astype(np.float32)
+    one = product(qtype, raw, x, n_out)
+    check_bound(one, xd, w)
+    for path in (0, 1, 2, 4):
+        for threads in (1, 2):
+            np.testing.assert_array_equal(product(qtype, raw, x, n_out, threads=threads, path=path), one)

@@ -1247,7 +1247,8 @@ static inline int lane_start(int G, int p) { return G == 32 ? 32 * p : 32 * (p &
 /* x laid out for the products: per row, ngroups groups of 16 G bytes (transposed: byte
  * c * 64 + 4 p + e of a group is value 4 c + e of lane p), per lane dx, fl(dx * X) and -128 X. */
 typedef struct {
-    int8_t *q, *xn;        /* transposed (panels) and natural order (direct path), same row stride */
+    int8_t *q, *xn;        /* transposed (panels, and the source of qt; else NULL) and natural order
+                              (direct paths), same row stride */
     float *dx, *dxs;
     int32_t *corr;
     int64_t ngroups, gv;   /* groups per row, values per group */
@@ -1269,7 +1270,7 @@ static void prepare_x_row(const float *x, int64_t k, int act_q8k, int variant, i
     if (act_q8k) quantize_q8_k_any(x, k, qbuf);
     else quantize_q8_0_row(x, k, qbuf, variant);
     const int64_t gv = xl->gv;
-    int8_t *q = xl->q + r * xl->ngroups * gv, *xn = xl->xn + r * xl->ngroups * gv;
+    int8_t *q = xl->q != NULL ? xl->q + r * xl->ngroups * gv : NULL, *xn = xl->xn + r * xl->ngroups * gv;
     float *dx = xl->dx + r * xl->ngroups * I8_LANES, *dxs = xl->dxs + r * xl->ngroups * I8_LANES;
     int32_t *corr = xl->corr + r * xl->ngroups * I8_LANES;
     for (int64_t g = 0; g < xl->ngroups; g++)
@@ -1287,10 +1288,12 @@ static void prepare_x_row(const float *x, int64_t k, int act_q8k, int variant, i
                     src = qbuf + (v0 / 32) * 34 + 2 + v0 % 32;
                 }
                 memcpy(xn + v0, src, (size_t)G);
-                for (int c = 0; c < G / 4; c++) memcpy(q + g * gv + 64 * c + 4 * p, src + 4 * c, 4);
+                if (q != NULL)
+                    for (int c = 0; c < G / 4; c++) memcpy(q + g * gv + 64 * c + 4 * p, src + 4 * c, 4);
                 for (int j = 0; j < G; j++) sum += (int8_t)src[j];
             } else {
-                for (int c = 0; c < G / 4; c++) memset(q + g * gv + 64 * c + 4 * p, 0, 4);
+                if (q != NULL)
+                    for (int c = 0; c < G / 4; c++) memset(q + g * gv + 64 * c + 4 * p, 0, 4);
                 memset(xn + v0, 0, (size_t)G);
             }
             dx[g * I8_LANES + p] = d;
@@ -2808,7 +2811,6 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         const int64_t qbytes = it->act_q8k ? k / 256 * Q8_K_BYTES : k / 32 * 34;
         const int64_t rb = k / qt->qk * qt->bytes;
         xlane_t xl = {NULL, NULL, NULL, NULL, NULL, ngroups, gv, NULL, NULL, NULL, NULL};
-        xl.q = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
         xl.xn = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
         xl.dx = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         xl.dxs = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
@@ -2822,14 +2824,17 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         const i8direct_fn dfn = !direct ? NULL : transposed ? it->direct[4] : level == 2 && !d256 ? it->direct[3]
                                                                                                : it->direct[level];
         uint8_t *scratch = direct ? NULL : aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
+        /* the transposed bytes: for the panels and as the source of the transposed path's copy; the
+         * other direct paths read xn (a decode row's layout work: ~halved) */
+        if (!direct || transposed) xl.q = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
         if (transposed) {
             xl.qt = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
             xl.dxt = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
             xl.dxst = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
             xl.corrt = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         }
-        if (!xl.q || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf || (!direct && !scratch)
-            || (transposed && (!xl.qt || !xl.dxt || !xl.dxst || !xl.corrt))) {
+        if (((!direct || transposed) && !xl.q) || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf
+            || (!direct && !scratch) || (transposed && (!xl.qt || !xl.dxt || !xl.dxst || !xl.corrt))) {
             PyErr_NoMemory();
         } else {
             const i8job_t jb = {w.buf, it->panel[level > 0], qt->qk, qt->bytes, n_out, k, m,
