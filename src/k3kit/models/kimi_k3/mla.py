@@ -33,9 +33,18 @@ from .state import MLACache
 # rows are 128 values, a quarter of the int8 kernels' 512-value lane group, so many rows lose to
 # the float32 einsums: both halves, Q8_0 k_b + Q4_K v_b, ggml arithmetic, 1 thread, time over the
 # float kv_b's = 0.26 at 1 row, 0.49 at 8, 0.79 at 16, 1.09 at 64, 1.92 at 512
-# (benchmarks/bench_mla_heads.py, 2026-12-02). Row-batched decode rows (absorb_q_rows,
-# value_rows) always run natively: a row's floats must not depend on how many share the call.
+# (benchmarks/bench_mla_heads.py, 2026-12-02). Only in the "float" arithmetic: in "ggml" (the CPU
+# default) every row count runs natively, the exact llama.cpp products, so that a row's logits do
+# not depend on the size of the chunk it was prefilled in (a prompt's chunks vary with the other
+# requests of a serving pass; the float path differs from the int8 one by ~1e-3). Prefill pays
+# ~0.1 ms a row per MLA layer for it, well under 1% of a K3 row. Row-batched decode rows
+# (absorb_q_rows, value_rows) always run natively.
 HEADS_NATIVE_MAX_ROWS = 32
+
+
+def _native(heads: LatentHeads | None, rows: int) -> bool:
+    """Whether a product over `rows` rows runs on the quantized heads (see HEADS_NATIVE_MAX_ROWS)."""
+    return heads is not None and heads.native and (heads.k_b.arith == "ggml" or rows <= HEADS_NATIVE_MAX_ROWS)
 
 
 class MLA(nn.Module):
@@ -184,11 +193,11 @@ def absorb_rows(x: Tensor, w_kb: Tensor) -> Tensor:
 
 def absorb_q(mla: MLA, q_nope: Tensor) -> Tensor:
     """q_abs = W_kb^T q_nope per head, [B, T, H, nope] -> [B, T, H, L], with the input rounded as
-    ggml rounds it where the arithmetic does not already. A quantized kv_b multiplies natively up
-    to HEADS_NATIVE_MAX_ROWS rows (decode, verify blocks), a float W_kb beyond (prefill)."""
+    ggml rounds it where the arithmetic does not already. A quantized kv_b multiplies natively (in
+    the float arithmetic up to HEADS_NATIVE_MAX_ROWS rows, a float W_kb beyond)."""
     heads = mla.kv_b_heads
     B, T, H, d = q_nope.shape
-    if heads is not None and heads.native and B * T <= HEADS_NATIVE_MAX_ROWS:
+    if _native(heads, B * T):
         return heads.absorb(heads.round_k(q_nope, mla.ggml_inputs).reshape(B * T, H, d)).reshape(B, T, H, -1)
     return absorb(ggml_input_round(q_nope, mla.ggml_inputs.get("k_b")), _w_kb(mla))
 
@@ -204,11 +213,11 @@ def absorb_q_rows(mla: MLA, x: Tensor) -> Tensor:
 
 def value_heads(mla: MLA, lat: Tensor) -> Tensor:
     """W_vb per head on the attended latents: [B, T, H, L] -> [B, T, H * v], the input rounded as
-    ggml rounds it where the arithmetic does not already. Natively up to HEADS_NATIVE_MAX_ROWS
-    rows (which never mixes rows), else a float W_vb (as absorb_q)."""
+    ggml rounds it where the arithmetic does not already. Natively (never mixing rows) as
+    absorb_q, else a float W_vb."""
     B, T, H, L = lat.shape
     heads = mla.kv_b_heads
-    if heads is not None and heads.native and B * T <= HEADS_NATIVE_MAX_ROWS:
+    if _native(heads, B * T):
         return heads.value(heads.round_v(lat, mla.ggml_inputs).reshape(B * T, H, L)).reshape(B, T, -1)
     lat = ggml_input_round(lat, mla.ggml_inputs.get("v_b"))
     return torch.einsum("bthl,hvl->bthv", lat, _w_vb(mla)).reshape(B, T, H * mla.cfg.v_head_dim)
