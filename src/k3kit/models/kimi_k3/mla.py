@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 from gguf import GGMLQuantizationType
@@ -42,7 +43,7 @@ from .state import MLACache
 HEADS_NATIVE_MAX_ROWS = 32
 
 
-def _native(heads: LatentHeads | None, rows: int) -> bool:
+def _native(heads: LatentHeads | None, rows: int) -> TypeGuard[LatentHeads]:
     """Whether a product over `rows` rows runs on the quantized heads (see HEADS_NATIVE_MAX_ROWS)."""
     return heads is not None and heads.native and (heads.k_b.arith == "ggml" or rows <= HEADS_NATIVE_MAX_ROWS)
 
