@@ -16,3 +16,16 @@ def spec_session():
     yield session
     session.close()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def spec_factory(spec_session):
+    """A BatchScheduler step_factory: each sequence's SpeculativeDecoder over the shipped drafter
+    (verification budget 4, no fitted draft cost)."""
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    def build(target, sampler):
+        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(budget=4, draft_cost=None),
+                                  stop_ids=spec_session.codec.stop_ids())
+    return build

@@ -26,16 +26,6 @@ class _Gate(DraftGuard):
         return self.questions > self.closed
 
 
-def _factory(session):
-    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
-
-    def build(target, sampler):
-        return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(budget=4, draft_cost=None),
-                                  stop_ids=session.codec.stop_ids())
-    return build
-
-
 def _serve(sched, reqs):
     async def collect(stream):
         out = []
@@ -79,7 +69,7 @@ def _ar(session, reqs):
         ar.close()
 
 
-def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeypatch):
+def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeypatch, spec_factory):
     """Drafting declined in every pass: the drafter never runs (no sync, no context K/V, no draft
     forward), no draft context is held, each sequence's feature ring still follows its committed
     positions, and the greedy tokens are the AR tokens."""
@@ -88,7 +78,7 @@ def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeyp
     ref = _ar(spec_session, reqs)
     calls = _spy(monkeypatch, draft)
     rings: list[tuple[int, int]] = []
-    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session),
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory,
                         guard=_Gate(closed=10**9))
     run = sp._run
 
@@ -110,7 +100,7 @@ def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeyp
     assert draft.contexts == 0 and model.sequences == 0
 
 
-def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, monkeypatch):
+def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, monkeypatch, spec_factory):
     """Drafting declined for the first passes (prompts and several tokens decoded without the
     drafter), then allowed: the draft context is built from the ring only then, the drafts are
     accepted (the ring's taps are the right ones), and the output is still AR's."""
@@ -127,7 +117,7 @@ def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, mon
             first_sync.append(gate.questions)
         return sync(ring)
     monkeypatch.setattr(draft, "sync", noted)
-    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session),
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory,
                         guard=gate)
     try:
         got = _serve(sp, reqs)

@@ -10,16 +10,6 @@ from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.scheduler import GenerationRequest, TokenEvent
 
 
-def _factory(session):
-    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
-
-    def build(target, sampler):
-        return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(budget=4, draft_cost=None),
-                                  stop_ids=session.codec.stop_ids())
-    return build
-
-
 def _serve(sched, reqs):
     """Submit every request before the worker's next pass (so passes hold the same sequences
     whenever this runs), -> each one's tokens."""
@@ -45,7 +35,7 @@ def _requests(codec):
             for t, (temp, seed) in zip(texts, samp, strict=True)]
 
 
-def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch):
+def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch, spec_factory):
     """Four greedy and two seeded sampled requests served together: the drafts of several sequences
     run as one forward; the greedy outputs are the AR outputs, and the sampled ones are exactly what
     the same requests get when every sequence drafts by itself (the serial draft step)."""
@@ -62,7 +52,7 @@ def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch
     sizes: list[int] = []
     real = draft.draft_blocks
     monkeypatch.setattr(draft, "draft_blocks", lambda c, a, p: sizes.append(len(a)) or real(c, a, p))
-    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session),
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory,
                         guard=DraftGuard(judge=False))      # drafts whatever the machine's pass times
     try:
         together = _serve(sp, reqs)
@@ -74,7 +64,7 @@ def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch
     monkeypatch.setattr(batch, "batchable", lambda decs: False)           # the sampled blocks' path
     monkeypatch.setattr("k3kit.runtime.speculative.decoder.batchable", lambda decs: False)
     sizes.clear()
-    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=_factory(spec_session))
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory)
     try:
         alone = _serve(sp, reqs)
     finally:
