@@ -451,7 +451,11 @@ def test_draft_greedy_output_is_batch_invariant(world):
             got = list(pool.map(lambda i, n=n: text(s, i, 0.03 * ((5 * i) % n)), range(n)))
         assert got == alone[:n], f"among {others} others"
     after = wait_idle(s.url, KEY)
-    assert after["k3kit_speculative_accepted_total"] > before["k3kit_speculative_accepted_total"]
+    # the allocator decides from measured costs whether these passes draft (on a loaded machine it
+    # may decline them all); the texts must be the same either way. That drafts are made and
+    # accepted in a server's passes is asserted where the guard is fixed (test_spec_declined.py,
+    # test_spec_draft_forward.py, test_batch.py).
+    assert after["k3kit_speculative_accepted_total"] >= before["k3kit_speculative_accepted_total"]
 
 
 def test_seeded_sampling_repeats_when_batched(world):
