@@ -495,9 +495,12 @@ class BatchScheduler:
             if not s.dec.sampling.greedy:     # no timing in a sampled sequence's choices: its seed repeats
                 d = 0.0
             elif self._sync_row_s is not None and d is not None:
-                # a context behind its ring (never drafted, or not for a while) catches up first: that
-                # one-off is this pass's to pay, so a sequence far behind drafts only where it pays
-                d += max(0, s.dec.behind - p - 1) * self._sync_row_s
+                # a context behind its ring (never drafted, or not for a while) catches up first. That
+                # one-off buys the drafted passes after it, not this one alone: spread over the passes
+                # it may serve (up to REDRAFT_AFTER). Charged whole to one pass it grows with every
+                # pass declined, and a sequence once behind would never draft again.
+                passes = max(1, min(REDRAFT_AFTER, s.out.remaining // (p + 1)))
+                d += max(0, s.dec.behind - p - 1) * self._sync_row_s / passes
             budget = s.dec.schedule.budget
             if budget is not None:        # a fixed verify budget: draft whenever it is > 1
                 claims.append(Claim([1.0] * p, min(max_rows(s, p), budget), 0.0))
