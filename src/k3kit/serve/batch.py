@@ -50,8 +50,9 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      the other sequences' plain rows and prompt chunks (committed);
   5. each decoder accepts (greedy, or lossless sampled with its own generator) and commits
      its accepted rows (`commit_sequence`), its taps going to its ring.
-A sequence that does not draft in a pass costs the pass no draft work: its row's tap features
-(rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
+A sequence that does not draft in a pass costs the pass no draft work: its row is an ordinary
+committed row of the pass (as in the AR server: not a pending one-row block committed afterwards),
+its tap features (rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
