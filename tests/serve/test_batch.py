@@ -449,7 +449,8 @@ def _guarded_run(spec_session, monkeypatch, draft_s):
 
     def timed_verify(batch, verify=None, capture=None):
         now[0] += 0.01
-        if verify and len(verify) == 4:
+        decoding = [sid for sid, ids in batch if len(ids) == 1 or sid in (verify or ())]   # no prompt chunk
+        if capture and len(capture) == 4 and len(decoding) == 4:
             passes.append(drafted[0])
         drafted[0] = False
         return verify_fn(batch, verify=verify, capture=capture)

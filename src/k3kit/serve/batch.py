@@ -50,8 +50,9 @@ own sequence (`sequence_target`), with its own feature ring and draft context. P
      the other sequences' plain rows and prompt chunks (committed);
   5. each decoder accepts (greedy, or lossless sampled with its own generator) and commits
      its accepted rows (`commit_sequence`), its taps going to its ring.
-A sequence that does not draft in a pass costs the pass no draft work: its row's tap features
-(rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
+A sequence that does not draft in a pass costs the pass no draft work: its row is an ordinary
+committed row of the pass (as in the AR server: not a pending one-row block committed afterwards),
+its tap features (rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
@@ -108,6 +109,7 @@ from k3kit.tokenizer.codec import TextCodec
 log = logging.getLogger("k3kit.serve")
 
 REDRAFT_AFTER = 8        # passes without a draft after which a sequence is judged by everyone's drafts
+COST_REFRESH = 32        # passes between fresh asks of the model's cost(), the expert cache unchanged
 
 
 class PassTiming:
@@ -226,6 +228,9 @@ class BatchScheduler:
                         "with the other requests served at the same time")
         self._draft_s: float | None = None        # running mean of one draft step, any sequence
         self._timing = PassTiming()               # measured pass seconds vs the model's cost()
+        self._cost_memo: dict[int, float] = {}    # the model's cost(n) while its inputs stand (_cost)
+        self._cost_key: tuple[int, int] | None = None
+        self._passes = 0
         self._guard = guard or DraftGuard()       # realized tokens/s with and without drafts
         self._draft_fit = DraftCost()             # a draft step's seconds for n sequences drafted together
         self._clock = clock
@@ -375,6 +380,7 @@ class BatchScheduler:
     def _run(self, entries: list[tuple[_Seq, list[int]]]) -> None:
         """One target pass: the plan's rows, widened into verify blocks where speculation pays."""
         self._drafted = False
+        self._passes += 1
         t_start = self._clock()
         blocks = self._speculate(entries)
         rows = [(s, [*r, *blocks[s][1]] if s in blocks else r) for s, r in entries]
@@ -384,8 +390,10 @@ class BatchScheduler:
         batch = [(s.opened, r) for s, r in rows]
         outs: list[VerifyOutput]
         if self.spec_model is not None:
+            # only blocks with proposals are verified (kept pending): a decoder's single row is the plain
+            # row, the same floats either way, committed by the pass as the AR server's are
             outs = self.spec_model.verify_batch(
-                batch, verify={s.opened for s, _ in entries if s.decoding and s.dec is not None},
+                batch, verify={s.opened for s in blocks if blocks[s][1]},
                 capture={s.opened for s, _ in entries if s.dec is not None})
         else:
             logits = self.model.forward_batch(batch)
@@ -393,7 +401,7 @@ class BatchScheduler:
         dt = self._clock() - t0
         if self.spec_model is not None and self.step_factory is not None:
             cand = [len(c) for _, c in blocks.values()]
-            self._timing.record(self.spec_model.cost(n_rows), sum(cand), sum(1 for n in cand if n), dt)
+            self._timing.record(self._cost(n_rows), sum(cand), sum(1 for n in cand if n), dt)
         prompts_done = 0
         spec = [0, 0, 0, 0]                       # verifies, committed, proposed, accepted
         for (s, r), out in zip(entries, outs, strict=True):
@@ -411,7 +419,7 @@ class BatchScheduler:
                 s.out.push(s.sampler(row), row)
             elif s.dec is not None:
                 props, cand = blocks.get(s, (None, []))
-                tokens = s.dec.accept(props, len(cand) + 1, out)
+                tokens = s.dec.accept(props, len(cand) + 1, out, committed=not cand)
                 if cand and s.block_survival is not None:     # how well the confidences foretold it
                     self._foretold = 0.98 * self._foretold + sum(s.block_survival[:len(cand)])
                     self._accepted = 0.98 * self._accepted + s.dec.last_accepted
@@ -447,6 +455,21 @@ class BatchScheduler:
             st.spec_proposed += spec[2]
             st.spec_accepted += spec[3]
 
+    def _cost(self, n: int) -> float:
+        """The model's cost(n rows), remembered while what it depends on stands: it changes with the
+        expert cache's contents (a miss brings an expert in, and an eviction comes with a miss), and
+        is asked again every COST_REFRESH passes in any case (a model loaded without stats). The
+        allocator asks for a dozen widths in every pass; working them out anew each time cost the
+        draft server ~0.3 ms a pass where nobody drafts."""
+        assert self.spec_model is not None
+        key = (self._stats.expert_misses, self._passes // COST_REFRESH)
+        if key != self._cost_key:
+            self._cost_key, self._cost_memo = key, {}
+        c = self._cost_memo.get(n)
+        if c is None:
+            c = self._cost_memo[n] = self.spec_model.cost(n)
+        return c
+
     def _calibration(self) -> float:
         """Accepted / expected proposals so far (1 to start): a draft's confidence head may promise
         more than the target grants (the mini drafter's by about 1.6x), and the widths should be
@@ -474,12 +497,8 @@ class BatchScheduler:
         base_tokens = sum(1 if s.decoding else len(r) for s, r in entries)
         scale, row_cost, block_cost = self._timing.coefficients()
 
-        memo: dict[int, float] = {}               # both allocations of this pass ask for the same rows
-
         def cost(n: int) -> float:
-            if n not in memo:
-                memo[n] = scale * spec_model.cost(n)
-            return memo[n]
+            return scale * self._cost(n)
 
         def max_rows(s: _Seq, proposals: int) -> int:
             return max(1, min(proposals + 1, s.out.remaining))

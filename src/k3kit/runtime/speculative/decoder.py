@@ -187,12 +187,18 @@ class SpeculativeDecoder:
         return choose_width(self.confidence(props), self.target.cost, min(len(props.tokens) + 1, remaining),
                             sched)
 
-    def accept(self, props: Proposal | None, width: int, v: VerifyOutput) -> list[int]:
+    def accept(self, props: Proposal | None, width: int, v: VerifyOutput,
+               committed: bool = False) -> list[int]:
         """The target half of a step: `v` verified [anchor, props.tokens[:width-1]] (capture on);
         accept (greedy or lossless sampled), commit the accepted rows and ring their taps.
-        -> the committed tokens; `last_accepted` is how many proposals survived."""
+        -> the committed tokens; `last_accepted` is how many proposals survived.
+        `committed`: a one-row block that the pass committed already (a server's plain decode row,
+        run as an ordinary batched row: no pending verify to keep); the token is chosen as for
+        any one-row block."""
         target, st = self.target, self.stats
         cand = props.tokens[: width - 1] if props else []
+        if committed and cand:
+            raise ValueError(f"a committed row is a one-row block, not {len(cand) + 1} rows")
         if v.logits.shape[0] != len(cand) + 1:
             raise ValueError(f"verify returned {v.logits.shape[0]} rows for a block of {len(cand) + 1}")
         if self.sampling.greedy:
@@ -211,7 +217,8 @@ class SpeculativeDecoder:
                 new = new[: j + 1]
                 break
         n_commit = len(new)                 # anchor + accepted proposals up to the last new one
-        target.commit(n_commit)
+        if not committed:
+            target.commit(n_commit)
         self.ring.append(_taps(v)[:n_commit])
 
         st.target_passes += 1
