@@ -334,6 +334,11 @@ class Step:
     ttft_max: float
     payload_per_token: float | None = None
     max_batch_sequences: float | None = None      # the most sequences in one target pass, sampled
+    # where the wall time went (k3kit's /metrics): seconds in the model's passes with prompt rows and
+    # with decoding rows (a mixed pass split by rows), and the decode passes run
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    decode_passes: float | None = None
     texts: list[str] = field(default_factory=list)
 
 
@@ -391,12 +396,26 @@ def run_step(server: Server, n: int, per_client: int, max_tokens: int) -> Step:
         gen, pay = delta("k3kit_generated_tokens_total"), delta("k3kit_expert_payload_bytes_total")
         step.payload_per_token = pay / gen if gen else None
         step.max_batch_sequences = max(seen, default=after.get("k3kit_batch_sequences"))
+        step.prefill_s = delta("k3kit_prefill_seconds_total")
+        step.decode_s = delta("k3kit_decode_seconds_total")
+        step.decode_passes = delta("k3kit_decode_passes_total")
     if n == 1:
         step.texts = [r.text for r in results]
     return step
 
 
 # ----------------------------------------------------------------------------- report
+
+def wall_split(st: Step) -> str:
+    """Where a step's wall time went (k3kit's /metrics): the model's passes with prompt rows, with
+    decoding rows (and per decode pass), and the rest (scheduling, sampling, HTTP, waiting for
+    requests): what a faster forward pass can win and what it cannot."""
+    if st.prefill_s is None or st.decode_s is None:
+        return ""
+    per_pass = f" = {st.decode_s / st.decode_passes * 1e3:.0f} ms/pass" if st.decode_passes else ""
+    return (f"; wall: prefill {st.prefill_s:.2f} s, decode {st.decode_s:.2f} s{per_pass}, "
+            f"outside the model {st.seconds - st.prefill_s - st.decode_s:.2f} s")
+
 
 def summarize(steps: list[Step]) -> list[dict[str, Any]]:
     """Median (and min..max) over repeats per server and concurrency."""
@@ -583,7 +602,8 @@ def main() -> None:
                     seqs = ("" if st.max_batch_sequences is None
                             else f", <= {st.max_batch_sequences:.0f} seq/pass")
                     print(f"[{rep}] {s.name:22s} c={n:2d}: {st.tokens} tokens in {st.seconds:.2f} s = "
-                          f"{st.tok_s:.2f} tok/s, TTFT p50 {st.ttft_p50:.3f} s{pay}{seqs}", flush=True)
+                          f"{st.tok_s:.2f} tok/s, TTFT p50 {st.ttft_p50:.3f} s{pay}{seqs}{wall_split(st)}",
+                          flush=True)
             sweeps = rep + 1
     finally:
         for s in servers:
