@@ -10,6 +10,7 @@ a mapping job dropped by a new plan leaves nothing mapped behind.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -106,3 +107,55 @@ def test_without_read_ahead_misses_are_mapped_on_the_caller_thread(tmp_path):
         assert not store._pending and store._mapper is None
         w = store.get(0, [1])[1][0]
         assert store._files[path].holds(w.raw.data_ptr()) and store.stats().ahead_reads == 0
+
+
+def _pmd_mapped_bytes(path: Path) -> int:
+    """FilePmdMapped of this process's mappings of `path` (smaps), in bytes."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s+(.*)$", line)
+        if m:
+            ours = m[1] == str(path)
+        elif ours and line.startswith("FilePmdMapped:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_slice_cached_in_small_pages_is_read_again_into_huge_ones_once(tmp_path, monkeypatch):
+    path, spec = _file(tmp_path)
+    n = spec[0][0].expert_nbytes
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, N_EXP * n, 0)                  # cached again, in 4 KiB pages (no readahead)
+    finally:
+        os.close(fd)
+    rehomed: list[int] = []
+    rehome = MappedFile.rehome
+    def counted(f: MappedFile, start: int, k: int) -> bool:
+        rehomed.append(start)
+        return rehome(f, start, k)
+
+    monkeypatch.setattr(MappedFile, "rehome", counted)
+    x = torch.randn(2, SHAPE[0])
+    with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=False) as copy, \
+            ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=True) as store:
+        f = store._files[path]
+        if not f.resident(0, f.size):
+            pytest.skip("this filesystem did not keep the file cached")
+        w = store.get(0, [2])[2][0]
+        assert f.holds(w.raw.data_ptr())
+        assert torch.equal(w.matmul(x), copy.get(0, [2])[2][0].matmul(x))
+        if not rehomed:
+            pytest.skip("mapping 4 KiB pages measured under SMALL_PAGES_S_PER_MIB here")
+        assert rehomed == [2 * n] and f.resident(2 * n, n)
+        if _pmd_mapped_bytes(path) == 0:
+            pytest.skip("this kernel or filesystem keeps no 2 MiB page-cache folios")
+        assert _mapped_bytes(path) <= MappedFile.mapped_span(2 * n, n)    # whole windows at most
+        del w
+        store.clear()
+        w = store.get(0, [2])[2][0]                 # mapped again: never read again by this store
+        assert rehomed == [2 * n]
+        assert torch.equal(w.matmul(x), copy.get(0, [2])[2][0].matmul(x))

@@ -8,8 +8,9 @@ they share is here, once:
   mapping is a FormatError naming it instead of a SIGBUS or garbage;
 * the mapping is plain mmap (Python never passes MAP_POPULATE): nothing is read until a
   slice is touched. `advise_random`, `advise_slice` (WILLNEED + POPULATE_READ on exactly a
-  slice) and `release` (MADV_DONTNEED: unmapped from this process, kept in the page cache)
-  steer what the kernel reads and what stays in our resident set;
+  slice), `populate` (POPULATE_READ with the GIL released), `advise_huge` / `rehome` (the page
+  cache of a range in 2 MiB folios) and `release` (MADV_DONTNEED: unmapped from this process,
+  kept in the page cache) steer what the kernel reads and what stays in our resident set;
 * `pread_into` copies a slice with the GIL released and maps nothing; `read_uncached` and
   `read_direct` read around the page cache (POSIX_FADV_DONTNEED, O_DIRECT) so that bytes
   counted as read are bytes that came from storage; `read_direct_span` is O_DIRECT into a

@@ -144,9 +144,9 @@ class ExpertStore:
             the slice in large requests without reading a byte outside it.
     release_pages: after a miss copied a slice out of a mapping, unmap its pages from this
             process (MADV_DONTNEED; see `release`). Only mmap mode maps anything.
-    map_misses: in mmap mode with keep="quantized", a miss whose slices are all in the page
-            cache already (mincore) and large (MAP_SPAN_LIMIT) is not copied anywhere: its
-            `QuantizedMatrix` weights are views of the mapping and the products read the page
+    map_misses: in mmap mode with keep="quantized", a miss whose slices are in the page
+            cache already (mincore, sampled) and large (MAP_SPAN_LIMIT) is not copied anywhere:
+            its `QuantizedMatrix` weights are views of the mapping and the products read the page
             cache's pages where they lie, as llama.cpp's mmap does. Such experts are not read
             ahead either (there is nothing to read). The budget still bounds what stays mapped
             into this process: a mapped expert counts the page-table windows around its slices
@@ -155,6 +155,19 @@ class ExpertStore:
             caller is done. Why: with a cache smaller than a token's experts, each miss used to
             copy its slices (~280 MB a token on a K3 slice) out of the page cache into cache
             buffers, on the cores the products need.
+    huge_pages: with map_misses, MADV_HUGEPAGE on the expert ranges of K3-sized slices (>= 4
+            MiB), and a slice whose first mapping shows it cached in 4 KiB pages (populate CPU
+            time above SMALL_PAGES_S_PER_MIB) is read again once into 2 MiB folios
+            (`MappedFile.rehome`). Why: mapping and dropping a 17.5 MB K3 expert cost ~1.3 +
+            ~0.5 ms of page-table work in 4 KiB pages, i.e. ~20 ms a token through a 128 MiB
+            cache on a K3 slice, and ~0.05 ms in 2 MiB ones (benchmarks/bench_mapped_misses.py).
+            The price: one read of such a slice from storage per store.
+    map_ahead: with read_ahead and map_misses, `plan` hands the planned misses that map to one
+            background thread (the mapping thread), one expert ahead of the caller: it checks the
+            page cache, maps and scale-checks the slices while the caller multiplies the expert
+            before; it also drops evicted views. What is mapped ahead counts against the budget
+            like a read in flight: when every cached expert is planned, the one planned last
+            gives up its place (`ExpertCache.evict_planned`).
     check_scales: on every miss, check the slice's scale fields (`first_nonfinite_block`: one
             byte column per block, well under a millisecond per K3 projection) and raise
             CorruptBlockError naming file, tensor, expert and block instead of letting a NaN
