@@ -65,7 +65,9 @@ def test_a_miss_in_the_page_cache_is_a_view_with_the_same_products(tmp_path):
         f = mapped._files[path]
         assert f.resident(0, f.size)                      # just written: in the page cache
         mapped.plan(0, [4, 1])
-        assert not mapped._pending and not mapped._queue  # nothing to read ahead
+        # the first planned miss is being mapped by the mapping thread, the second waits its turn
+        assert set(mapped._pending) == {(0, 4)} and mapped._queue == [(0, 1)]
+        assert mapped._map_jobs == {(0, 4), (0, 1)}
         for e in (4, 1):
             want = copy.get(0, [e])[e][0]
             got = mapped.get(0, [e])[e][0]
@@ -74,6 +76,7 @@ def test_a_miss_in_the_page_cache_is_a_view_with_the_same_products(tmp_path):
             assert torch.equal(got.matmul(x), want.matmul(x))
         s, c = mapped.stats(), copy.stats()
         assert (s.misses, s.bytes_read) == (c.misses, c.bytes_read) == (2, 2 * spec[0][0].expert_nbytes)
+        assert s.ahead_reads == 2 and s.wasted_bytes == 0
         assert mapped.get(0, [4])[4][0].raw.data_ptr() == mapped._cache.lookup((0, 4))[0].raw.data_ptr()
         assert mapped.stats().hits == 1
         # what the cache holds is counted as the page-table windows a view may keep mapped
@@ -93,9 +96,11 @@ def test_evicted_views_leave_the_process_and_the_budget_bounds_what_stays_mapped
             w = store.get(0, [e])[e][0]
             assert _inside(w, store._files[path])
             del w
+            store._settle()                                 # evicted views are released in the background
             assert store.stats().resident_experts == 1
             assert _mapped_kib(path) * 1024 <= 2 * one      # this expert, and the last until the next get
         store.get(0, [N_EXP - 1])                           # a hit: the evicted one's pages go
+        store._settle()
         assert store.stats().hits == 1 and _mapped_kib(path) * 1024 <= one
     # a budget below one expert's windows keeps nothing, and maps nothing past the next get
     with ExpertStore(spec, cache_mib=1, keep="quantized", map_misses=True) as store:
@@ -103,6 +108,7 @@ def test_evicted_views_leave_the_process_and_the_budget_bounds_what_stays_mapped
         assert store.stats().resident_experts == 0 and store._cache.unmapped == [(0, 2)]
         store.get(0, [3])
         assert store._cache.unmapped == [(0, 3)]
+        store._settle()
         assert _mapped_kib(path) * 1024 <= one
 
 

@@ -184,20 +184,37 @@ class ExpertCache:
             entry = self._entries[key]
             if entry.pinned or key in self.protect:
                 continue
-            del self._entries[key]
-            if key in self.mapped:
-                self.mapped.discard(key)
-                self.unmapped.append(key)
-                entry = _Entry((), entry.nbytes)   # no buffers of ours to reuse
-            for w in entry.tensors:
-                if isinstance(w, QuantizedMatrix):
-                    spare = self._spare.setdefault(w.nbytes, [])
-                    if len(spare) < MAX_SPARE:
-                        spare.append(w.raw)
-            self._resident -= entry.nbytes
-            self.ledger.evictions += 1
-            self.ledger.evicted_bytes += entry.nbytes
+            self._drop(key)
         return self._resident + self.in_flight + extra <= self.budget
+
+    def evict_planned(self, keys: Iterable[Key], extra: int = 0) -> list[Key]:
+        """Make room for `extra` bytes among protected experts too, in the order of `keys` (the
+        plan's, latest use first): when every cached expert is planned, the job mapping the next
+        miss has to take one's place. Returns the keys dropped (misses again)."""
+        dropped = []
+        for key in keys:
+            if self._resident + self.in_flight + extra <= self.budget:
+                break
+            entry = self._entries.get(key)
+            if entry is not None and not entry.pinned:
+                self._drop(key)
+                dropped.append(key)
+        return dropped
+
+    def _drop(self, key: Key) -> None:
+        entry = self._entries.pop(key)
+        if key in self.mapped:
+            self.mapped.discard(key)
+            self.unmapped.append(key)
+            entry = _Entry((), entry.nbytes)   # no buffers of ours to reuse
+        for w in entry.tensors:
+            if isinstance(w, QuantizedMatrix):
+                spare = self._spare.setdefault(w.nbytes, [])
+                if len(spare) < MAX_SPARE:
+                    spare.append(w.raw)
+        self._resident -= entry.nbytes
+        self.ledger.evictions += 1
+        self.ledger.evicted_bytes += entry.nbytes
 
     def buffer(self, n: int, misalign: int | None = None) -> torch.Tensor:
         """An n-byte tensor for a quantized miss: the bytes of an evicted expert nobody holds any
