@@ -3,9 +3,11 @@
 Contract (_qmatmul.c, "int8 activations"): the default path's one-row result is bit for bit
 the result of every other path (the folding and transposed 512-bit direct paths, the 256-bit
 one, the panels), on every SIMD level and thread count, and within the float32 rounding bound
-of the float64 product. MXFP4's one-row kernel (AVX512-VBMI) arranges a group's bytes its own
-way and copies x to match; these cases hit whole groups, a partial last group, one group, every
-exponent byte (0 and 1 take the subnormal scales, 255 the largest), and rows over 2 threads.
+of the float64 product. The one-row kernels of MXFP4 (AVX512-VBMI) and Q4_K (AVX512-VNNI)
+arrange a group's bytes their own way and copy x to match, and Q4_K unpacks its 6-bit scales
+and mins with byte shuffles; these cases hit whole groups, a partial last group, no whole group,
+every MXFP4 exponent byte (0 and 1 take the subnormal scales, 255 the largest), every Q4_K
+scale byte, and rows split over 2 threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from k3kit.kernels.qmatmul import ACT_TYPE
 pytestmark = pytest.mark.skipif(not qmatmul.native_available(), reason="native kernel not built")
 
 SHAPES = [(3584, 96), (3072, 41), (512, 7), (544, 9), (32, 3), (2592, 33)]   # (k, n_out)
+Q4K_SHAPES = [(7168, 40), (2304, 17), (256, 5), (512, 3)]
 
 
 def mxfp4_all_exponents(n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -69,3 +72,20 @@ def test_mxfp4_row_in_a_call_of_many_rows() -> None:
     alone = np.concatenate([product(T.MXFP4, raw, x[i:i + 1], n_out, threads=2) for i in range(9)])
     for m in (2, 5, 9):
         np.testing.assert_array_equal(product(T.MXFP4, raw, x[:m], n_out), alone[:m])
+
+
+@pytest.mark.parametrize("k,n_out", Q4K_SHAPES, ids=lambda v: str(v))
+def test_q4_k_row_same_bits_on_every_path(k: int, n_out: int) -> None:
+    rng = np.random.default_rng(k + 3 * n_out)
+    raw = blocks(T.Q4_K, n_out * k // 256, rng).reshape(-1, 144)
+    raw[:, 4:16] = rng.integers(0, 256, size=(raw.shape[0], 12), dtype=np.uint8)   # every scale/min bit
+    raw = raw.reshape(-1)
+    x = activations(rng, 1, k)
+    one = product(T.Q4_K, raw, x, n_out)
+    xd = dequantize_q8(q8(x, ACT_TYPE[T.Q4_K]), ACT_TYPE[T.Q4_K], 1, k).astype(np.float32)
+    check_bound(one, xd, weights(T.Q4_K, raw, n_out, k))
+    for simd in SIMD:
+        for path in (-1, 0, 1, 2, 4):
+            for threads in (1, 2):
+                y = product(T.Q4_K, raw, x, n_out, simd, threads=threads, path=path)
+                np.testing.assert_array_equal(y, one, err_msg=f"simd {simd} path {path} threads {threads}")
