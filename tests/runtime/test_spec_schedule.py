@@ -212,15 +212,39 @@ def test_draft_guard_stops_drafting_where_drafted_passes_realized_less():
     assert [i + 3 for i, a in enumerate(seen) if a] == [8, 18, 38, 58]
     assert g.allow(12) is False                             # starts undrafted where fewer users lost
     assert g.verdict(4) is None and g.allow(4)              # fewer users: still the allocator's call
-    for _ in range(8):                                      # probes that pay: first the evidence is mixed
-        g.record(8, True, 8, 0.5)
-    # within the noise: no verdict; the undrafted side, now far lighter, is measured again first
-    assert g.verdict(8) is None and not g.allow(8)
-    for _ in range(30):                                     # ... then the old losses are forgotten
-        g.record(8, True, 8, 0.5)
+    g.record(8, True, 6, 1.0)                               # a probe that loses again: the verdict stands
+    assert g.verdict(8) is False and g.verdict(12) is False
+    g.record(8, True, 8, 0.5)                               # a probe that pays: the old drafted passes go,
+    assert g.verdict(8) is None and g.verdict(12) is None   # drafting is measured again, larger counts too
+    assert g.allow(8) and g.allow(12)                       # the allocator decides
+    g.record(8, True, 8, 0.5)
     assert g.verdict(8) is True
     seen = [g.allow(8) for _ in range(10)]
     assert seen.count(False) == 1 and not seen[5]          # an undrafted recheck, 5 questions on
+
+
+def test_draft_guard_overturns_a_cold_start_verdict_at_the_first_paying_probe():
+    """Slow first drafted passes (a cold start) condemn drafting at 1 decoder and, inherited, at
+    every larger count; once a probe realizes more than the undrafted passes, drafting is measured
+    again at once, not after thousands of passes of rare probes."""
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    g = DraftGuard(samples=3, probe_every=4, max_interval=64)
+    for _ in range(3):
+        g.record(1, True, 4, 2.0)                           # cold draft steps: 2 tokens/s
+    for _ in range(3):
+        g.record(1, False, 1, 0.2)                          # warm AR: 5 tokens/s
+    assert g.verdict(1) is False and g.verdict(4) is False and not g.allow(4)
+    asked = 0
+    while not g.allow(1):                                   # the first probe at 1
+        asked += 1
+        assert asked < 10
+    g.record(1, True, 4, 0.4)                               # warm draft steps: 10 tokens/s
+    assert g.verdict(1) is None and g.verdict(4) is None
+    assert g.allow(1) and g.allow(4)
+    for _ in range(3):
+        g.record(1, True, 4, 0.4)
+    assert g.verdict(1) is True
 
 
 def test_draft_guard_keeps_drafting_where_it_pays():

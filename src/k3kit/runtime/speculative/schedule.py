@@ -307,7 +307,9 @@ class DraftGuard:
     both). Once significant, greedy sequences draft at `n` only if drafting realized more (their
     output does not depend on it), and now and then the other way is tried once to see whether
     that still holds: after `probe_every` questions at `n`, then twice as many each time the
-    verdict stands (a probe that drafts where drafting loses costs a pass's draft step). Before
+    verdict stands (a probe that drafts where drafting loses costs a pass's draft step); a probe
+    that realizes more than the undrafted passes sends the drafted side back to being measured
+    (`_recheck`: a verdict from a cold start's passes would otherwise outlive it by far). Before
     `samples` drafted passes at `n`: the allocator decides, except where drafting lost (at the
     nearest smaller count that has a verdict): then the count starts undrafted (more users leave
     less room for speculation) and drafts only to probe. Every input comes through record(), so
@@ -334,12 +336,30 @@ class DraftGuard:
         """A pass with `n` decoders, which drafted or not, committed `tokens` in `seconds`."""
         if n < 1 or seconds <= 0:
             return
+        if drafted:
+            self._recheck(n, tokens / seconds)
         key, f = (n, drafted), self.forget
         old = self.sums.get(key, [0.0] * 7)
         new = (1.0, 1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
         self.sums[key] = [f * a + b for a, b in zip(old, new, strict=True)]
         self.sums[key][1] = f * f * old[1] + 1.0              # sum of squared weights
         self.count[key] = self.count.get(key, 0) + 1
+
+    def _recheck(self, n: int, rate: float) -> None:
+        """A drafted pass where drafting stands condemned (a probe) that realized more than the
+        undrafted passes at n: the verdict may rest on passes that no longer say how this machine
+        runs (a cold start's first draft steps weigh in it until forgotten, which at one probe in
+        32..512 questions takes thousands of passes), so the drafted side where it was reached is
+        measured again (`samples` passes, the allocator deciding) and judged afresh."""
+        source = next((m for m in range(n, 0, -1) if self._measured(m)), None)
+        if source is None or self._judged(source) is not False:
+            return
+        undrafted = self.rate(n, False)
+        if undrafted is None or rate <= undrafted:
+            return
+        for m in {source, n}:
+            self.sums.pop((m, True), None)
+            self.count.pop((m, True), None)
 
     def rate(self, n: int, drafted: bool) -> float | None:
         """Realized tokens per second (the ratio estimate), None before any pass."""
