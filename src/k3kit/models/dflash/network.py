@@ -144,14 +144,19 @@ class DraftLayer(nn.Module):
 
 
 def rows_linear(x: Tensor, lin: nn.Linear) -> Tensor:
-    """A bias-free nn.Linear on N blocks x [N, B, in] -> [N, B, out], as one GEMM over all rows.
+    """A bias-free nn.Linear on N blocks x [N, B, in] -> [N, B, out], each block its own product.
 
-    torch's CPU GEMM picks its kernel by the row count: a one-row product is a GEMV and rounds
-    differently from the same row inside a larger product, but blocks of B >= 2 rows have come out
-    bit for bit as each block's own product (tests/runtime/test_spec_batch.py checks that drafting
-    many sequences in one forward gives each its serial proposals). A per-block bmm would promise
-    it for any B, at twice the time of the one GEMM here."""
-    return F.linear(x.reshape(-1, x.shape[-1]), lin.weight).view(*x.shape[:-1], -1)
+    Each block must come out bit for bit as `forward` computes it alone (one F.linear of its B
+    rows): a sequence's proposals, and so a seeded sampled request's text, must not depend on who
+    else drafts in the same pass (tests/runtime/test_spec_batch.py). torch's CPU GEMM does not
+    promise that for a block inside a larger product, nor inside a batched bmm: on an AMD Zen 4
+    (MKL) one GEMM over all rows matched per block for B >= 2, on an Intel Sapphire Rapids (same
+    torch and MKL) neither the one GEMM nor bmm does. So one call per block, the same call the
+    serial path makes; what is batched across sequences is the rest of the forward."""
+    w = lin.weight
+    if x.shape[0] == 1:
+        return F.linear(x[0], w).unsqueeze(0)
+    return torch.stack([F.linear(xi, w) for xi in x.unbind(0)])
 
 
 class MarkovHead(nn.Module):
