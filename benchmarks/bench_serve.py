@@ -4,11 +4,13 @@
                                      [--max-tokens 32] [--threads 2] [--max-batch 256]
                                      [--expert-cache-mib 256] [--draft default|PATH|none] [--ctx 1024]
                                      [--peer auto|llama-server|llama_cpp.server|shim|none]
-                                     [--llama-server PATH] [--slots N] [--repeat 1] [--out DIR]
+                                     [--llama-server PATH] [--slots N] [--repeat 1] [--ab TREE]
+                                     [--out DIR]
 
 Every server is a subprocess on a free loopback port, started once and kept for the whole run:
   * k3kit AR:     `k3kit serve MODEL --max-batch B --threads T --expert-cache-mib M --ctx C`
   * k3kit draft:  the same with `--draft D` (skipped with --draft none);
+  * --ab TREE:    k3kit AR once more from another checkout (PYTHONPATH=TREE/src), for a same-run A/B;
   * llama-server: llama.cpp's C++ server built from the tree vendored in the llama-cpp-python sdist
                   (`python benchmarks/llama_server.py`, ~30 min once; or --llama-server PATH /
                   $K3KIT_LLAMA_SERVER): `-np SLOTS -c C*SLOTS --cont-batching -t T -tb T`, SLOTS =
@@ -119,9 +121,10 @@ def wait_healthy(server: Server, timeout: float = 600.0) -> None:
     raise SystemExit(f"{server.name}: not healthy after {timeout:.0f} s; log: {server.log}")
 
 
-def start(name: str, cmd: list[str], port: int, out: Path, has_metrics: bool) -> Server:
+def start(name: str, cmd: list[str], port: int, out: Path, has_metrics: bool,
+          env_extra: dict[str, str] | None = None) -> Server:
     log = out / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
     f.close()
@@ -531,6 +534,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-budget", type=float, default=0.0, metavar="S",
                     help="start no further sweep that would end after S seconds of sweeping (0: no limit), "
                     "to keep a run under a shared machine lock short")
+    ap.add_argument("--ab", default=None, metavar="TREE",
+                    help="also serve AR from another k3kit checkout (PYTHONPATH=TREE/src, its C extensions "
+                         "built in place), taking turns with this tree's: a same-run A/B")
     ap.add_argument("--out", default="bench_serve_out")
     ap.add_argument("--serve-llama", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -573,6 +579,11 @@ def main() -> None:
     try:
         p = free_port()
         servers.append(start("k3kit AR", k3kit_cmd(args, p, None), p, out, True))
+        if args.ab:
+            tree = Path(args.ab).resolve()
+            p = free_port()
+            servers.append(start(f"k3kit AR @{tree.name}", k3kit_cmd(args, p, None), p, out, True,
+                                 {"PYTHONPATH": str(tree / "src")}))
         if args.draft != "none":
             p = free_port()
             servers.append(start(f"k3kit draft={Path(args.draft).name}", k3kit_cmd(args, p, args.draft), p,
@@ -614,6 +625,10 @@ def main() -> None:
     goal = goal_figures(rows, "k3kit AR", peer_name)
     if goal:
         print(goal["text"])
+    if args.ab:
+        other = goal_figures(rows, f"k3kit AR @{Path(args.ab).resolve().name}", peer_name)
+        if other:
+            print(other["text"])
     # greedy agreement at concurrency 1 (same prompts, same order): informative, not a check
     texts = {s.server: s.texts for s in steps if s.concurrency == 1}
     agree = {}
@@ -629,7 +644,8 @@ def main() -> None:
             "threads": args.threads, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
             "max_batch": args.max_batch, "expert_cache_mib": args.expert_cache_mib, "draft": args.draft,
             "peer": peer, "peer_command": llama_cmd(args, 0, peer) if peer != "none" else None,
-            "slots": args.slots, "ctx": args.ctx, "repeat": sweeps, "command": " ".join(sys.argv)}
+            "slots": args.slots, "ctx": args.ctx, "repeat": sweeps, "ab_tree": args.ab,
+            "command": " ".join(sys.argv)}
     from k3kit._io import write_json
     write_json(out / "bench_serve.json", {"meta": meta, "rows": rows, "goal_at_8": goal,
                                           "greedy_agreement_c1": agree, "steps": [asdict(s) for s in steps]})

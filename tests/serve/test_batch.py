@@ -208,7 +208,7 @@ def mini():
 
 def _prompts(n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    lengths = [4, 80, 9, 1, 33, 20, 2, 12][:n]        # 80 rows > 64 invariant rows: a pass of its own
+    lengths = [4, 80, 9, 1, 33, 20, 2, 12][:n]        # 80 rows > a limit of 64: a pass of its own
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
@@ -222,19 +222,22 @@ def _run(sched, reqs, delays):
     return asyncio.run(main())
 
 
-def test_greedy_output_is_batch_invariant(mini):
+@pytest.mark.parametrize("limit", [None, 64])
+def test_greedy_output_is_batch_invariant(mini, limit):
     """A request's tokens AND the logits rows that chose them (log-probs, bit for bit) are the same
     alone and among 1, 3 and 7 others of different lengths arriving at different times; the
-    batch's passes really mix sequences."""
+    batch's passes really mix sequences. The model's own limit: its MXFP4 experts and Q8_0 trunk
+    multiply in the ggml arithmetic, row-invariant at any count, so passes fill up to max_batch
+    (the 80-row prompt shares them); 64 (the float kernels' MXFP4 limit): it runs alone."""
     model = mini.model
-    assert model.batch_invariant_rows == 64                 # MXFP4 experts, float32 compute
-    sched = BatchScheduler(model, mini.codec, loaded=mini, max_batch=128, max_queue=8)
+    assert mini.model.store.arith == "ggml" and model.batch_invariant_rows >= 128
+    sched = BatchScheduler(model, mini.codec, loaded=mini, max_batch=128, max_queue=8, invariant_rows=limit)
+    assert sched.limit == (limit or 128)
     budgets = [8, 3, 6, 9, 4, 5, 7, 3]
     reqs = [request(p, max_tokens=b, logprobs=1) for p, b in zip(_prompts(8, model.vocab_size), budgets,
                                                                       strict=True)]
     try:
         alone = [_run(sched, [r], [0])[0] for r in reqs]
-        mixed_rows = 0
         for others in (1, 3, 7):
             group = reqs[:others + 1]
             delays = [0.02 * ((i * 3) % (others + 1)) for i in range(others + 1)]
@@ -243,10 +246,41 @@ def test_greedy_output_is_batch_invariant(mini):
                 assert b[2].reason == a[2].reason, (others, i)
                 assert b[0] == a[0], (others, i)
                 assert b[1] == a[1], f"request {i} among {others} others: logits differ"
-            mixed_rows = max(mixed_rows, sched.stats().batch_rows)
         assert model.sequences == 0
     finally:
         sched.close()
+
+
+def test_prompts_waiting_together_share_one_pass_beyond_64_rows(mini, monkeypatch):
+    """In the ggml arithmetic nothing bounds a mixed pass below max_batch: prompts that are all
+    waiting when a pass starts go into it together (here 127 rows, the 80-row prompt among them,
+    up to max_batch 128), and every request's tokens and logits are still what it gets alone."""
+    model = mini.model
+    sched = BatchScheduler(model, mini.codec, loaded=mini, max_batch=128, max_queue=8)
+    passes: list[list[int]] = []
+    run = model.verify_batch
+
+    def recorded(rows, **kw):
+        passes.append([len(r) for _, r in rows])
+        return run(rows, **kw)
+
+    reqs = [request(p, max_tokens=3, logprobs=1) for p in _prompts(8, model.vocab_size)]
+    try:
+        alone = [_run(sched, [r], [0])[0] for r in reqs]
+        monkeypatch.setattr(model, "verify_batch", recorded)
+
+        async def main():
+            with sched._cv:           # the worker admits nothing until all are queued
+                streams = [sched.submit(r) for r in reqs]
+            return await asyncio.gather(*[collect(st) for st in streams])
+        got = asyncio.run(main())
+    finally:
+        sched.close()
+    assert passes[0] == [4, 80, 9, 1, 33]             # in arrival order while they fit 128 rows
+    assert max(sum(p) for p in passes) == 127
+    for i, (a, b) in enumerate(zip(alone, got, strict=True)):
+        assert b[0] == a[0] and b[1] == a[1], f"request {i}"
+    assert model.sequences == 0
 
 
 def test_seeded_sampling_repeats_alone_and_batched(mini):
@@ -498,3 +532,39 @@ def test_batched_speculation_stops_drafting_where_drafted_passes_realize_less(sp
     assert len(slow_passes) >= 20 and sum(slow_passes[:6]) >= 3      # it did try drafting first
     assert sum(slow_passes[6:]) <= 1 + len(slow_passes) // 24          # then probes only
     assert len(fast_passes) >= 8 and sum(fast_passes) >= 0.8 * len(fast_passes) - 1
+
+
+def _first_pass(sched, model, prompts, delays):
+    """Submit `prompts` at `delays` (s, from the first) to an idle scheduler; -> the sequences' handles
+    (in submission order) and the handles of the first pass."""
+    async def one(p, d):
+        await asyncio.sleep(d)
+        return await collect(sched.submit(request(p, max_tokens=2)))
+
+    async def main():
+        return await asyncio.gather(*[one(p, d) for p, d in zip(prompts, delays, strict=True)])
+    try:
+        results = asyncio.run(main())
+    finally:
+        sched.close()
+    for p, (tokens, _, finish) in zip(prompts, results, strict=True):
+        assert tokens == expected_tokens(p, 2) and finish.reason == "length"
+    return [h for h, _ in model.passes[0]]
+
+
+def test_an_idle_worker_lets_a_burst_of_requests_share_its_first_pass():
+    """Requests arriving one after the other, each within admit_settle of the last, all go into the
+    first pass (the admission window restarts with each), not the first one alone."""
+    model = ToyBatched(invariant_rows=16)
+    sched = BatchScheduler(model, ToyCodec(), max_batch=16, max_queue=8, admit_settle=2.0, admit_max=20.0)
+    first = _first_pass(sched, model, [[1, 2], [3], [4, 5, 6]], [0.0, 0.2, 0.4])
+    assert len(first) == 3
+
+
+def test_the_admission_window_is_bounded():
+    """admit_max ends the window however the requests keep coming: a request arriving after it is
+    not in the first pass (here it would be, were admit_settle alone the rule)."""
+    model = ToyBatched(invariant_rows=16)
+    sched = BatchScheduler(model, ToyCodec(), max_batch=16, max_queue=8, admit_settle=5.0, admit_max=0.3)
+    first = _first_pass(sched, model, [[1, 2], [3], [4, 5, 6]], [0.0, 0.1, 1.5])
+    assert len(first) == 2

@@ -82,3 +82,22 @@ def test_absorb_rows_gives_each_row_its_own_product():
         assert torch.equal(many[i], one[0])
         assert torch.equal(one[0], torch.einsum("bthd,hdl->bthl", x[i][None, None], w_kb)[0, 0])
     torch.testing.assert_close(many, torch.einsum("nhd,hdl->nhl", x, w_kb))
+
+
+def test_invariant_rows_follow_the_experts_arithmetic():
+    """The mini's experts are MXFP4: in the ggml arithmetic (int8 products in the native kernel at any
+    row count) they bound nothing, and with the Q8_0 trunk neither does anything else; in the float
+    arithmetic their kernel's 64-row limit is the model's."""
+    import sys
+
+    from k3kit.adapters import load_model
+    from k3kit.mini.paths import shipped_gguf
+    from k3kit.runtime.loader import LoadOptions
+
+    for arith, rows in (("ggml", sys.maxsize), ("float", 64)):
+        loaded = load_model(shipped_gguf(), LoadOptions(arith=arith))
+        try:
+            assert loaded.model.store.arith == arith
+            assert loaded.model.batch_invariant_rows == rows, arith
+        finally:
+            loaded.close()

@@ -37,7 +37,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
-from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, native_max_rows, native_simd
+from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, native_simd
 from k3kit.layers.moe import ExpertWeights
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
@@ -326,9 +326,11 @@ class K3Adapter:
     @property
     def batch_invariant_rows(self) -> int:
         """Rows per pass up to which each row's logits do not depend on the other rows (0: not
-        guaranteed at any count): the least of every trunk matrix's `invariant_rows` (the native
-        kernel's row limit; beyond it a product is dequantize + torch GEMM, whose per-row sums
-        depend on the row count) and, with a quantized expert cache, the experts' native limits.
+        guaranteed at any count): the least of every trunk matrix's `invariant_rows` and, with a
+        quantized expert cache, the experts' (kernels.qmatmul.invariant_rows of their type, in the
+        store's arithmetic): any count in the ggml arithmetic, else the native float kernel's row
+        limit (beyond it a product is dequantize + torch GEMM, whose per-row sums depend on the
+        row count). In the ggml arithmetic a serving pass may thus take all its prompts at once.
         A float trunk (nn.Linear) or float experts multiply through torch's GEMM: no guarantee.
         The rest of a batched pass is row-invariant by construction (model.forward_batch)."""
         if self._invariant_rows is None:
@@ -343,7 +345,8 @@ class K3Adapter:
             if self.store.keep != "quantized":
                 limits.append(0)
             else:
-                limits += [native_max_rows(t.ggml_type, self.dtype)
+                arith = self.store.arith or DEFAULT_ARITH      # what the store's products run in
+                limits += [invariant_rows(GGMLQuantizationType(t.ggml_type), self.dtype, arith)
                            for ts in self.store.layers.values() for t in ts]
             self._invariant_rows = max(min(limits, default=0), 0)
         return self._invariant_rows

@@ -152,6 +152,16 @@ def native_max_rows(qtype: GGMLQuantizationType, dtype: torch.dtype) -> int:
     return NATIVE_MAX_ROWS.get(T(qtype), 0)
 
 
+def invariant_rows(qtype: GGMLQuantizationType, dtype: torch.dtype, arith: str) -> int:
+    """Rows per CPU call up to which each output row of a product with this weight type is bitwise
+    independent of the others: every row count in the ggml arithmetic (the int8 products never
+    leave the native kernel, whose per-pair operations do not depend on the row count), else the
+    native float kernel's limit (0: none)."""
+    if arith == "ggml" and _qmatmul is not None and qtype in NATIVE_TYPES:
+        return sys.maxsize
+    return native_max_rows(qtype, dtype)
+
+
 def native_available() -> bool:
     return _qmatmul is not None
 
@@ -215,9 +225,7 @@ class QuantizedMatrix:
     def invariant_rows(self) -> int:
         """Rows per CPU call up to which each output row is bitwise independent of the others:
         every row count in the ggml arithmetic, else the native kernel's limit (0: none)."""
-        if self.arith == "ggml" and self.native:
-            return sys.maxsize
-        return native_max_rows(self.qtype, self.dtype)
+        return invariant_rows(self.qtype, self.dtype, self.arith)
 
     def dequantize(self) -> torch.Tensor:
         """[n_out, n_in] in the compute dtype (a fresh tensor each call)."""

@@ -10,10 +10,19 @@ multiplied once per pass. Each sequence samples from its own last row with its o
 own seeded generator), through its own SequenceOutput: the same limits, stops, text and logprobs
 as the serial scheduler.
 
+Admission window: a worker woken from idle (no sequence active) starts its first pass once no
+request has arrived for `admit_settle` (5 ms), or after `admit_max` (25 ms) at most, so that
+clients starting together share that pass instead of the first prompt running alone while the
+pass's threads hold back the others' arrival (`_settle`). A lone request pays `admit_settle` once;
+a busy worker never waits (newcomers join the next pass anyway). Outputs do not depend on it.
+
 Batch invariance: a request's output must not depend on who else is being served. Attention
 runs per sequence on its own state; what is shared is the row-wise work, and a row's result
 there is independent of the other rows only while the pass holds at most the model's
-`batch_invariant_rows` (the native kernels' row limit). So:
+`batch_invariant_rows` (the native float kernels' row limit; no limit when every product runs in
+the ggml arithmetic, whose int8 products never leave the native kernel, so there all the prompts
+waiting when a pass starts go into it, up to `max_batch` rows: prefill is compute-bound, and one
+pass of all of them costs the per-pass work once instead of once per 64 rows). So:
 * a pass that mixes sequences holds at most `limit = min(max_batch, batch_invariant_rows)` rows;
 * a prompt is always cut into chunks of `prefill_chunk` rows from its start, whatever else
   runs (KDA's and MLA's floats depend on where chunks start); a chunk larger than `limit` runs
@@ -108,6 +117,8 @@ from k3kit.tokenizer.codec import TextCodec
 
 log = logging.getLogger("k3kit.serve")
 
+ADMIT_SETTLE = 0.005     # s without a new request that ends the admission window (_settle)
+ADMIT_MAX = 0.025        # s the admission window lasts at most
 REDRAFT_AFTER = 8        # passes without a draft after which a sequence is judged by everyone's drafts
 COST_REFRESH = 32        # passes between fresh asks of the model's cost(), the expert cache unchanged
 
@@ -199,7 +210,8 @@ class BatchScheduler:
                  max_batch: int = 256, max_queue: int = 64, prefill_chunk: int | None = None,
                  invariant_rows: int | None = None, step_factory: StepFactory | None = None,
                  max_sequences: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 guard: DraftGuard | None = None) -> None:
+                 guard: DraftGuard | None = None, admit_settle: float = ADMIT_SETTLE,
+                 admit_max: float = ADMIT_MAX) -> None:
         """`max_batch`: rows per pass at most. `max_sequences`: sequences holding state at once
         (default max_batch).
         `prefill_chunk`: prompt rows per chunk (default max_batch; never more).
@@ -208,7 +220,9 @@ class BatchScheduler:
         `step_factory`: (target, sampler) -> a SpeculativeDecoder for one sequence (its target:
         the model's `sequence_target(handle)`); needs a SpeculativeBatchedModel.
         `clock`: seconds, what passes are timed with (tests give their own).
-        `guard`: what decides where greedy sequences may draft (default: a DraftGuard)."""
+        `guard`: what decides where greedy sequences may draft (default: a DraftGuard).
+        `admit_settle`, `admit_max`: seconds; the admission window of a worker woken from idle
+        (see the module docstring; 0 = start at once)."""
         if max_batch < 1 or max_queue < 0 or (max_sequences is not None and max_sequences < 1):
             raise ValueError("max_batch and max_sequences must be >= 1 and max_queue >= 0")
         self.model, self.codec, self.loaded = model, codec, loaded
@@ -244,6 +258,8 @@ class BatchScheduler:
         self._active: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}         # queued or active
         self._closed = False
+        self.admit_settle, self.admit_max = admit_settle, admit_max
+        self._submitted = 0                       # requests ever submitted (the admission window's clock)
         self._rr = 0                              # round-robin start among decoders
         self._turn = 0                            # alternates decode-first / prefill-first passes
         self._last_exclusive = False
@@ -265,6 +281,7 @@ class BatchScheduler:
             seq = _Seq(stream, self.codec, self.stop_ids)
             self._queue.append(seq)
             self._by_id[request.id] = seq
+            self._submitted += 1
             self._cv.notify()
         return stream
 
@@ -309,6 +326,8 @@ class BatchScheduler:
             with self._cv:
                 while not self._queue and not self._active and not self._closed:
                     self._cv.wait()
+                if not self._active:
+                    self._settle()
                 if self._closed:
                     closing = list(self._active)
                 else:
@@ -342,6 +361,25 @@ class BatchScheduler:
             self._retire([s for s in self._active if s.out.done])
             if entries:
                 self._expert_snapshot()
+
+    def _settle(self) -> None:
+        """The admission window (the lock held): a worker woken from idle waits while requests keep
+        arriving, until none has come for `admit_settle` s or `admit_max` s have passed since it
+        woke, or no more could be admitted. Clients that start together reach the server over a few
+        ms, and a pass begun on the first prompt alone runs it at the others' expense: its threads
+        take the cores the server's event loop needs to take the others in (measured on the K3
+        slice: 8 clients, the first pass held 1-3 prompts, the rest queued 40 ms later)."""
+        if self.admit_settle <= 0 or self.admit_max <= 0:
+            return
+        end = time.monotonic() + self.admit_max
+        while not self._closed and len(self._queue) < self.max_sequences:
+            seen = self._submitted
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(min(self.admit_settle, left))
+            if self._submitted == seen:           # nothing new for admit_settle (or a cancel): go
+                return
 
     def _plan(self) -> list[tuple[_Seq, list[int]]]:
         """This pass's (sequence, rows); see the module docstring for the rules."""
