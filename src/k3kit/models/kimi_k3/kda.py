@@ -302,8 +302,9 @@ class KDA(nn.Module):
 
     def forward(self, x: Tensor, state: KDAState | None = None, commit: bool = True,
                 ) -> tuple[Tensor, KDARows | None]:
-        """x [B, T, hidden] (already attn-normed). With `commit`, `state` is advanced in place;
-        without, it is left untouched and the rows needed for `commit_rows` are returned."""
+        """x [B, T, hidden] (already attn-normed). With `commit`, `state` is advanced (without a
+        gradient, state.S is written in place: nothing else may hold it); without, it is left
+        untouched and the rows needed for `commit_rows` are returned."""
         cfg = self.cfg
         if self.chunked and state is None:
             C = chunk_size(cfg.gate_lower_bound)
@@ -334,8 +335,14 @@ class KDA(nn.Module):
         # llama.cpp's CPU op runs the step loop for prefill too; the loop keeps inference on its
         # summation order (small differences get amplified by ggml's Q8 rounding of expert
         # inputs and the routed norm). Training takes the parallel form.
-        recur = delta_rule_chunked if torch.is_grad_enabled() and T >= 2 * CHUNK else delta_rule
-        o, S = recur(state.S, q, k, v, g, beta)
+        if torch.is_grad_enabled():
+            recur = delta_rule_chunked if T >= 2 * CHUNK else delta_rule
+            o, S = recur(state.S, q, k, v, g, beta)
+        else:
+            # a committed step advances the state it was given in place (the same floats): no new
+            # [B, H, d, d] state per decoded token; a speculative one leaves it as it was
+            recur = delta_rule
+            o, S = delta_rule(state.S, q, k, v, g, beta, inplace=commit)
 
         rows = None
         if keep and commit:
