@@ -60,12 +60,17 @@ class KDARows:
 def delta_step(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, inplace: bool = False) -> Tensor:
     """One gated delta-rule transition; S [B,H,dk,dv], k/g [B,H,dk], v [B,H,dv], beta [B,H].
     `inplace`: S is the caller's to overwrite (the same floats, one [B,H,dk,dv] allocation and
-    write fewer: with 8 sequences decoding, 50 MB a K3 layer); else the caller's S stays as it was."""
+    write fewer: with 8 sequences decoding, 50 MB a K3 layer); else the caller's S stays as it was.
+    Differentiable in every input; the update is added in place unless k needs a gradient, whose
+    backward reads the decayed S (autograd would refuse an S changed under it)."""
     decay = torch.exp(g).unsqueeze(-1)
     S = S.mul_(decay) if inplace else S * decay
     kv_mem = torch.einsum("bhij,bhi->bhj", S, k)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
-    return S.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))   # in place: one [B,H,dk,dv] fewer per step
+    update = k.unsqueeze(-1) * delta.unsqueeze(-2)
+    if k.requires_grad and torch.is_grad_enabled():
+        return S + update                   # the same floats as add_
+    return S.add_(update)                   # in place: one [B,H,dk,dv] fewer per step
 
 
 def delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
