@@ -9,13 +9,10 @@ for this machine (skipped without llama-cpp-python).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_scripts import load
 
 from k3kit.bench.llama_cpp import (
     AMX_REPACK_NOTE,
@@ -37,18 +34,6 @@ flags\t\t: fpu vme avx512f avx512_vnni avx512_bf16 avx512_vbmi
 """
 # a flag that only contains the name is not the flag
 AMX_TILE_ONLY = "flags\t\t: fpu amx_tile amx_bf16 xamx_int8x\n"
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_amx_int8_is_read_from_the_flags_line():
@@ -103,7 +88,7 @@ def test_model_params_sets_the_choice_for_the_block_only(repack):
 
 def test_bench_slice_flags():
     """No flag leaves the choice to repack_choice (None); either flag is an explicit choice."""
-    parser = _load("bench_slice").parser()
+    parser = load("bench_slice").parser()
     for argv, asked in [([], None), (["--llama-no-repack"], False), (["--llama-repack"], True)]:
         assert parser.parse_args(argv).llama_repack is asked
     with pytest.raises(SystemExit):
@@ -111,7 +96,7 @@ def test_bench_slice_flags():
 
 
 def test_bench_out_of_core_leaves_the_repacking_variant_out_on_amx(monkeypatch):
-    ooc = _load("bench_out_of_core")
+    ooc = load("bench_out_of_core")
     monkeypatch.setattr(ooc, "repack_choice", lambda asked: repack_choice(asked, SAPPHIRE_RAPIDS))
     assert ooc.llama_variants_for(None) == (["norepack"], AMX_REPACK_NOTE)
     monkeypatch.setattr(ooc, "repack_choice", lambda asked: repack_choice(asked, ZEN4))
