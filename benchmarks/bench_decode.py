@@ -10,7 +10,8 @@ target`, Q8_0 trunk, 16 MXFP4 experts), and a K3-geometry slice from `k3kit synt
 tests/runtime/test_engine_memory.py). Engine: f32 compute on the small model, bf16 on the
 slice, expert cache big enough for every expert and, on the slice, 128 MiB; each expert kernel
 asked for (native: quantized cache, MXFP4 blocks multiplied directly; torch: dequantized cache).
-llama.cpp: llama-cpp-python, F32 KV cache, AMX repacking off (it crashes on this CPU).
+llama.cpp: llama-cpp-python, F32 KV cache, weight repacking off (on a CPU with AMX-INT8 llama.cpp
+aborts on kimi-k3 files with it; off everywhere, so that the figures compare across machines).
 
 On the slice each prompt length is run as two requests on one loaded model, the same prompt
 twice, on both sides: "cold" is the first request after load (the engine reads every
@@ -40,16 +41,11 @@ def llama_speed(path: Path, prompt: list[int], n: int, threads: int, requests: i
                 ) -> list[tuple[float, float]]:
     """(prefill tok/s, decode tok/s) of `requests` greedy runs of `prompt` on one loaded model."""
     import llama_cpp
-    original = llama_cpp.llama_cpp.llama_model_default_params
 
-    def params():
-        p = original()
-        p.use_extra_bufts = False
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+    from k3kit.bench.llama_cpp import model_params
+    with model_params(llama_cpp, repack=False):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_batch=512, n_threads=threads,
+                              n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
 
     def last_token() -> int:
         """Greedy pick from the last evaluated row (without logits_all, `llm.scores` has no rows)."""
@@ -71,7 +67,6 @@ def llama_speed(path: Path, prompt: list[int], n: int, threads: int, requests: i
             out.append((len(prompt) / (t1 - t0), n / (t2 - t1)))
     finally:
         llm.close()
-        llama_cpp.llama_cpp.llama_model_default_params = original
     return out
 
 

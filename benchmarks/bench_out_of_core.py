@@ -15,7 +15,9 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
            alternating (--repeats each), the file dropped from the page cache before each run
   llama    llama-cpp-python's low-level API as users run it (mmap), `default` (its loader tries
            to repack the experts into a CPU_REPACK buffer as large as the experts) and
-           `norepack` (llama_model_params.use_extra_bufts = False); the process's anonymous
+           `norepack` (llama_model_params.use_extra_bufts = False); without --llama, `default`
+           is left out on a CPU with AMX-INT8 (llama.cpp aborts on kimi-k3 files with repacking
+           there: k3kit.bench.llama_cpp.repack_choice); the process's anonymous
            memory is capped (RLIMIT_DATA and a watchdog on RssAnon, --anon-limit-gib) so a
            repack that does not fit fails instead of taking the machine down
   ab       (`--ab cold,fadvise --pairs 3`: only this step) the read modes compared in one process
@@ -65,6 +67,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from k3kit.bench.llama_cpp import model_params, repack_choice
 
 LOCK = "/tmp/k3bench.lock"
 MIB, GIB = 1 << 20, 1 << 30
@@ -462,18 +466,11 @@ def step_llama(path: Path, variant: str, prompt: list[int], tokens: int, threads
             time.sleep(0.1)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params() -> Any:
-        p = original()
-        p.use_extra_bufts = variant == "default"
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
     t0 = time.perf_counter()
     try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + tokens + 8, n_batch=512,
-                              n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+        with model_params(llama_cpp, repack=variant == "default"):
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + tokens + 8, n_batch=512,
+                                  n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
     except Exception as e:     # the failure is the result: report it
         return {"variant": variant, "ok": False, "load_s": time.perf_counter() - t0,
                 "peak_rss": status("VmHWM"), "peak_anon": peak_anon[0], "error": f"{type(e).__name__}: {e}"}
@@ -576,6 +573,16 @@ def fmt_rate(bps: float) -> str:
     return f"{bps / 1e6:7.0f}"
 
 
+def llama_variants_for(asked: str | None) -> tuple[list[str], str]:
+    """The llama.cpp variants to run and what to say about repacking: --llama as given, else
+    `default` (repacking on) and `norepack`, without `default` where repack_choice turns it off."""
+    if asked is not None:
+        variants = [v for v in asked.split(",") if v]
+        return variants, ("llama.cpp repack as asked for: " + (", ".join(variants) or "no llama.cpp runs"))
+    repack, note = repack_choice(None)
+    return (["default", "norepack"] if repack else ["norepack"]), note
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--file", help="reuse this GGUF instead of synthesizing one")
@@ -592,7 +599,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--ab", help="only the read-mode A/B in one process, e.g. cold,fadvise (see `ab`)")
     ap.add_argument("--pairs", type=int, default=3, help="--ab pairs, order alternated")
-    ap.add_argument("--llama", default="default,norepack", help="llama.cpp variants ('' = none)")
+    ap.add_argument("--llama", default=None, help="llama.cpp variants ('' = none; default: default,norepack, "
+                    "or norepack alone on an AMX-INT8 CPU)")
     ap.add_argument("--seq-gib", type=float, default=4)
     ap.add_argument("--anon-limit-gib", type=float, default=16)
     ap.add_argument("--timeout", type=float, default=570, help="seconds per locked step")
@@ -641,7 +649,10 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
         return
+    llama_variants, repack_note = llama_variants_for(args.llama)
+    print(repack_note, flush=True)
     results: dict[str, Any] = {"file": str(path), "file_bytes": size, "ram_bytes": ram,
+                               "llama_repack": repack_note,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "args": {k: v for k, v in vars(args).items() if k != "step"}}
 
@@ -692,7 +703,7 @@ def main() -> None:
 
     prompt_ids = next((k["prompt_ids"] for k in k3.values() if k.get("prompt_ids")), [1, 2, 3, 4])
     llama = {}
-    for variant in [v for v in args.llama.split(",") if v]:
+    for variant in llama_variants:
         r = locked(["--step", f"llama-{variant}", *common, "--anon-limit-gib", str(args.anon_limit_gib),
                     "--prompt-ids", json.dumps(prompt_ids)], args.timeout)
         llama[variant] = r

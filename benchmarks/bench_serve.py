@@ -17,8 +17,9 @@ Every server is a subprocess on a free loopback port, started once and kept for 
                   the highest concurrency, so every client has a slot of the same C as k3kit's
                   sequences and all decoding slots share one batch per pass, as k3kit's do. Prompt
                   caching is off (`--no-cache-prompt`: k3kit has none, and the prompts repeat) and so
-                  is weight repacking (`--no-repack`: its AMX path crashes on this CPU, as in
-                  bench_decode.py). This is the peer `--peer auto` picks when the binary exists.
+                  is weight repacking (`--no-repack`: on a CPU with AMX-INT8 llama.cpp aborts on
+                  kimi-k3 files with it; off on every peer, as in bench_decode.py). This is the peer
+                  `--peer auto` picks when the binary exists.
   * llama_cpp.server / shim (older, serial peers): `python -m llama_cpp.server` when its
                   dependencies import, else llama-cpp-python's `Llama.create_completion` behind a small
                   OpenAI-shaped HTTP server in this file (`--serve-llama`), one request at a time.
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from k3kit.bench.concurrency import llama_server_cmd
+from k3kit.bench.llama_cpp import model_params
 
 PROMPTS = [
     "import os\nimport sys\n\ndef main(",
@@ -180,14 +182,23 @@ def choose_peer(args: argparse.Namespace) -> str:
     return peer
 
 
+LLAMA_CPP_SERVER_NO_REPACK = (
+    "import runpy, llama_cpp\n"
+    "from k3kit.bench.llama_cpp import model_params\n"
+    "with model_params(llama_cpp, repack=False):\n"
+    "    runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)\n")
+
+
 def llama_cmd(args: argparse.Namespace, port: int, peer: str) -> list[str]:
     if peer == "llama-server":
         binary = llama_server_binary(args)
         assert binary is not None
         return llama_server_cmd(binary, Path(args.model), port, args.slots, args.ctx, args.threads)
     if peer == "llama_cpp.server":
-        return [sys.executable, "-m", "llama_cpp.server", "--model", str(args.model), "--port", str(port),
-                "--host", "127.0.0.1", "--n_threads", str(args.threads),
+        # `python -m llama_cpp.server` has no setting for extra buffer types: run its __main__ with
+        # repacking off, as the other peers run
+        return [sys.executable, "-c", LLAMA_CPP_SERVER_NO_REPACK, "--model", str(args.model),
+                "--port", str(port), "--host", "127.0.0.1", "--n_threads", str(args.threads),
                 "--n_threads_batch", str(args.threads), "--n_ctx", str(args.ctx), "--n_batch", "512"]
     return [sys.executable, str(Path(__file__).resolve()), "--serve-llama", "--model", str(args.model),
             "--port", str(port), "--threads", str(args.threads), "--ctx", str(args.ctx)]
@@ -202,16 +213,9 @@ def serve_llama(args: argparse.Namespace) -> None:
 
     import llama_cpp
 
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = False       # AMX repacking crashes on this CPU (bench_decode.py)
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
-    llm = llama_cpp.Llama(model_path=str(args.model), n_ctx=args.ctx, n_batch=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
+    with model_params(llama_cpp, repack=False):     # as every peer here (the module docstring)
+        llm = llama_cpp.Llama(model_path=str(args.model), n_ctx=args.ctx, n_batch=512,
+                              n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):

@@ -27,8 +27,10 @@ k3kit configurations (`--configs`, comma list of MODE:DTYPE:CACHE_MIB):
   ggml:f32:128    the same through a 128 MiB expert cache (most experts re-read per token);
   float:bf16:4096 float32-activation kernels, bf16 compute (dequantize + bf16 GEMM for many rows).
 always `--trunk quantized`, native expert kernels. llama.cpp: llama-cpp-python, F32 KV cache, its
-default weight repacking (`--llama-no-repack` turns it off). Prints a markdown table: median tok/s
-of the reps with the spread (min-max), the ratio k3kit / llama.cpp of the medians, peak RSS.
+default weight repacking, except on a CPU with AMX-INT8, where llama.cpp aborts on kimi-k3 files
+with it (`--llama-no-repack` / `--llama-repack` decide; the header says which). Prints a markdown
+table: median tok/s of the reps with the spread (min-max), the ratio k3kit / llama.cpp of the
+medians, peak RSS.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from k3kit.bench.llama_cpp import model_params, repack_choice
 from k3kit.bench.run import cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,17 +69,10 @@ def prompt_tokens(n: int) -> list[int]:
 def child_llama(path: str, threads: int, n_prompt: int, n_gen: int, repack: bool) -> dict:
     import llama_cpp
     import numpy as np
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():  # type: ignore[no-untyped-def]
-        p = original()
-        p.use_extra_bufts = repack
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
     prompt = prompt_tokens(n_prompt)
-    llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+    with model_params(llama_cpp, repack):
+        llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads,
+                              n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
 
     def last_token() -> int:
         """Greedy pick from the last evaluated row (without logits_all, `llm.scores` has no rows)."""
@@ -158,7 +154,7 @@ def cell(vals: list[float]) -> str:
     return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--files", default="mxfp4,iq,q4k")
@@ -168,12 +164,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--configs", default="ggml:f32:4096,ggml:f32:128,float:bf16:4096")
     ap.add_argument("--lock", default="/tmp/k3bench.lock", help="flock file of every timed run ('': none)")
-    ap.add_argument("--llama-no-repack", action="store_true")
+    repack = ap.add_mutually_exclusive_group()
+    repack.add_argument("--llama-no-repack", dest="llama_repack", action="store_const", const=False,
+                        default=None, help="llama.cpp weight repacking off")
+    repack.add_argument("--llama-repack", dest="llama_repack", action="store_const", const=True,
+                        help="llama.cpp weight repacking on, even on an AMX-INT8 CPU (default: on, "
+                        "except there)")
     ap.add_argument("--keep", action="store_true", help="keep the synthesized files")
     ap.add_argument("--reuse", action="store_true",
                     help="use DIR/slice-NAME/*.gguf if it exists (never deleted) instead of synthesizing")
     ap.add_argument("--child", nargs=argparse.REMAINDER)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.child:
         kind, path, threads, n_prompt, n_gen, *rest = args.child
         if kind == "llama":
@@ -184,9 +189,10 @@ def main() -> None:
         print(json.dumps(r))
         return
     configs = [c.split(":") for c in args.configs.split(",")]
+    llama_repack, repack_note = repack_choice(args.llama_repack)
     print(f"{cpu_info()}, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"prompt {args.prompt}, decode {args.tokens} (greedy), second request of two per load; "
-          f"{args.reps} reps alternating; llama.cpp repack {'off' if args.llama_no_repack else 'on'}")
+          f"{args.reps} reps alternating; {repack_note}")
     print("| file | threads | engine | prefill tok/s | decode tok/s | prefill x | decode x | peak RSS MiB | "
           "same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -208,7 +214,7 @@ def main() -> None:
                     for threads, res in results.items():
                         base = [path, threads, str(args.prompt), str(args.tokens)]
                         res.setdefault("llama.cpp", []).append(
-                            run_child(["llama", *base, "0" if args.llama_no_repack else "1"]))
+                            run_child(["llama", *base, "1" if llama_repack else "0"]))
                         for mode, dtype, cache in configs:
                             res.setdefault(f"k3kit {mode} {dtype} {cache} MiB", []).append(
                                 run_child(["k3", *base, mode, dtype, cache]))

@@ -10,7 +10,6 @@ shipped mini through a real llama-server, only when one is built (`python benchm
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -22,27 +21,13 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_scripts import BENCH, load
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod            # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench_serve = _load("bench_serve")
-llama_server = _load("llama_server")
+bench_serve = load("bench_serve")
+llama_server = load("llama_server")
 
 
 # ----------------------------------------------------------------------------- a fake server

@@ -344,6 +344,11 @@ def test_cli_json_and_errors(ckpt, tmp_path, capsys):
     assert r["file_bytes"] == out.stat().st_size
     assert r["expert_bytes"] == 9 * 8 * 32 * (32 // 32) * 17
     assert GGUFFile.open(out).kv["general.architecture"].value == "kimi-k3"
+    assert GGUFFile.open(out).kv["general.name"].value == src.name          # the directory's name
+    named = tmp_path / "named.gguf"
+    assert main(["convert", "target", str(src), "-o", str(named), "--name", "mini-k3", "--json"]) == 0
+    capsys.readouterr()
+    assert GGUFFile.open(named).kv["general.name"].value == "mini-k3"
 
     assert main(["convert", "target", str(tmp_path / "nope"), "-o", str(tmp_path / "y.gguf")]) == 2
     err = capsys.readouterr().err

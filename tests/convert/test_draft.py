@@ -373,6 +373,16 @@ def test_self_contained_draft_keeps_its_embedding(tmp_path, target):
     assert "output.weight" not in by_name
 
 
+def test_general_name_is_the_directory_or_the_name_given(converted, draft, target, tmp_path, capsys):
+    path, _ = converted
+    assert _field(gguf.GGUFReader(path), "general.name") == draft[0].name
+    named = tmp_path / "named.gguf"
+    assert main(["draft", "convert", str(draft[0]), "--target", str(target), "-o", str(named),
+                 "--name", "mini-k3-draft", "--json"]) == 0
+    capsys.readouterr()
+    assert _field(gguf.GGUFReader(named), "general.name") == "mini-k3-draft"
+
+
 def test_conversion_is_deterministic(converted, draft, target, tmp_path, capsys):
     _, rep = converted
     again_path = tmp_path / "again.gguf"

@@ -71,3 +71,12 @@ def test_shipped_mini_k3_if_present():
     summary = json.loads((d / "summary.json").read_text())
     assert summary["heldout_ppl"] < summary["unigram_ppl"] / 4
     assert f"{summary['heldout_ppl']:.2f}" in (d / "MODEL_CARD.md").read_text()
+
+
+@pytest.mark.parametrize("path, name", [(paths.shipped_gguf, "mini-k3"),
+                                        (paths.shipped_draft, "mini-k3-draft")])
+def test_shipped_ggufs_are_named_for_the_model(path, name):
+    """general.name is what `k3kit serve` reports as the model id: the model's name, not `hf` (the
+    checkpoint directory they were converted from)."""
+    from k3kit.gguf.reader import GGUFFile
+    assert GGUFFile.open(path()).kv["general.name"].value == name

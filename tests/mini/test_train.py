@@ -129,6 +129,7 @@ def test_bad_settings_are_user_errors(tmp_path, capsys):
 def test_ship_writes_gguf_card_and_qat_table(runs, tmp_path):
     """The shipping step: GGUF from the converter, a QAT table whose rows are real re-encodings,
     the curve and the card; the shipped GGUF scores like the checkpoint it came from."""
+    from k3kit.gguf.reader import GGUFFile
     from k3kit.gguf.shards import Model
     from k3kit.mini.card import ship
 
@@ -141,6 +142,8 @@ def test_ship_writes_gguf_card_and_qat_table(runs, tmp_path):
     m = Model.open(dest / "mini-k3.gguf")
     types = {t.name: t.ggml_type.name for t in m.tensors.values()}
     m.close()
+    # the model's name, not its checkpoint directory's (`hf`): `k3kit serve` reports it as the model id
+    assert GGUFFile.open(dest / "mini-k3.gguf").kv["general.name"].value == "mini-k3"
     assert types["blk.1.ffn_gate_exps.weight"] == "MXFP4" and types["blk.1.attn_q.weight"] == "Q8_0"
     table = json.loads((dest / "qat.json").read_text())
     assert [(x["trunk"], x["experts"]) for x in table[:4]] == [

@@ -218,6 +218,7 @@ def test_cli_train_draft_then_ship(tiny, tmp_path, capsys, monkeypatch):
     shipped = ship(out, d / "hf", d / "tiny.gguf", dest, log=lambda m: None)
     assert sorted(p.name for p in assets.iterdir()) == [paths.DRAFT_DIR]     # no staging left behind
     gguf = dest / paths.DRAFT_GGUF_NAME
+    assert GGUFFile.open(gguf).kv["general.name"].value == paths.DRAFT_DIR     # not `hf`, its source's
     want = load_draft(out / "hf").cfg
     got = load_gguf_draft(gguf).cfg
     assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)          # a float32 in the GGUF

@@ -222,3 +222,27 @@ def test_commit_rejects_mismatched_state():
         model(toks[:, :1], state)
     with pytest.raises(ValueError):
         model.commit_rows(state, spec.captured, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_steps_kda_state_in_place_with_the_same_floats(dtype):
+    """Decoding writes each KDA layer's state where it already is (no new [B, H, d, d] tensor per
+    token); the logits and states are those of stepping a fresh copy of the state each token."""
+    model = tiny_model(dtype=dtype)
+    toks = tokens(model, 9, batch=2)
+    state, copied = model.new_state(2), model.new_state(2)
+    kda_layers = [i for i, x in enumerate(state.layers) if isinstance(x, KDAState)]
+    assert kda_layers
+    with torch.no_grad():
+        model(toks[:, :4], state)
+        model(toks[:, :4], copied)
+        ptrs = [state.layers[i].S.data_ptr() for i in kda_layers]
+        for t in range(4, 9):
+            got = model(toks[:, t:t + 1], state).logits
+            for i in kda_layers:
+                copied.layers[i].S = copied.layers[i].S.clone()
+            want = model(toks[:, t:t + 1], copied).logits
+            assert [state.layers[i].S.data_ptr() for i in kda_layers] == ptrs
+            assert torch.equal(got, want)
+    for i in kda_layers:
+        assert torch.equal(state.layers[i].S, copied.layers[i].S)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from smaps import mapped_bytes
 
 from k3kit.gguf.quants import CorruptBlockError
 from k3kit.kernels.dequant import nbytes_for
@@ -39,18 +40,6 @@ def _file(tmp_path: Path, nan_expert: int | None = None) -> tuple[Path, dict[int
     path = tmp_path / "experts.bin"
     path.write_bytes(data.tobytes())
     return path, {0: [ExpertTensor(path, 0, T.MXFP4, SHAPE, N_EXP, "gate")]}
-
-
-def _mapped_kib(path: Path) -> int:
-    """Rss (KiB) of this process's mappings of `path` (smaps)."""
-    total, ours = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        m = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s+(.*)$", line)
-        if m:
-            ours = m[1] == str(path)
-        elif ours and line.startswith("Rss:"):
-            total += int(line.split()[1])
-    return total
 
 
 def _inside(q: QuantizedMatrix, f: MappedFile) -> bool:
@@ -98,10 +87,10 @@ def test_evicted_views_leave_the_process_and_the_budget_bounds_what_stays_mapped
             del w
             store._settle()                                 # evicted views are released in the background
             assert store.stats().resident_experts == 1
-            assert _mapped_kib(path) * 1024 <= 2 * one      # this expert, and the last until the next get
+            assert mapped_bytes(path) <= 2 * one      # this expert, and the last until the next get
         store.get(0, [N_EXP - 1])                           # a hit: the evicted one's pages go
         store._settle()
-        assert store.stats().hits == 1 and _mapped_kib(path) * 1024 <= one
+        assert store.stats().hits == 1 and mapped_bytes(path) <= one
     # a budget below one expert's windows keeps nothing, and maps nothing past the next get
     with ExpertStore(spec, cache_mib=1, keep="quantized", map_misses=True) as store:
         store.get(0, [2])
@@ -109,7 +98,7 @@ def test_evicted_views_leave_the_process_and_the_budget_bounds_what_stays_mapped
         store.get(0, [3])
         assert store._cache.unmapped == [(0, 3)]
         store._settle()
-        assert _mapped_kib(path) * 1024 <= one
+        assert mapped_bytes(path) <= one
 
 
 def test_slices_not_in_the_page_cache_are_read_as_before(tmp_path):

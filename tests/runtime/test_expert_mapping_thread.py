@@ -11,13 +11,13 @@ a mapping job dropped by a new plan leaves nothing mapped behind.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from smaps import mapped_bytes
 
 from k3kit.kernels.dequant import nbytes_for
 from k3kit.runtime.experts import ExpertStore, ExpertTensor
@@ -38,18 +38,6 @@ def _file(tmp_path: Path) -> tuple[Path, dict[int, list[ExpertTensor]]]:
     path = tmp_path / "experts.bin"
     path.write_bytes(data.tobytes())
     return path, {0: [ExpertTensor(path, 0, T.MXFP4, SHAPE, N_EXP, "gate")]}
-
-
-def _mapped_bytes(path: Path) -> int:
-    """Rss of this process's mappings of `path` (smaps), in bytes."""
-    total, ours = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        m = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s+(.*)$", line)
-        if m:
-            ours = m[1] == str(path)
-        elif ours and line.startswith("Rss:"):
-            total += int(line.split()[1]) * 1024
-    return total
 
 
 def test_planned_misses_are_mapped_ahead_with_the_copied_products_within_the_budget(tmp_path):
@@ -74,13 +62,13 @@ def test_planned_misses_are_mapped_ahead_with_the_copied_products_within_the_bud
                 # cached views and the job in flight are in the budget; what the last fetch
                 # evicted is released at the next get
                 assert store.stats().resident_bytes + store._cache.in_flight <= budget
-                assert _mapped_bytes(path) <= budget + 2 * one
+                assert mapped_bytes(path) <= budget + 2 * one
         s = store.stats()
         assert s.misses == s.ahead_reads > 0 and s.hits > 0        # every miss mapped by the thread
         assert not store._pending and store._cache.in_flight == 0
         store.get(0, [N_EXP - 1])       # a hit: what the last misses evicted is released
         store._settle()
-        assert _mapped_bytes(path) <= budget
+        assert mapped_bytes(path) <= budget
 
 
 def test_a_dropped_mapping_job_leaves_nothing_mapped(tmp_path):
@@ -89,14 +77,14 @@ def test_a_dropped_mapping_job_leaves_nothing_mapped(tmp_path):
     with ExpertStore(spec, cache_mib=64, keep="quantized", map_misses=True) as store:
         store.plan(0, [0, 1])
         store._pending[(0, 0)].result()             # expert 0 is mapped, nobody took it
-        assert _mapped_bytes(path) >= n
+        assert mapped_bytes(path) >= n
         store.plan(0, [4])                          # a new plan drops it
         w = store.get(0, [4])[4][0]                 # its pages are released at this get
         store.get(0, [4])
         store._settle()
         assert (0, 0) not in store._cache and store._cache.in_flight == 0
         assert store.stats().wasted_bytes == 0      # mapping read nothing
-        assert _mapped_bytes(path) <= MappedFile.mapped_span(4 * n, n)
+        assert mapped_bytes(path) <= MappedFile.mapped_span(4 * n, n)
         assert store._files[path].holds(w.raw.data_ptr())
 
 
@@ -107,18 +95,6 @@ def test_without_read_ahead_misses_are_mapped_on_the_caller_thread(tmp_path):
         assert not store._pending and store._mapper is None
         w = store.get(0, [1])[1][0]
         assert store._files[path].holds(w.raw.data_ptr()) and store.stats().ahead_reads == 0
-
-
-def _pmd_mapped_bytes(path: Path) -> int:
-    """FilePmdMapped of this process's mappings of `path` (smaps), in bytes."""
-    total, ours = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        m = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s+(.*)$", line)
-        if m:
-            ours = m[1] == str(path)
-        elif ours and line.startswith("FilePmdMapped:"):
-            total += int(line.split()[1]) * 1024
-    return total
 
 
 def test_a_slice_cached_in_small_pages_is_read_again_into_huge_ones_once(tmp_path, monkeypatch):
@@ -151,9 +127,9 @@ def test_a_slice_cached_in_small_pages_is_read_again_into_huge_ones_once(tmp_pat
         if not rehomed:
             pytest.skip("mapping 4 KiB pages measured under SMALL_PAGES_S_PER_MIB here")
         assert rehomed == [2 * n] and f.resident(2 * n, n)
-        if _pmd_mapped_bytes(path) == 0:
+        if mapped_bytes(path, "FilePmdMapped") == 0:
             pytest.skip("this kernel or filesystem keeps no 2 MiB page-cache folios")
-        assert _mapped_bytes(path) <= MappedFile.mapped_span(2 * n, n)    # whole windows at most
+        assert mapped_bytes(path) <= MappedFile.mapped_span(2 * n, n)    # whole windows at most
         del w
         store.clear()
         w = store.get(0, [2])[2][0]                 # mapped again: never read again by this store

@@ -4,12 +4,12 @@ at any pass with the AR output."""
 
 from __future__ import annotations
 
-import asyncio
+from scheduling import ar_tokens, serve_and_close
 
 from k3kit.runtime.sampling import make_sampling
 from k3kit.runtime.speculative.schedule import DraftGuard
 from k3kit.serve.batch import BatchScheduler
-from k3kit.serve.scheduler import GenerationRequest, TokenEvent
+from k3kit.serve.scheduler import GenerationRequest
 
 TEXTS = ["import os", "def add(a, b):", "class Foo:", "x = [", "for i in range(10):", "# a comment"]
 
@@ -24,21 +24,6 @@ class _Gate(DraftGuard):
     def allow(self, n: int) -> bool:
         self.questions += 1
         return self.questions > self.closed
-
-
-def _serve(sched, reqs):
-    async def collect(stream):
-        out = []
-        async for ev in stream:
-            if isinstance(ev, TokenEvent):
-                out += ev.tokens
-        return out
-
-    async def main():
-        with sched._cv:                     # all admitted at the same pass
-            streams = [sched.submit(r) for r in reqs]
-        return await asyncio.gather(*[collect(s) for s in streams])
-    return asyncio.run(main())
 
 
 def _requests(codec, max_tokens=20):
@@ -61,21 +46,13 @@ def _spy(monkeypatch, draft):
     return calls
 
 
-def _ar(session, reqs):
-    ar = BatchScheduler(session.model, session.codec, max_batch=64, max_queue=16)
-    try:
-        return _serve(ar, reqs)
-    finally:
-        ar.close()
-
-
 def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeypatch, spec_factory):
     """Drafting declined in every pass: the drafter never runs (no sync, no context K/V, no draft
     forward), no draft context is held, each sequence's feature ring still follows its committed
     positions, and the greedy tokens are the AR tokens."""
     model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
     reqs = _requests(codec)
-    ref = _ar(spec_session, reqs)
+    ref = ar_tokens(spec_session, reqs)
     calls = _spy(monkeypatch, draft)
     rings: list[tuple[int, int]] = []
     sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory,
@@ -88,11 +65,7 @@ def test_declined_passes_do_no_draft_work_and_output_is_ar(spec_session, monkeyp
             if s.dec is not None:
                 rings.append((s.dec.ring.length, s.dec.target.position))
     monkeypatch.setattr(sp, "_run", checked)
-    try:
-        got = _serve(sp, reqs)
-        st = sp.stats()
-    finally:
-        sp.close()
+    got, st = serve_and_close(sp, reqs)
     assert got == ref
     assert calls == {"sync": 0, "context_kv": 0, "draft_blocks": 0, "draft_block": 0, "forward": 0}
     assert st.drafted_passes == 0 and st.decode_passes > 0 and st.spec_proposed == 0
@@ -106,7 +79,7 @@ def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, mon
     accepted (the ring's taps are the right ones), and the output is still AR's."""
     model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
     reqs = _requests(codec, max_tokens=24)
-    ref = _ar(spec_session, reqs)
+    ref = ar_tokens(spec_session, reqs)
     calls = _spy(monkeypatch, draft)
     gate = _Gate(closed=8)
     first_sync: list[int] = []
@@ -119,11 +92,7 @@ def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, mon
     monkeypatch.setattr(draft, "sync", noted)
     sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory,
                         guard=gate)
-    try:
-        got = _serve(sp, reqs)
-        st = sp.stats()
-    finally:
-        sp.close()
+    got, st = serve_and_close(sp, reqs)
     assert got == ref
     assert first_sync and first_sync[0] > gate.closed       # no draft work before drafting was allowed
     assert calls["forward"] > 0 and st.drafted_passes > 0

@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
+from scheduling import ar_tokens, serve_and_close, serve_together
 
 from k3kit.runtime.sampling import make_sampling
 from k3kit.runtime.speculative.schedule import DraftGuard
 from k3kit.serve.batch import BatchScheduler
-from k3kit.serve.scheduler import GenerationRequest, TokenEvent
-
-
-def _serve(sched, reqs):
-    """Submit every request before the worker's next pass (so passes hold the same sequences
-    whenever this runs), -> each one's tokens."""
-    async def collect(stream):
-        out = []
-        async for ev in stream:
-            if isinstance(ev, TokenEvent):
-                out += ev.tokens
-        return out
-
-    async def main():
-        with sched._cv:
-            streams = [sched.submit(r) for r in reqs]
-        return await asyncio.gather(*[collect(s) for s in streams])
-    return asyncio.run(main())
+from k3kit.serve.scheduler import GenerationRequest
 
 
 def _requests(codec):
@@ -43,11 +26,7 @@ def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch
 
     model, codec, draft = spec_session.model, spec_session.codec, spec_session.draft_model
     reqs = _requests(codec)
-    ar = BatchScheduler(model, codec, max_batch=64, max_queue=16)
-    try:
-        ref = _serve(ar, reqs[:4])
-    finally:
-        ar.close()
+    ref = ar_tokens(spec_session, reqs[:4])
 
     sizes: list[int] = []
     real = draft.draft_blocks
@@ -55,7 +34,7 @@ def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch
     sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory,
                         guard=DraftGuard(judge=False))      # drafts whatever the machine's pass times
     try:
-        together = _serve(sp, reqs)
+        together = serve_together(sp, reqs)
         assert sp.stats().spec_accepted > 0
     finally:
         sp.close()
@@ -65,10 +44,7 @@ def test_one_draft_forward_per_pass_keeps_every_output(spec_session, monkeypatch
     monkeypatch.setattr("k3kit.runtime.speculative.decoder.batchable", lambda decs: False)
     sizes.clear()
     sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory)
-    try:
-        alone = _serve(sp, reqs)
-    finally:
-        sp.close()
+    alone, _ = serve_and_close(sp, reqs)
     assert not sizes and alone[:4] == ref
     assert alone[4:] == together[4:] and alone[4] != alone[5]
     assert model.sequences == 0 and draft.contexts == 0

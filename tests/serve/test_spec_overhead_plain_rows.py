@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_declined import _ar, _requests, _serve
+from scheduling import ar_tokens, serve_and_close
+from test_spec_declined import _requests
 
 from k3kit.runtime.speculative.schedule import DraftGuard
 from k3kit.serve import batch
@@ -45,15 +46,11 @@ def test_only_blocks_with_proposals_are_verified(spec_session, monkeypatch, spec
     Greedy output is AR's either way."""
     model, codec = spec_session.model, spec_session.codec
     reqs = _requests(codec, max_tokens=16)
-    ref = _ar(spec_session, reqs)
+    ref = ar_tokens(spec_session, reqs)
     seen, commits = _spied(monkeypatch, model)
     guard = DraftGuard(judge=False) if drafting else _Never()
     sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=spec_factory, guard=guard)
-    try:
-        got = _serve(sp, reqs)
-        st = sp.stats()
-    finally:
-        sp.close()
+    got, st = serve_and_close(sp, reqs)
     assert got == ref
     assert seen
     blocks = 0

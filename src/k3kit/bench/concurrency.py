@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3kit.bench.llama_cpp import server_repack_args
 from k3kit.errors import K3Error
 
 LOAD_TIMEOUT = 600.0
@@ -98,10 +99,11 @@ def llama_server_cmd(binary: Path, model: Path, port: int, slots: int, ctx: int,
     """llama.cpp's server as the peer of k3kit serve: one slot of ctx tokens per client (-np, -c is the
     total) and continuous batching, so every decoding slot shares one batch per pass as k3kit's
     sequences do; the same threads for decode and prompt. Prompt caching off: k3kit has none and a
-    benchmark's prompts repeat. Weight repacking off: its AMX path crashes on this CPU (Zen 4)."""
+    benchmark's prompts repeat. Weight repacking off, as every llama.cpp peer runs here: on a CPU
+    with AMX-INT8 llama.cpp aborts on kimi-k3 files with it (k3kit.bench.llama_cpp.repack_choice)."""
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(ctx * slots), "--cont-batching",
-            "-t", str(threads), "-tb", str(threads), "--no-cache-prompt", "--no-repack"]
+            "-t", str(threads), "-tb", str(threads), "--no-cache-prompt", *server_repack_args(False)]
 
 
 class LlamaServer(Server):

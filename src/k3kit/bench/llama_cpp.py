@@ -8,7 +8,12 @@ Driven through llama-cpp-python (the `interop` extra) exactly as k3kit's own row
 repetition = reset, evaluate the prompt (a `pp` sample), then greedy-decode n_gen tokens one
 `eval` at a time (a `tg` sample), after one warm-up run. F32 KV cache (k3kit keeps its MLA
 latents in f32 on the CPU), n_batch = k3kit's prefill chunk, and the CPU "extra buffer types"
-(AMX/repacked weights) off, as the interop tests run it: this CPU's AMX path crashes.
+(AMX/repacked weights) off, as the interop tests run it.
+
+Also the one place that decides llama.cpp's weight repacking for every benchmark (`repack_choice`,
+`model_params`, `server_repack_args`): on a CPU with AMX-INT8, llama.cpp 0.3.36 places repacked
+weights in its AMX buffer, whose supports_op takes MUL_MAT alone, and the graph scheduler aborts
+(GGML_ASSERT(*cur_backend_id != -1)) on any kimi-k3 file; so there repacking is off unless asked for.
 """
 
 from __future__ import annotations
@@ -69,13 +74,47 @@ class PeerSamples:
     token_ids: list[list[int]] = field(default_factory=list)
 
 
+AMX_REPACK_NOTE = "llama.cpp repack off (AMX CPU: llama.cpp aborts on kimi-k3 with it)"
+
+
+def cpu_has_amx_int8(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU lists the amx_int8 flag in /proc/cpuinfo (or in `cpuinfo`, its text).
+
+    The flag is what matters, not llama.cpp's system info: a llama.cpp built for the machine
+    (GGML_NATIVE, as llama-cpp-python builds from source) compiles its AMX buffer in when the CPU
+    has it, and the separately built llama-server does the same."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return any(line.startswith("flags") and "amx_int8" in line.split(":", 1)[-1].split()
+               for line in cpuinfo.splitlines())
+
+
+def repack_choice(requested: bool | None, cpuinfo: str | None = None) -> tuple[bool, str]:
+    """(repack on, the words a benchmark prints and records about it) for llama.cpp's weight repacking.
+
+    `requested` is an explicit choice (a flag), kept as it is; None is llama.cpp's default (on),
+    except on an AMX-INT8 CPU, where it is off: llama.cpp aborts on kimi-k3 files with it there."""
+    if requested is not None:
+        return requested, f"llama.cpp repack {'on' if requested else 'off'} (asked for)"
+    if cpu_has_amx_int8(cpuinfo):
+        return False, AMX_REPACK_NOTE
+    return True, "llama.cpp repack on (its default)"
+
+
 @contextlib.contextmanager
-def _no_extra_bufts(llama_cpp: Any) -> Iterator[None]:
+def model_params(llama_cpp: Any, repack: bool) -> Iterator[None]:
+    """Models loaded through llama-cpp-python inside this block get `use_extra_bufts = repack`.
+
+    llama_cpp.Llama takes its model parameters from llama_model_default_params() and has no
+    argument for extra buffer types, so the default is swapped for the block."""
     original = llama_cpp.llama_cpp.llama_model_default_params
 
     def params() -> Any:
         p = original()
-        p.use_extra_bufts = False
+        p.use_extra_bufts = repack
         return p
 
     llama_cpp.llama_cpp.llama_model_default_params = params
@@ -83,6 +122,11 @@ def _no_extra_bufts(llama_cpp: Any) -> Iterator[None]:
         yield
     finally:
         llama_cpp.llama_cpp.llama_model_default_params = original
+
+
+def server_repack_args(repack: bool) -> list[str]:
+    """llama-server's command-line words for the repack choice (on is its default)."""
+    return [] if repack else ["--no-repack"]
 
 
 def run_peer(path: Path, prompts: list[list[int]], n_gen: int, threads: int, n_batch: int,
@@ -93,7 +137,7 @@ def run_peer(path: Path, prompts: list[list[int]], n_gen: int, threads: int, n_b
         raise K3Error("--llama-cpp needs llama-cpp-python (pip install 'k3kit[interop]')") from None
     n_ctx = max(len(p) for p in prompts) + n_gen + 8
     out = PeerSamples(threads)
-    with _no_extra_bufts(llama_cpp):
+    with model_params(llama_cpp, repack=False):
         tick("llama.cpp: loading")
         try:
             llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,

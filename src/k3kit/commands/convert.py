@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("-o", "--out", required=True, metavar="OUT.gguf", help="output GGUF file")
     t.add_argument("--trunk-type", default="Q8_0", type=str.upper, choices=["Q8_0", "BF16", "F32"],
                    help="type of the trunk matrices (default Q8_0); norms, router and convs stay F32")
+    t.add_argument("--name", default=None, help="general.name (default: HF_DIR's directory name)")
     t.add_argument("--json", action="store_true", help="print the result as JSON")
     t.set_defaults(_convert=_run_target)
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_target(args: argparse.Namespace) -> int:
     from k3kit.convert.target import convert_target
 
-    r = convert_target(args.hf_dir, args.out, args.trunk_type, progress=not args.json)
+    r = convert_target(args.hf_dir, args.out, args.trunk_type, progress=not args.json, name=args.name)
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))
         return 0

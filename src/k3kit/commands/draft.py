@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--report", default=None, metavar="REPORT.json", help="also write the report as JSON")
     c.add_argument("--sample-rows", type=int, default=64, metavar="N",
                    help="rows per tensor dequantized to measure the relative RMSE (default 64)")
+    c.add_argument("--name", default=None, help="general.name (default: the draft directory's name)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(_draft=_run_convert)
 
@@ -44,7 +45,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     from k3kit.convert.draft import convert_draft, write_report
 
     r = convert_draft(args.src, args.target, args.out, out_type=args.type, mapping=args.mapping,
-                      sample_rows=args.sample_rows, progress=not args.json)
+                      sample_rows=args.sample_rows, progress=not args.json, name=args.name)
     if args.report:
         write_report(r, args.report)
     if args.json:

@@ -410,8 +410,10 @@ def _lossless(p: Planned) -> bool:
 
 def convert_draft(src_dir: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike, *,
                   out_type: str = "Q8_0", mapping: str | None = None,
-                  sample_rows: int = DEFAULT_SAMPLE_ROWS, progress: bool = True) -> DraftReport:
-    """Convert the draft in `src_dir` against the target GGUF `target` into `out` (atomic)."""
+                  sample_rows: int = DEFAULT_SAMPLE_ROWS, progress: bool = True,
+                  name: str | None = None) -> DraftReport:
+    """Convert the draft in `src_dir` against the target GGUF `target` into `out` (atomic); `name` is
+    general.name (default: the directory's name)."""
     t0 = time.perf_counter()
     src_dir, target, out = Path(src_dir), Path(target), Path(out)
     want = TYPES.get(out_type.upper())
@@ -430,7 +432,7 @@ def convert_draft(src_dir: str | os.PathLike, target: str | os.PathLike, out: st
     if any(out.exists() and out.samefile(p) for p in {e.path for e in ckpt.tensors.values()} | {target}):
         raise ConvertError(f"{out}: output would overwrite an input")
     tokenizer, tfacts = target_tokenizer(target, spec)
-    kvs = draft_kvs(spec, src_dir.resolve().name, FILE_TYPES[want], tokenizer)
+    kvs = draft_kvs(spec, name or src_dir.resolve().name, FILE_TYPES[want], tokenizer)
     problems = check_kv_types(ARCH_DFLASH, {k.key: k for k in kvs})
     if problems:        # a bug here, not user input: llama.cpp would refuse the file
         raise AssertionError(f"draft KVs llama.cpp would reject: {problems}")

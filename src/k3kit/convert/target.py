@@ -21,8 +21,8 @@ tensor by tensor). The mapping, in short:
 
 Deliberate differences from llama.cpp's file: tensor ORDER (ours is embedding, layers in
 order, output; llama.cpp's follows the checkpoint's key order with experts first);
-`general.name` is the directory name as is (llama.cpp title-cases and parses it; its
-general.size_label rule is reproduced); the tokenizer KVs (llama.cpp only converts tokenizers
+`general.name` is the directory name as is, unless given (llama.cpp title-cases and parses it;
+its general.size_label rule is reproduced); the tokenizer KVs (llama.cpp only converts tokenizers
 whose hash it knows; see vocab.py), with no bundled chat template when the checkpoint has
 none; ssm_a is -exp(A_log) computed in float64 and rounded once (llama.cpp: torch's float32
 exp, within 1 ulp of it), and always the [n_head] vector kimi-k3's loader wants, also from
@@ -440,8 +440,10 @@ def _model_kvs(hp: K3HParams, trunk: T, name: str, label: str) -> list[KV]:
 # ---------------------------------------------------------------- entry points
 
 
-def plan_target(model_dir: str | Path, trunk_type: str = "Q8_0") -> tuple[list[KV], list[TensorSpec]]:
-    """Read and check everything; return the KVs and the (lazy) tensors of the GGUF."""
+def plan_target(model_dir: str | Path, trunk_type: str = "Q8_0", name: str | None = None
+                ) -> tuple[list[KV], list[TensorSpec]]:
+    """Read and check everything; return the KVs and the (lazy) tensors of the GGUF. `name` is
+    general.name (default: the directory's name, which says nothing for a directory called `hf`)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConvertError(f"{model_dir}: not a directory")
@@ -453,7 +455,7 @@ def plan_target(model_dir: str | Path, trunk_type: str = "Q8_0") -> tuple[list[K
     ckpt = Checkpoint(model_dir)
     specs = _plan_tensors(ckpt, hp, trunk)
     vocab = tokenizer_kvs(model_dir, hp.vocab_size, hp.eos_token_id)
-    kvs = _model_kvs(hp, trunk, model_dir.resolve().name, _size_label(specs)) + vocab
+    kvs = _model_kvs(hp, trunk, name or model_dir.resolve().name, _size_label(specs)) + vocab
     problems = fmt.check_kv_types(fmt.ARCH_KIMI_K3, {x.key: x for x in kvs})
     problems += fmt.kimi_k3_check_names({t.name for t in specs}, {x.key: x for x in kvs})
     if problems:   # the mapping above is wrong, not the input
@@ -462,15 +464,16 @@ def plan_target(model_dir: str | Path, trunk_type: str = "Q8_0") -> tuple[list[K
 
 
 def convert_target(model_dir: str | Path, out: str | Path, trunk_type: str = "Q8_0", *,
-                   progress: bool = False) -> ConvertResult:
-    """Convert the checkpoint in `model_dir` to the GGUF `out` (atomic: all or nothing)."""
+                   progress: bool = False, name: str | None = None) -> ConvertResult:
+    """Convert the checkpoint in `model_dir` to the GGUF `out` (atomic: all or nothing); `name` is
+    general.name (default: the directory's name)."""
     t0 = time.perf_counter()
     out = Path(out)
     if out.is_dir():
         raise ConvertError(f"{out}: is a directory")
     if not out.parent.is_dir():
         raise ConvertError(f"{out.parent}: output directory does not exist")
-    kvs, specs = plan_target(model_dir, trunk_type)
+    kvs, specs = plan_target(model_dir, trunk_type, name)
     total = sum(t.nbytes for t in specs)
     try:
         with byte_progress("convert", total, progress) as bar:

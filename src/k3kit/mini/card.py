@@ -235,7 +235,7 @@ def ship(run_dir: str | Path, dest: str | Path, *, gguf: bool = True, hf_dtype: 
         if gguf:
             from k3kit.convert.target import convert_target
 
-            convert_target(tmp / paths.HF_NAME, tmp / paths.GGUF_NAME, "Q8_0")
+            convert_target(tmp / paths.HF_NAME, tmp / paths.GGUF_NAME, "Q8_0", name=paths.MODEL_DIR)
             log(f"converted {tmp / paths.GGUF_NAME}")
             from tokenizers import Tokenizer
 

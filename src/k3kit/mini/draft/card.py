@@ -98,7 +98,7 @@ def render_card(summary: dict) -> str:
         "## Files",
         "",
         "* `mini-k3-draft.gguf`: llama.cpp `dflash` GGUF from `k3kit draft convert hf --target "
-        "mini-k3.gguf` (tokenizer copied from the target)",
+        "mini-k3.gguf --name mini-k3-draft` (tokenizer copied from the target)",
         "* `hf/`: config.json + model.safetensors, the converter's input (the shipped copy is "
         "bfloat16 to stay small; the GGUF was converted from the float32 weights)",
         "* `draft_summary.json`: every figure above; `convert_report.json`: the converter's report",

@@ -22,7 +22,7 @@ from k3kit.mini.draft.card import write_card
 from k3kit.mini.draft.io import load_draft, load_gguf_draft, save_draft
 from k3kit.mini.draft.target import measure_acceptance
 from k3kit.mini.draft.train import HF_DIR, SUMMARY_NAME, DraftTrainSettings, load_target, workloads
-from k3kit.mini.paths import DRAFT_GGUF_NAME
+from k3kit.mini.paths import DRAFT_DIR, DRAFT_GGUF_NAME
 
 
 def ship(run_dir: str | Path, target_hf: str | Path, target_gguf: str | Path, dest: str | Path, *,
@@ -33,7 +33,8 @@ def ship(run_dir: str | Path, target_hf: str | Path, target_gguf: str | Path, de
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         gguf = stage / DRAFT_GGUF_NAME
-        report = convert_draft(run / HF_DIR, target_gguf, gguf, out_type=out_type, progress=False)
+        report = convert_draft(run / HF_DIR, target_gguf, gguf, out_type=out_type, progress=False,
+                               name=DRAFT_DIR)
         write_report(report, stage / "convert_report.json")
         rj = read_json(stage / "convert_report.json", "report")     # paths as shipped, not staged
         rj["output"], rj["source"] = DRAFT_GGUF_NAME, f"{HF_DIR}/ (float32, before the bfloat16 copy)"

@@ -60,12 +60,17 @@ class KDARows:
 def delta_step(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, inplace: bool = False) -> Tensor:
     """One gated delta-rule transition; S [B,H,dk,dv], k/g [B,H,dk], v [B,H,dv], beta [B,H].
     `inplace`: S is the caller's to overwrite (the same floats, one [B,H,dk,dv] allocation and
-    write fewer: with 8 sequences decoding, 50 MB a K3 layer); else the caller's S stays as it was."""
+    write fewer: with 8 sequences decoding, 50 MB a K3 layer); else the caller's S stays as it was.
+    Differentiable in every input; the update is added in place unless k needs a gradient, whose
+    backward reads the decayed S (autograd would refuse an S changed under it)."""
     decay = torch.exp(g).unsqueeze(-1)
     S = S.mul_(decay) if inplace else S * decay
     kv_mem = torch.einsum("bhij,bhi->bhj", S, k)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
-    return S.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))   # in place: one [B,H,dk,dv] fewer per step
+    update = k.unsqueeze(-1) * delta.unsqueeze(-2)
+    if k.requires_grad and torch.is_grad_enabled():
+        return S + update                   # the same floats as add_
+    return S.add_(update)                   # in place: one [B,H,dk,dv] fewer per step
 
 
 def delta_rule(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -302,8 +307,9 @@ class KDA(nn.Module):
 
     def forward(self, x: Tensor, state: KDAState | None = None, commit: bool = True,
                 ) -> tuple[Tensor, KDARows | None]:
-        """x [B, T, hidden] (already attn-normed). With `commit`, `state` is advanced in place;
-        without, it is left untouched and the rows needed for `commit_rows` are returned."""
+        """x [B, T, hidden] (already attn-normed). With `commit`, `state` is advanced (without a
+        gradient, state.S is written in place: nothing else may hold it); without, it is left
+        untouched and the rows needed for `commit_rows` are returned."""
         cfg = self.cfg
         if self.chunked and state is None:
             C = chunk_size(cfg.gate_lower_bound)
@@ -334,8 +340,14 @@ class KDA(nn.Module):
         # llama.cpp's CPU op runs the step loop for prefill too; the loop keeps inference on its
         # summation order (small differences get amplified by ggml's Q8 rounding of expert
         # inputs and the routed norm). Training takes the parallel form.
-        recur = delta_rule_chunked if torch.is_grad_enabled() and T >= 2 * CHUNK else delta_rule
-        o, S = recur(state.S, q, k, v, g, beta)
+        if torch.is_grad_enabled():
+            recur = delta_rule_chunked if T >= 2 * CHUNK else delta_rule
+            o, S = recur(state.S, q, k, v, g, beta)
+        else:
+            # a committed step advances the state it was given in place (the same floats): no new
+            # [B, H, d, d] state per decoded token; a speculative one leaves it as it was
+            recur = delta_rule
+            o, S = delta_rule(state.S, q, k, v, g, beta, inplace=commit)
 
         rows = None
         if keep and commit:
