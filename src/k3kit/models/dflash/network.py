@@ -150,7 +150,7 @@ def rows_linear(x: Tensor, lin: nn.Linear) -> Tensor:
     rows): a sequence's proposals, and so a seeded sampled request's text, must not depend on who
     else drafts in the same pass (tests/runtime/test_spec_batch.py). torch's CPU GEMM does not
     promise that for a block inside a larger product, nor inside a batched bmm: on an AMD Zen 4
-    (MKL) one GEMM over all rows matched per block for B >= 2, on an Intel Sapphire Rapids (same
+    (MKL) one GEMM over all rows matched per block for B >= 2, on an Intel Xeon with AMX (same
     torch and MKL) neither the one GEMM nor bmm does. So one call per block, the same call the
     serial path makes; what is batched across sequences is the rest of the forward."""
     w = lin.weight
