@@ -55,11 +55,11 @@ def test_same_bits_as_vnni_and_scalar(qtype: T, k: int) -> None:
     for m in ROWS:
         y = forced(qtype, raw, x[:m], n_out)
         assert not np.isnan(y).any()
-        np.testing.assert_array_equal(y.view(np.uint32), product(qtype, raw, x[:m], n_out, path=1).view(np.uint32))
-        np.testing.assert_array_equal(y.view(np.uint32),
-                                      product(qtype, raw, x[:m], n_out, simd=0, path=1).view(np.uint32))
+        bits = y.view(np.uint32)
+        np.testing.assert_array_equal(bits, product(qtype, raw, x[:m], n_out, path=1).view(np.uint32))
+        np.testing.assert_array_equal(bits, product(qtype, raw, x[:m], n_out, simd=0, path=1).view(np.uint32))
         if m <= 64:
-            np.testing.assert_array_equal(y.view(np.uint32), product(qtype, raw, x[:m], n_out, path=4).view(np.uint32))
+            np.testing.assert_array_equal(bits, product(qtype, raw, x[:m], n_out, path=4).view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.MXFP4], ids=lambda t: t.name)
@@ -96,5 +96,6 @@ def test_other_types_keep_their_paths() -> None:
     rng, raw = setup(qtype, n_out, k, 92)
     x = activations(rng, 16, k)
     before = amx_calls()
-    np.testing.assert_array_equal(product(qtype, raw, x, n_out, path=AMX), product(qtype, raw, x, n_out, path=1))
+    np.testing.assert_array_equal(product(qtype, raw, x, n_out, path=AMX),
+                                  product(qtype, raw, x, n_out, path=1))
     assert amx_calls() == before
