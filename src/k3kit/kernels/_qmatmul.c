@@ -2793,22 +2793,26 @@ __attribute__((target(AMX_TARGET))) static void amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* One pair's sums into C tile T (A in tile TA, B in tile TB; literal numbers), stored at cb. */
-#define AMX_DP(T, TA, TB, a, as, b, cb)                                                             \
+/* One pair's sums into C tile T (A in tile TA, B in tile TB; literal numbers). */
+#define AMX_DP(T, TA, TB, a, as, b)                                                                 \
     do {                                                                                           \
         _tile_zero(T);                                                                             \
         _tile_loadd(TA, (a), (as));                                                                \
         _tile_loadd(TB, (b), 64);                                                                  \
         _tile_dpbssd(T, TA, TB);                                                                   \
-        _tile_stored(T, (cb), 64);                                                                 \
     } while (0)
-/* Pairs v .. v + 3 against x block xb into the C set at cb. */
+/* Pairs v .. v + 3 against x block xb into the C set at cb: the four multiplies first, then the
+ * stores (a store straight after its multiply holds the next one back by the multiply's latency). */
 #define AMX_BATCH(v, cb)                                                                            \
     do {                                                                                           \
-        AMX_DP(0, 4, 6, wbuf + 64 * (v), kp, xb + 1024 * (v), (cb));                               \
-        AMX_DP(1, 5, 7, wbuf + 64 * ((v) + 1), kp, xb + 1024 * ((v) + 1), (cb) + 256);             \
-        AMX_DP(2, 4, 6, wbuf + 64 * ((v) + 2), kp, xb + 1024 * ((v) + 2), (cb) + 512);             \
-        AMX_DP(3, 5, 7, wbuf + 64 * ((v) + 3), kp, xb + 1024 * ((v) + 3), (cb) + 768);             \
+        AMX_DP(0, 4, 6, wbuf + 64 * (v), kp, xb + 1024 * (v));                                     \
+        AMX_DP(1, 5, 7, wbuf + 64 * ((v) + 1), kp, xb + 1024 * ((v) + 1));                         \
+        AMX_DP(2, 4, 6, wbuf + 64 * ((v) + 2), kp, xb + 1024 * ((v) + 2));                         \
+        AMX_DP(3, 5, 7, wbuf + 64 * ((v) + 3), kp, xb + 1024 * ((v) + 3));                         \
+        _tile_stored(0, (cb), 64);                                                                 \
+        _tile_stored(1, (cb) + 256, 64);                                                           \
+        _tile_stored(2, (cb) + 512, 64);                                                           \
+        _tile_stored(3, (cb) + 768, 64);                                                           \
     } while (0)
 
 /* Decode units [e0, e1) of W rows nb .. n1 - 1 (unit e: row e / upr, sub-blocks 16 (e % upr) ..
