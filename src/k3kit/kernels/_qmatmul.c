@@ -2758,7 +2758,7 @@ DEFINE_FT(MXFP4, mxfp4, 0)
 #define AMX_C_BYTES (2 * 4 * 16 * 64)      /* two sets of four stored C tiles */
 /* scratch per thread: acc, the stored C tiles, twice (this W block, the next) ws[n][u] and the
  * decoded W block (16 rows of nsubp sub-blocks) */
-#define AMX_SCRATCH_BYTES(k, nsubp) ((int64_t)AMX_ACC_BYTES + AMX_C_BYTES + 2 * 64 * (int64_t)(nsubp) + 2 * 512 * (int64_t)(nsubp) + 64)
+#define AMX_SCRATCH_BYTES(nsubp) ((int64_t)AMX_ACC_BYTES + AMX_C_BYTES + 2 * 64 * (int64_t)(nsubp) + 2 * 512 * (int64_t)(nsubp) + 64)
 
 static int use_amx = 0;       /* set at import: AMX-INT8 runs, the kernel granted the tile state, no K3KIT_NO_AMX */
 static long amx_calls = 0;    /* products that ran the AMX path (tests read it) */
@@ -3226,7 +3226,7 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
                                 : qtype == 39 && MX1_FN != NULL ? MX1_FN : qtype == 12 ? Q4K1_FN : dfn0;
         const int64_t nsubp = ngroups * 16, nxb = (m + 7) / 8;
 #ifdef K3_X86
-        const int64_t scratch_bytes = amx ? (AMX_SCRATCH_BYTES(k, nsubp) + 63) / 64 * 64 : I8_SCRATCH_BYTES;
+        const int64_t scratch_bytes = amx ? (AMX_SCRATCH_BYTES(nsubp) + 63) / 64 * 64 : I8_SCRATCH_BYTES;
 #else
         const int64_t scratch_bytes = I8_SCRATCH_BYTES;
 #endif
