@@ -171,6 +171,13 @@ def native_simd() -> str:
     return _qmatmul.simd() if _qmatmul is not None else "none"
 
 
+def native_amx() -> bool:
+    """Whether the ggml-arithmetic products of many rows (Q8_0, MXFP4; from 12 rows) run on AMX-INT8:
+    the CPU has it, Linux granted the tile state, and K3KIT_NO_AMX was not set when the extension
+    loaded (K3KIT_NO_AMX=1 keeps the AVX512-VNNI paths, for A/B runs; the bits are the same)."""
+    return bool(_qmatmul.amx()[0]) if _qmatmul is not None and hasattr(_qmatmul, "amx") else False
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedMatrix:
     """A ggml matrix of ggml shape (n_in, n_out) kept as its bytes; multiplies as [n_out, n_in].
