@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from k3kit.kernels import qmatmul
+from k3kit.layers import moe as moe_mod
 from k3kit.layers.moe import ExpertWeights, RoutedMoE
 from k3kit.runtime.experts import ExpertStore, ExpertTensor
 
@@ -84,7 +85,8 @@ def routing(n: int, seed: int, experts: int) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [1, 8, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_equals_per_expert_bitwise(types, threads, n, dtype):
+def test_fused_equals_per_expert_bitwise(types, threads, n, dtype, monkeypatch):
+    monkeypatch.setattr(moe_mod, "FUSED_MAX_ROWS", 64)        # every row count here runs fused
     store = make_store(*types)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -131,3 +133,15 @@ def test_experts_matmul_q8_checks_its_inputs():
         qmatmul.experts_matmul_q8([[ws[0][0]], [ws[1][2]]], torch.zeros(2, H), [1, 1])   # two shapes
     with pytest.raises(ValueError):
         qmatmul.experts_matmul_q8([[ws[0][0]], [ws[1][0]]], torch.zeros(3, H), [1, 1])   # rows
+
+
+def test_experts_with_many_rows_run_alone():
+    """Beyond FUSED_MAX_ROWS rows for some expert (a prefill chunk) the per-expert path runs."""
+    store = make_store(T.MXFP4, T.MXFP4)
+    store.get(0, range(E))
+    x, ids, w = routing(moe_mod.FUSED_MAX_ROWS * 3, seed=2, experts=K + 1)   # each expert: many rows
+    moe = Spy(E, H, FF, 0, with_experts=False)
+    moe.run_experts(x, ids, w, Provider(store, resident=True))
+    assert moe.fused == 0
+    moe.run_experts(x[:1], ids[:1], w[:1], Provider(store, resident=True))
+    assert moe.fused == 1

@@ -51,6 +51,12 @@ from torch import Tensor, nn
 
 from k3kit.kernels.qmatmul import experts_fusable, experts_matmul_q8
 
+# Rows per expert up to which a provider's resident experts run fused (`RoutedMoE._run_fused`):
+# what fusing saves is per-call work (quantizing x per matrix, a fork and join per product), which
+# matters for decode rows and verify blocks; an expert with more rows (prefill) runs alone, where
+# matmul_q8 may take paths of its own for many rows (e.g. AMX tiles).
+FUSED_MAX_ROWS = 8
+
 
 class MatmulWeight(Protocol):
     """A weight that multiplies itself (e.g. one kept quantized by an engine's expert store)."""
@@ -210,7 +216,8 @@ class RoutedMoE(nn.Module):
         fetched: list[ExpertWeights] | None = None
         resident = getattr(experts, "resident", None)
         if (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
-                and x.device.type == "cpu" and resident is not None and resident(self.layer, groups.experts)):
+                and x.device.type == "cpu" and max(groups.counts, default=0) <= FUSED_MAX_ROWS
+                and resident is not None and resident(self.layer, groups.experts)):
             fetched = [experts.get(self.layer, e) for e in groups.experts]
             y = self._run_fused(x, groups, fetched)
             if y is not None:
