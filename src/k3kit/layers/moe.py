@@ -53,7 +53,7 @@ from k3kit.kernels.qmatmul import experts_fusable, experts_matmul_q8
 
 # Rows per expert up to which a provider's resident experts run fused (`RoutedMoE._run_fused`):
 # what fusing saves is per-call work (quantizing x per matrix, a fork and join per product), which
-# matters for decode rows and verify blocks; an expert with more rows (prefill) runs alone, where
+# matters for decode rows and small serving passes; an expert with more rows (prefill) runs alone, where
 # matmul_q8 may take paths of its own for many rows (e.g. AMX tiles).
 FUSED_MAX_ROWS = 8
 
