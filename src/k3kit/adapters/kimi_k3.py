@@ -80,6 +80,11 @@ class StoreExperts:
     def prefetch(self, layer: int, experts: list[int]) -> None:
         self.store.prefetch(layer, experts)  # a guess: read in the background, cached only if asked
 
+    def resident(self, layer: int, experts: Sequence[int]) -> bool:
+        """Whether every one of `experts` is in the store's cache (fetching them reads and evicts
+        nothing, so the weights of all of them can be held at once) on a CPU layer."""
+        return self.layer_dev[layer].type == "cpu" and self.store.missing_bytes(layer, experts) == 0
+
     def get(self, layer: int, expert: int) -> ExpertWeights:
         weights = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
         self.requests += 1

@@ -3673,6 +3673,163 @@ static PyObject *py_matmul_heads(PyObject *self, PyObject *args) {
     return ret;
 }
 
+/* ---- a layer's routed experts in one call per projection ---------------------------------------
+ * A decode step runs each routed expert on one row: per expert and projection, matmul_q8 would
+ * quantize that row again and fork and join the threads again. experts_q8 runs every expert's
+ * product of one projection (or gate and up together) in one parallel region, each segment of
+ * x quantized once for all the matrices that multiply it. */
+
+/* experts_q8(qtype, ws, x, y, counts, n_out, k, per, threads=1): x float32 [P, k] is segments
+ * of counts[s] rows (P = sum(counts), segment s from row sum(counts[:s])), ws a sequence of
+ * len(counts) * per weight buffers, each a ggml matrix [n_out, k] of type qtype; matrix j < per
+ * of segment s (ws[s * per + j]) multiplies that segment's rows into y[j] (float32 [per, P,
+ * n_out]) at the same rows. Each segment's result is bit for bit matmul_q8(qtype, ws[s * per +
+ * j], x_s, y_s, n_out, k, counts[s]) (variant 1, path -1: the same kernels for the same row
+ * count), the output columns of every product split over the threads inside one parallel
+ * region; a result never depends on the split. */
+static PyObject *py_experts_q8(PyObject *self, PyObject *args) {
+    PyObject *ws_obj, *counts_obj;
+    Py_buffer x, y;
+    Py_ssize_t n_out, k;
+    int qtype, per, threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOy*w*Onni|i", &qtype, &ws_obj, &x, &y, &counts_obj, &n_out, &k, &per, &threads))
+        return NULL;
+    PyObject *ret = NULL, *ws_seq = NULL, *counts_seq = NULL;
+    Py_buffer *wb = NULL;
+    int64_t *cnt = NULL;
+    heads_buf_t *bufs = NULL;
+    uint8_t *scratch = NULL;
+    Py_ssize_t nw = 0, got = 0, E = 0, P = 0;
+    const qtype_t *qt = find_qtype(qtype);
+    const i8type_t *it = find_i8type(qtype);
+    if (qt == NULL || it == NULL) {
+        PyErr_Format(PyExc_ValueError, "experts_q8: no native kernel for ggml type %d", qtype);
+        goto done;
+    }
+    if (qt->needs_tables && !tables_ready) {
+        PyErr_Format(PyExc_RuntimeError, "experts_q8: %s needs the IQ grids (init_tables was not called)", qt->name);
+        goto done;
+    }
+    if (n_out < 0 || k < 0 || per < 1 || k % qt->qk) {
+        PyErr_Format(PyExc_ValueError, "experts_q8: bad dimensions (k must be a multiple of %d for %s)",
+                     (int)qt->qk, qt->name);
+        goto done;
+    }
+    ws_seq = PySequence_Fast(ws_obj, "experts_q8: ws must be a sequence of buffers");
+    counts_seq = ws_seq ? PySequence_Fast(counts_obj, "experts_q8: counts must be a sequence of ints") : NULL;
+    if (counts_seq == NULL) goto done;
+    E = PySequence_Fast_GET_SIZE(counts_seq);
+    nw = PySequence_Fast_GET_SIZE(ws_seq);
+    if (nw != E * per) {
+        PyErr_Format(PyExc_ValueError, "experts_q8: %zd weights for %zd segments of %d matrices", nw, E, per);
+        goto done;
+    }
+    const int64_t rb = k / qt->qk * qt->bytes;
+    cnt = malloc(sizeof *cnt * (size_t)(E + 1));
+    wb = calloc((size_t)(nw + 1), sizeof *wb);
+    bufs = calloc((size_t)(E + 1), sizeof *bufs);
+    if (!cnt || !wb || !bufs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t s = 0; s < E; s++) {
+        cnt[s] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(counts_seq, s));
+        if (cnt[s] < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "experts_q8: negative row count");
+            goto done;
+        }
+        P += cnt[s];
+    }
+    for (; got < nw; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(ws_seq, got), &wb[got], PyBUF_SIMPLE) < 0) goto done;
+        if (wb[got].len != n_out * rb) {
+            PyErr_Format(PyExc_ValueError, "experts_q8: %s weight %zd is %zd bytes, expected %zd", qt->name, got,
+                         wb[got].len, (Py_ssize_t)(n_out * rb));
+            got++;
+            goto done;
+        }
+    }
+    if (x.len != P * k * (Py_ssize_t)sizeof(float) || y.len != per * P * n_out * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "experts_q8: activation or output buffer has the wrong size");
+        goto done;
+    }
+    if (P == 0 || n_out == 0 || k == 0) {
+        if (y.len) memset(y.buf, 0, (size_t)y.len);
+        ret = Py_NewRef(Py_None);
+        goto done;
+    }
+    {
+        const int level = use_i8;
+        const int nthreads = split_threads(n_out, k * (int64_t)nw, threads);
+        const int64_t gv = 16 * (int64_t)it->G, ngroups = (k + gv - 1) / gv;
+        const int64_t qbytes = it->act_q8k ? k / 256 * Q8_K_BYTES : k / 32 * 34;
+        /* per segment, matmul_q8's path -1 for its row count */
+        i8direct_fn *dfn = calloc((size_t)(E + 1), sizeof *dfn);
+        int ok = dfn != NULL, any_panels = 0;
+        for (Py_ssize_t s = 0; s < E && ok; s++) {
+            const int64_t m = cnt[s];
+            if (m == 0) continue;
+            const int direct = level > 0 && m < (level == 2 ? it->ft_below : it->direct_below);
+            const int transposed = direct && level == 2 && m >= it->ft_from;
+            const i8direct_fn d0 = !direct ? NULL : transposed ? it->direct[4] : level == 2 ? it->direct[3]
+                                                                                            : it->direct[level];
+            dfn[s] = m != 1 || d0 != it->direct[3] ? d0 : qtype == 39 && MX1_FN != NULL ? MX1_FN
+                                                          : qtype == 12 ? Q4K1_FN : d0;
+            any_panels |= !direct;
+            ok = heads_buf_alloc(&bufs[s], m, ngroups, gv, qbytes, transposed, 0);
+        }
+        if (ok && any_panels) {
+            scratch = aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
+            ok = scratch != NULL;
+        }
+        if (!ok) {
+            free(dfn);
+            PyErr_NoMemory();
+            goto done;
+        }
+        const float *xs = x.buf;
+        float *ys = y.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t s = 0, off = 0; s < E; off += cnt[s], s++)
+            for (int64_t r = 0; r < cnt[s]; r++)
+                prepare_x_row(xs + (off + r) * k, k, it->act_q8k, 1, it->G, bufs[s].qbuf, &bufs[s].xl, r);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1) if (nthreads > 1)
+#endif
+        for (int t = 0; t < nthreads; t++) {
+            const int64_t n0 = n_out * t / nthreads, n1 = n_out * (t + 1) / nthreads;
+            uint8_t *sc = scratch ? scratch + (int64_t)t * I8_SCRATCH_BYTES : NULL;
+            for (Py_ssize_t s = 0, off = 0; s < E; off += cnt[s], s++) {
+                const int64_t m = cnt[s];
+                if (m == 0) continue;
+                for (int j = 0; j < per; j++) {
+                    const i8job_t jb = {wb[s * per + j].buf, it->panel[level > 0], qt->qk, qt->bytes, n_out, k, m,
+                                        it->G, it->has_min, level, &bufs[s].xl, ys + ((int64_t)j * P + off) * n_out,
+                                        dfn[s], m > 8 ? (I8_CHUNK_BYTES + rb - 1) / rb : 0};
+                    i8_columns(&jb, n0, n1, sc);
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        free(dfn);
+        ret = Py_NewRef(Py_None);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&wb[i]);
+    if (bufs != NULL)
+        for (Py_ssize_t s = 0; s < E; s++) heads_buf_free(&bufs[s]);
+    free(bufs);
+    free(wb);
+    free(cnt);
+    free(scratch);
+    Py_XDECREF(ws_seq);
+    Py_XDECREF(counts_seq);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "y = x @ W.T for a quantized ggml W (see the module source)."},
     {"dequantize", py_dequantize, METH_VARARGS, "W's rows as float32 or bfloat16 (see the module source)."},
@@ -3685,6 +3842,7 @@ static PyMethodDef methods[] = {
     {"simd_i8", py_simd_i8, METH_NOARGS, "The best int8 path: 'avx512vnni', 'avx2' or 'scalar'."},
     {"amx", py_amx, METH_NOARGS, "(AMX-INT8 in use, products run on it): see the module source."},
     {"matmul_heads", py_matmul_heads, METH_VARARGS, "y[h] = x[h] @ W_h.T for a stack of per-head ggml matrices."},
+    {"experts_q8", py_experts_q8, METH_VARARGS, "Every routed expert's product of one projection, int8 arithmetic."},
     {NULL, NULL, 0, NULL},
 };
 

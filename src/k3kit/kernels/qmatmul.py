@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -380,3 +381,46 @@ class QuantizedHeads:
         _qmatmul.matmul_heads(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), heads, n_out, n_in, m,
                               self.nbytes // heads, int(self.arith == "ggml"), -1, torch.get_num_threads())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def experts_fusable(mats: Sequence[object]) -> bool:
+    """Whether `experts_matmul_q8` takes these matrices: QuantizedMatrix objects of one type and
+    shape, in the ggml arithmetic, with a native kernel and CPU bytes (an old build without the
+    entry point: never)."""
+    if _qmatmul is None or not hasattr(_qmatmul, "experts_q8") or not mats:
+        return False
+    first = mats[0]
+    if not isinstance(first, QuantizedMatrix) or first.arith != "ggml" or not first.native:
+        return False
+    return all(isinstance(m, QuantizedMatrix) and m.arith == "ggml" and m.qtype == first.qtype
+               and m.shape == first.shape and m.raw.device.type == "cpu" for m in mats)
+
+
+def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor,
+                      counts: Sequence[int]) -> torch.Tensor:
+    """Every segment's products in one native call: x [P, n_in] holds segments of counts[s] rows
+    in order, mats[s] the `per` matrices (e.g. gate and up) that multiply segment s; returns
+    float32 [per, P, n_out], y[j] at segment s's rows = x_s @ mats[s][j].T.
+
+    Each segment's result has the bits of `mats[s][j].matmul(x_s)` (the kernels matmul_q8 picks
+    for that row count); the call saves what one call per matrix repeats: quantizing x_s again
+    for each matrix, and a fork and join of the threads (a decode step of K3 runs 3 x top-k
+    expert products a layer, each a few tens of microseconds of arithmetic per thread)."""
+    if len(mats) != len(counts) or not mats:
+        raise ValueError(f"experts_matmul_q8: {len(mats)} segments of matrices for {len(counts)} row counts")
+    per = len(mats[0])
+    flat = [m for seg in mats for m in seg]
+    if len(flat) != per * len(mats) or not experts_fusable(flat):
+        raise ValueError("experts_matmul_q8: needs `per` native ggml-arithmetic matrices of one type "
+                         "and shape per segment")
+    first = flat[0]
+    xf = x.detach()
+    if xf.dtype != torch.float32 or not xf.is_contiguous():
+        xf = xf.to(torch.float32).contiguous()
+    if xf.dim() != 2 or xf.shape[1] != first.in_features or xf.shape[0] != sum(counts):
+        raise ValueError(f"experts_matmul_q8: x {tuple(x.shape)} does not fit {sum(counts)} rows of "
+                         f"{first.in_features}")
+    y = torch.empty(per, xf.shape[0], first.out_features, dtype=torch.float32)
+    _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in flat], xf.numpy(), y.numpy(), list(counts),
+                        first.out_features, first.in_features, per, torch.get_num_threads())
+    return y

@@ -49,6 +49,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k3kit.kernels.qmatmul import experts_fusable, experts_matmul_q8
+
+# Rows per expert up to which a provider's resident experts run fused (`RoutedMoE._run_fused`):
+# what fusing saves is per-call work (quantizing x per matrix, a fork and join per product), which
+# matters for decode rows and small serving passes; an expert with more rows (prefill) runs alone, where
+# matmul_q8 may take paths of its own for many rows (e.g. AMX tiles).
+FUSED_MAX_ROWS = 8
+
 
 class MatmulWeight(Protocol):
     """A weight that multiplies itself (e.g. one kept quantized by an engine's expert store)."""
@@ -73,7 +81,10 @@ class ExpertProvider(Protocol):
     the first `get` of a call, which experts will be asked for and in what order (a store can
     read the next one while the current one computes); and `prefetch(layer, experts)`: told
     right after the plan which experts of a later layer will probably be asked for (a guess:
-    it may read them, never changes what `get` returns)."""
+    it may read them, never changes what `get` returns); and `resident(layer, experts) -> bool`:
+    whether all of them can be fetched and held at once (nothing read, nothing evicted), which
+    lets `run_experts` run them in two native products (`_run_fused`) instead of one expert
+    after another."""
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
@@ -202,11 +213,22 @@ class RoutedMoE(nn.Module):
             slots = x.new_zeros(N, k, x.shape[-1])
         else:
             out = x.new_zeros(N, x.shape[-1])
+        fetched: list[ExpertWeights] | None = None
+        resident = getattr(experts, "resident", None)
+        if (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
+                and x.device.type == "cpu" and max(groups.counts, default=0) <= FUSED_MAX_ROWS
+                and resident is not None and resident(self.layer, groups.experts)):
+            fetched = [experts.get(self.layer, e) for e in groups.experts]
+            y = self._run_fused(x, groups, fetched)
+            if y is not None:
+                slots.index_put_((groups.rows, groups.cols), y * weights[groups.rows, groups.cols, None])
+                return _sum_slots(slots)
         start = 0
-        for e, c in zip(groups.experts, groups.counts, strict=True):
+        for i, (e, c) in enumerate(zip(groups.experts, groups.counts, strict=True)):
             rows, cols = groups.rows[start:start + c], groups.cols[start:start + c]
             start += c
-            y = self.expert(x[rows], experts.get(self.layer, e)) * weights[rows, cols, None]
+            w = fetched[i] if fetched is not None else experts.get(self.layer, e)
+            y = self.expert(x[rows], w) * weights[rows, cols, None]
             if self.exact_order:
                 slots.index_put_((rows, cols), y)      # every pair owns its slot: no accumulation
             else:
@@ -214,6 +236,28 @@ class RoutedMoE(nn.Module):
         if not self.exact_order:
             return out
         return _sum_slots(slots)
+
+    def _run_fused(self, x: Tensor, groups: RouteGroups, fetched: list[ExpertWeights]) -> Tensor | None:
+        """Every expert's rows in two native products (gate and up together, then down), rows in
+        grouped order [N*k, d]; None when the weights are not all native ggml-arithmetic matrices
+        of one type per projection. Each expert's output has the bits of `expert` on its rows:
+        the products are row-invariant in that arithmetic (the same kernels per row count) and
+        `act` runs per expert on the same tensors as there."""
+        gates, ups, downs = ([w[i] for w in fetched] for i in range(3))
+        if not (experts_fusable(downs) and experts_fusable(gates + ups)):
+            return None
+        counts = groups.counts
+        xs = x[groups.rows]
+        gu = experts_matmul_q8([[g, u] for g, u in zip(gates, ups, strict=True)], xs, counts)
+        if x.dtype != torch.float32:
+            gu = gu.to(x.dtype)
+        h = torch.empty(xs.shape[0], gu.shape[-1], dtype=x.dtype)
+        start = 0
+        for c in counts:       # per expert: an elementwise kernel's bits may depend on its length
+            h[start:start + c] = self.act(gu[0, start:start + c], gu[1, start:start + c])
+            start += c
+        y = experts_matmul_q8([[d] for d in downs], h, counts)[0]
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _run_batched(self, x: Tensor, groups: RouteGroups, weights: Tensor) -> Tensor:
         """All own experts as three bmm over a zero-padded [E, capacity, d] batch."""
