@@ -1,5 +1,6 @@
 """Types of the native extension built from _qmatmul.c (optional: it may not be built)."""
 
+from collections.abc import Sequence
 from typing import Any
 
 def matmul(qtype: int, w: Any, x: Any, y: Any, n_out: int, k: int, m: int, simd: int = -1,
@@ -46,3 +47,9 @@ def matmul_heads(qtype: int, w: Any, x: Any, y: Any, heads: int, n_out: int, k: 
                  i8: int = 1, simd: int = -1, threads: int = 1, /) -> None:
     """y[h] = x[h] @ W_h.T for `heads` ggml matrices [n_out, k] at a byte stride of w_stride: each
     head bit for bit matmul_q8 (i8 = 1) or matmul (i8 = 0) on that head alone."""
+
+def experts_q8(qtype: int, ws: Sequence[Any], x: Any, y: Any, counts: Sequence[int], n_out: int, k: int,
+               per: int, threads: int = 1, /) -> None:
+    """x float32 [P, k] in segments of counts[s] rows; ws[s * per + j] the ggml matrix [n_out, k]
+    that multiplies segment s into y[j] (float32 [per, P, n_out]): each segment bit for bit
+    matmul_q8 on it alone, every product in one parallel region."""

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3kit.kernels.qmatmul import experts_fusable, experts_matmul_q8
+from k3kit.kernels.qmatmul import QuantizedMatrix, experts_fusable, experts_matmul_q8
 
 # Rows per expert up to which a provider's resident experts run fused (`RoutedMoE._run_fused`):
 # what fusing saves is per-call work (quantizing x per matrix, a fork and join per product), which
@@ -246,9 +246,10 @@ class RoutedMoE(nn.Module):
         gates, ups, downs = ([w[i] for w in fetched] for i in range(3))
         if not (experts_fusable(downs) and experts_fusable(gates + ups)):
             return None
+        qg, qu, qd = (cast(list[QuantizedMatrix], m) for m in (gates, ups, downs))
         counts = groups.counts
         xs = x[groups.rows]
-        gu = experts_matmul_q8([[g, u] for g, u in zip(gates, ups, strict=True)], xs, counts)
+        gu = experts_matmul_q8([[g, u] for g, u in zip(qg, qu, strict=True)], xs, counts)
         if x.dtype != torch.float32:
             gu = gu.to(x.dtype)
         h = torch.empty(xs.shape[0], gu.shape[-1], dtype=x.dtype)
@@ -256,7 +257,7 @@ class RoutedMoE(nn.Module):
         for c in counts:       # per expert: an elementwise kernel's bits may depend on its length
             h[start:start + c] = self.act(gu[0, start:start + c], gu[1, start:start + c])
             start += c
-        y = experts_matmul_q8([[d] for d in downs], h, counts)[0]
+        y = experts_matmul_q8([[d] for d in qd], h, counts)[0]
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _run_batched(self, x: Tensor, groups: RouteGroups, weights: Tensor) -> Tensor:
