@@ -89,6 +89,21 @@ def test_k3kit_no_amx_turns_it_off() -> None:
     assert out.stdout.split() == ["False", "0"]
 
 
+def test_kernel_label_names_amx_where_it_runs() -> None:
+    """--stats names AMX for Q8_0 / MXFP4 in the ggml arithmetic while it is in use, else not."""
+    from k3kit.kernels.qmatmul import kernel_label, native_simd
+    base = f"native-{native_simd()}"
+    assert kernel_label(T.Q8_0, "ggml") == f"{base} ggml (AMX from 12 rows)"
+    assert kernel_label(T.MXFP4, "ggml") == f"{base} ggml (AMX from 12 rows)"
+    assert kernel_label(T.Q4_K, "ggml") == f"{base} ggml"
+    assert kernel_label(T.Q8_0, "float") == f"{base} float"
+    code = ("from gguf import GGMLQuantizationType as T; from k3kit.kernels import qmatmul as q; "
+            "print(q.kernel_label(T.Q8_0, 'ggml'))")
+    env = {**os.environ, "K3KIT_NO_AMX": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"{base} ggml"
+
+
 def test_other_types_keep_their_paths() -> None:
     """Q4_K (a min, Q8_K activations) is not covered: path=6 runs its usual kernels."""
     qtype, n_out = T.Q4_K, 20

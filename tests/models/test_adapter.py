@@ -197,13 +197,14 @@ def test_session_attaches_the_draft_and_refuses_swapped_roles():
 
 def test_kernels_say_which_path_multiplies_each_type():
     """`generate --stats/--json` shows the kernel per ggml type; it must follow the load options."""
-    from k3kit.kernels.qmatmul import native_available, native_simd
+    from k3kit.kernels.qmatmul import native_amx, native_available, native_simd
     if not native_available():
         pytest.skip("the native extension is not built")
+    amx = " (AMX from 12 rows)" if native_amx() else ""
     with load_model(shipped_gguf(), LoadOptions(arith="ggml")) as lm:
         k = lm.kernels
-    assert k["trunk"]["Q8_0"] == f"native-{native_simd()} ggml"
-    assert k["experts"] == {"MXFP4": f"native-{native_simd()} ggml"}
+    assert k["trunk"]["Q8_0"] == f"native-{native_simd()} ggml{amx}"
+    assert k["experts"] == {"MXFP4": f"native-{native_simd()} ggml{amx}"}
     with load_model(shipped_gguf(), LoadOptions(trunk="float", expert_kernel="torch")) as lm:
         k = lm.kernels
     assert list(k["trunk"]) == ["all"] and k["trunk"]["all"].startswith("torch")

@@ -11,7 +11,7 @@ import pytest
 
 from k3kit.adapters import load_model
 from k3kit.errors import K3Error
-from k3kit.kernels.qmatmul import native_available, native_simd
+from k3kit.kernels.qmatmul import native_amx, native_available, native_simd
 from k3kit.mini.paths import shipped_gguf
 from k3kit.runtime import loader
 from k3kit.runtime.loader import LoadOptions, check_arith, resolve_arith
@@ -39,10 +39,11 @@ def test_the_default_load_reports_the_arithmetic_that_ran():
     if not native_available():
         pytest.skip("the native extension is not built")
     simd = native_simd()
+    amx = " (AMX from 12 rows)" if native_amx() else ""     # Q8_0 and MXFP4 have the AMX path
     with load_model(shipped_gguf(), LoadOptions(expert_cache_mib=16)) as lm:
         k = lm.kernels
-        assert k["trunk"]["Q8_0"] == f"native-{simd} ggml"
-        assert k["experts"] == {"MXFP4": f"native-{simd} ggml"}
+        assert k["trunk"]["Q8_0"] == f"native-{simd} ggml{amx}"
+        assert k["experts"] == {"MXFP4": f"native-{simd} ggml{amx}"}
         assert not any("auto" in s for part in k.values() for s in part.values())
     with load_model(shipped_gguf(), LoadOptions(expert_cache_mib=16, arith="float")) as lm:
         assert lm.kernels["trunk"]["Q8_0"] == f"native-{simd} float"

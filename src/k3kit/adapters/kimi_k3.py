@@ -37,7 +37,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
-from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, native_simd
+from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
 from k3kit.layers.moe import ExpertWeights
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
@@ -503,12 +503,12 @@ class K3Adapter:
             elif m.dense is not None:
                 trunk[name] = "torch (float weights as stored)"
             elif m.matrix is not None and m.matrix.native:
-                trunk[name] = f"native-{native_simd()} {m.matrix.arith}"
+                trunk[name] = kernel_label(m.qtype, m.matrix.arith)
             else:
                 trunk[name] = "dequantize per product + torch GEMM"
         for h in (m for m in self.model.modules() if isinstance(m, LatentHeads)):
             for qh in (h.k_b, h.v_b):
-                trunk.setdefault(qh.qtype.name, f"native-{native_simd()} {qh.arith}" if qh.native
+                trunk.setdefault(qh.qtype.name, kernel_label(qh.qtype, qh.arith) if qh.native
                                  else "dequantize per product + torch")
         if not trunk:
             trunk["all"] = f"torch ({self.options.dtype}, dequantized at load)"
@@ -517,7 +517,7 @@ class K3Adapter:
             for t in tensors:
                 qt = GGMLQuantizationType(t.ggml_type)
                 if self.store.keep == "quantized" and qt in NATIVE_TYPES:
-                    experts[qt.name] = f"native-{native_simd()} {self.store.arith or DEFAULT_ARITH}"
+                    experts[qt.name] = kernel_label(qt, self.store.arith or DEFAULT_ARITH)
                 else:
                     experts[qt.name] = "torch (dequantized on a miss)"
         return {"trunk": trunk, "experts": experts}

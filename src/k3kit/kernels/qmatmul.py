@@ -179,6 +179,20 @@ def native_amx() -> bool:
     return bool(_qmatmul.amx()[0]) if _qmatmul is not None and hasattr(_qmatmul, "amx") else False
 
 
+# types whose ggml-arithmetic products of AMX_FROM_ROWS or more rows take the AMX-INT8 path
+AMX_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4})
+AMX_FROM_ROWS = 12
+
+
+def kernel_label(qtype: GGMLQuantizationType, arith: str) -> str:
+    """What multiplies a native matrix of this type, for `--stats` / `--json`: 'native-avx512 ggml',
+    plus ' (AMX from 12 rows)' where the many-row products run on AMX-INT8."""
+    label = f"native-{native_simd()} {arith}"
+    if arith == "ggml" and qtype in AMX_TYPES and native_amx():
+        label += f" (AMX from {AMX_FROM_ROWS} rows)"
+    return label
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedMatrix:
     """A ggml matrix of ggml shape (n_in, n_out) kept as its bytes; multiplies as [n_out, n_in].
