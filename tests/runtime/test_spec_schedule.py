@@ -282,8 +282,8 @@ def test_draft_guard_does_not_condemn_drafting_on_few_or_noisy_passes():
         g.record(1, False, 1, 0.2)
     assert g.verdict(1) is None and g.allow(1)
     for seed in range(5):
-        even = DraftGuard()
-        _noisy_passes(even, 4, True, 50.0, 60, seed)
+        even = DraftGuard()                                 # drafted: just the margin above undrafted
+        _noisy_passes(even, 4, True, 50.0 * (1 + even.margin), 60, seed)
         _noisy_passes(even, 4, False, 50.0, 60, seed + 100)
         assert even.verdict(4) is None, seed
         assert sum(even.allow(4) for _ in range(50)) == 50
@@ -325,3 +325,44 @@ def test_draft_guard_confirms_a_clear_gain_on_few_undrafted_passes_but_condemns_
         assert loses.verdict(2) is None and not loses.allow(2), i     # still measuring, not condemned
     loses.record(2, False, 2, 0.1)
     assert loses.verdict(2) is False
+
+
+def test_draft_guard_holds_drafting_to_a_margin_over_the_undrafted_passes():
+    """Drafted passes that realize only a little more than undrafted ones do not pay for what a
+    pass's rate does not show (staggered prefills, restacked states): they are condemned with the
+    default margin, and judged by the bare rates with margin 0."""
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    for seed in range(3):
+        strict, bare = DraftGuard(), DraftGuard(margin=0.0)
+        for g in (strict, bare):
+            _noisy_passes(g, 8, True, 55.0, 200, seed)          # 1.1x the undrafted rate
+            _noisy_passes(g, 8, False, 50.0, 200, seed + 100)
+        assert strict.verdict(8) is False and strict.verdict(16) is False, seed
+        assert bare.verdict(8) is not False, seed
+        clear = DraftGuard()
+        _noisy_passes(clear, 2, True, 100.0, 200, seed)         # 2x: pays beyond the margin
+        _noisy_passes(clear, 2, False, 50.0, 200, seed + 100)
+        assert clear.verdict(2) is True, seed
+    with pytest.raises(ValueError):
+        DraftGuard(margin=-0.1)
+
+
+def test_draft_guard_scales_a_smaller_counts_gain_down_to_a_larger_one():
+    """A count not measured yet takes the nearest smaller measured one's verdict with its gain scaled
+    by m / n: 1.4x realized at 4 decoders foresees 1.2x at 8 (not enough for the default margin:
+    condemned there, probed only) and 1.27x at 6 (the allocator decides); once 8 is measured its
+    own passes decide."""
+    from k3kit.runtime.speculative.schedule import DraftGuard
+
+    g = DraftGuard(samples=3)
+    for _ in range(3):
+        g.record(4, True, 5.6, 0.1)                         # 56 tokens/s
+        g.record(4, False, 4, 0.1)                          # 40 tokens/s: 1.4x
+    assert g.verdict(4) is True
+    assert g.verdict(6) is True and g.allow(6)
+    assert g.verdict(8) is False and g.verdict(16) is False and not g.allow(8)
+    for _ in range(3):
+        g.record(8, True, 16, 0.1)                          # 8 measured itself: 2x there
+        g.record(8, False, 8, 0.1)
+    assert g.verdict(8) is True and g.verdict(9) is True

@@ -2,11 +2,10 @@
 
 Two servers run for the module, each a `python -m k3kit serve --port 0` subprocess: plain AR
 (continuous batching, `--max-batch 8 --max-sequences 6`; API key from K3KIT_API_KEY, a small body
-limit and queue) and one with `--draft default` (batched speculative decoding; API key from
---api-key). The
-references are `k3kit generate --temperature 0 --json` runs of the same prompts, started in
-parallel with the servers. Token budgets are small: the module is meant to take well under a
-minute on 2 idle cores.
+limit and queue) and one with `--draft default --verify-budget 4` (batched speculative decoding,
+every greedy request with its draft; API key from --api-key). The references are `k3kit generate
+--temperature 0 --json` runs of the same prompts, started in parallel with the servers. Token
+budgets are small: the module is meant to take well under a minute on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -49,7 +48,10 @@ def world():
     ar = Server(["--max-queue", str(MAX_QUEUE), "--max-batch", str(MAX_BATCH),
                  "--max-sequences", str(MAX_SEQUENCES), "--max-body-mib", str(MAX_BODY / (1 << 20))],
                 env={"K3KIT_API_KEY": KEY})
-    draft = Server(["--draft", "default", "--api-key", KEY])
+    # a fixed verify budget: every greedy request keeps its draft (with `auto` a request that the
+    # measured costs and these prompts' acceptance say cannot pay is served plain, as the AR server
+    # would); whether a pass drafts is still the guard's, from this machine's pass times
+    draft = Server(["--draft", "default", "--verify-budget", "4", "--api-key", KEY])
     try:
         ar.wait_ready()
         draft.wait_ready()
@@ -197,9 +199,8 @@ def test_draft_greedy_matches_generate(world, stream):
 
 
 def test_draft_server_batches_concurrent_requests(world):
-    """With a draft, a request alone decodes speculatively; once others arrive every sequence keeps
-    its own draft context and the blocks are verified together in shared passes. Greedy output
-    stays the reference's either way."""
+    """With a draft, a request alone runs speculative passes; once others arrive every sequence keeps
+    its own draft and they share passes. Greedy output stays the reference's either way."""
     s = world["draft"]
     text, _, _ = expected(world, "completion", s)
     chat_text, _, _ = expected(world, "chat", s)
@@ -227,9 +228,12 @@ def test_draft_server_batches_concurrent_requests(world):
     assert got == [text, chat_text, text]
     assert ("".join(pieces) + rest).startswith(text)          # the first N tokens of a longer run
     after = wait_idle(s.url, KEY)
+    # each kept its draft (the fixed budget) and ran speculative passes; whether a pass drafts is the
+    # guard's, from this machine's pass times (drafting with a fixed guard: test_spec_declined.py,
+    # test_spec_draft_forward.py, test_batch.py)
     assert after["k3kit_speculative_passes_total"] > before["k3kit_speculative_passes_total"]
-    assert after["k3kit_speculative_proposals_total"] > before["k3kit_speculative_proposals_total"]
-    assert after["k3kit_speculative_committed_per_pass"] > 1
+    plain = "k3kit_speculative_plain_sequences_total"
+    assert after[plain] == before[plain]
     assert after["k3kit_sequences_active"] == 0
 
 
@@ -451,11 +455,12 @@ def test_draft_greedy_output_is_batch_invariant(world):
             got = list(pool.map(lambda i, n=n: text(s, i, 0.03 * ((5 * i) % n)), range(n)))
         assert got == alone[:n], f"among {others} others"
     after = wait_idle(s.url, KEY)
-    # the allocator decides from measured costs whether these passes draft (on a loaded machine it
-    # may decline them all); the texts must be the same either way. That drafts are made and
-    # accepted in a server's passes is asserted where the guard is fixed (test_spec_declined.py,
-    # test_spec_draft_forward.py, test_batch.py).
-    assert after["k3kit_speculative_accepted_total"] >= before["k3kit_speculative_accepted_total"]
+    # every request kept its draft (the fixed budget): its passes are speculative ones, drafted or not
+    # as the guard allows (that drafts are made and accepted in shared passes is asserted where the
+    # guard is fixed: test_spec_declined.py, test_spec_draft_forward.py, test_batch.py)
+    assert after["k3kit_speculative_passes_total"] > before["k3kit_speculative_passes_total"]
+    plain = "k3kit_speculative_plain_sequences_total"
+    assert after[plain] == before[plain]
 
 
 def test_seeded_sampling_repeats_when_batched(world):

@@ -98,3 +98,48 @@ def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, mon
     assert calls["forward"] > 0 and st.drafted_passes > 0
     assert st.spec_accepted > 0 and st.spec_committed > st.spec_passes
     assert draft.contexts == 0 and model.sequences == 0
+
+
+class _Condemned(DraftGuard):
+    """Drafting stands condemned from `n` active sequences up (a verdict, as realized passes give)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(judge=False)
+        self.n = n
+
+    def verdict(self, n: int) -> bool | None:
+        return False if n >= self.n else None
+
+
+def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_session, monkeypatch):
+    """A greedy request admitted while drafting stands condemned at the number of sequences active
+    once the waiting ones are in gets no SpeculativeDecoder (no tap capture, no ring: the AR server's
+    work); a sampled one always keeps its own (its seed must not depend on timing); the greedy tokens
+    are AR's. Where drafting is not condemned every request keeps its decoder."""
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    model, codec = spec_session.model, spec_session.codec
+
+    def auto_factory(target, sampler):              # `--verify-budget auto`, as `k3kit serve --draft`
+        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=codec.stop_ids())
+    reqs = _requests(codec)
+    sampled = GenerationRequest(prompt_ids=tuple(codec.encode("while True:")), max_tokens=12,
+                                sampling=make_sampling(0.8, seed=3))
+    ref = ar_tokens(spec_session, reqs)
+    for condemned_from, plain_greedy in ((3, True), (100, False)):
+        sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=auto_factory,
+                            guard=_Condemned(condemned_from))
+        seen: dict[bool, set[bool]] = {True: set(), False: set()}      # greedy? -> {has a decoder?}
+        run = sp._run
+
+        def noted(entries, run=run, seen=seen):
+            for s, _ in entries:
+                seen[s.request.sampling.greedy].add(s.dec is not None)
+            run(entries)
+        monkeypatch.setattr(sp, "_run", noted)
+        got, st = serve_and_close(sp, [*reqs, sampled])
+        assert got[:len(reqs)] == ref and len(got[-1]) == 12
+        assert seen[True] == {not plain_greedy} and seen[False] == {True}
+        assert st.plain_sequences == (len(reqs) if plain_greedy else 0)
+        assert model.sequences == 0 and spec_session.draft_model.contexts == 0

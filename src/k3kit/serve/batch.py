@@ -64,6 +64,14 @@ committed row of the pass (as in the AR server: not a pending one-row block comm
 its tap features (rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
+Plain sequences: a greedy request admitted where drafting cannot pay (`_would_draft`: the guard
+condemns it at the number of sequences then active, or the allocator, given fresh sequences and
+the measured costs, would draft none of them) drops its SpeculativeDecoder and runs as the AR
+server runs it, for its whole life (no tap capture, no feature ring, no allocation): where
+drafting does not pay, the draft server then costs what the AR server costs (its bookkeeping was
+3-5% of a pass at 16 clients on the mini). Its tokens are AR's either way; sampled requests and
+fixed verify budgets keep their decoders. A sequence admitted with one keeps it (it drafts again
+when the others have left).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
 segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
 plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
@@ -92,7 +100,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from k3kit.runtime.protocols import BatchedModel, LoadedModel, SpeculativeBatchedModel, VerifyOutput
@@ -124,37 +131,68 @@ COST_REFRESH = 32        # passes between fresh asks of the model's cost(), the 
 
 
 class PassTiming:
-    """What a pass really costs here, learnt from the passes run: seconds ~ a * cost(rows) +
+    """What a pass really costs here, learnt from the passes run: seconds ~ a * cost(rows) + d +
     b * (verify rows beyond the anchors) + c * (verify blocks), a ridge regression with
-    forgetting (recent passes count most) towards a = 1, b = c = 0. The model's cost() knows the
-    machine's calibrated rates and the experts a pass reads; a sets it to the load of the moment,
-    b and c add what it does not see: a verify block's recurrence runs per sequence and row by
-    row, where single rows of many sequences step together."""
+    forgetting (recent passes count most) towards a = 1, d = b = c = 0. The model's cost() knows
+    the machine's calibrated rates and the experts a pass reads; a and d set it to the load of the
+    moment, b corrects its slope for verify rows (it may be negative: cost()'s rows are the
+    calibration's, measured on another machine; on the mini here a verify row costs ~0.5 ms where
+    cost() says 1.5) and c adds what it does not see at all: a verify block's recurrence runs per
+    sequence and row by row, where single rows of many sequences step together. Each column's
+    prior weighs like PRIOR passes in its own units (this cost(), 1 ms, one extra row, one block):
+    one ridge for all shrank the block column, a block x 1e-3, to nothing."""
 
     FORGET = 0.97
     PRIOR = 4.0             # the prior weighs as much as this many passes
+    K = 4
 
     def __init__(self) -> None:
-        self.xtx = np.zeros((3, 3))
-        self.xty = np.zeros(3)
-        self.theta = np.array([1.0, 0.0, 0.0])
+        # the weighted sums X'X and X'y, as plain floats: numpy's per-call overhead on arrays this
+        # small cost the draft server ~0.2 ms a pass
+        self.xx = [[0.0] * self.K for _ in range(self.K)]
+        self.xy = [0.0] * self.K
+        self.theta = (1.0, 0.0, 0.0, 0.0)
         self._last_cost: float | None = None      # the last pass's cost(), when theta is not solved for it
 
     def record(self, cost: float, extra_rows: int, blocks: int, seconds: float) -> None:
-        x = np.array([cost, extra_rows * 1e-3, blocks * 1e-3])       # b, c in ms: like-sized columns
-        self.xtx = self.FORGET * self.xtx + np.outer(x, x)
-        self.xty = self.FORGET * self.xty + x * seconds
+        x = (cost, 1e-3, extra_rows * 1e-3, blocks * 1e-3)       # d, b, c in ms: like-sized columns
+        f = self.FORGET
+        for i in range(self.K):
+            row = self.xx[i]
+            for j in range(self.K):
+                row[j] = f * row[j] + x[i] * x[j]
+            self.xy[i] = f * self.xy[i] + x[i] * seconds
         self._last_cost = cost                    # solved when asked: most passes never ask
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c) with b and c in seconds."""
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, d, b, c) with d, b and c in seconds."""
         if self._last_cost is not None:
-            prior = np.eye(3) * self.PRIOR * max(self._last_cost, 1e-3) ** 2
-            theta = np.linalg.solve(self.xtx + prior, self.xty + prior @ np.array([1.0, 0.0, 0.0]))
-            self.theta = np.maximum(theta, [0.1, 0.0, 0.0])
+            lam = [self.PRIOR * max(self._last_cost, 1e-3) ** 2] + [self.PRIOR * 1e-6] * 3
+            m = [[self.xx[i][j] + (lam[i] if i == j else 0.0) for j in range(self.K)] for i in range(self.K)]
+            y = [self.xy[0] + lam[0], *self.xy[1:]]      # the prior pulls towards (1, 0, 0, 0)
+            a, d, b, c = _solve(m, y)
+            self.theta = (max(a, 0.1), d, b, max(c, 0.0))
             self._last_cost = None
-        a, b, c = (float(v) for v in self.theta)
-        return a, b * 1e-3, c * 1e-3
+        a, d, b, c = self.theta
+        return a, d * 1e-3, b * 1e-3, c * 1e-3
+
+
+def _solve(m: list[list[float]], y: list[float]) -> list[float]:
+    """x with m x = y, m symmetric positive definite (Gaussian elimination; the ridge prior keeps m
+    well conditioned). m and y are overwritten."""
+    k = len(y)
+    for i in range(k):
+        p = m[i][i]
+        for r in range(i + 1, k):
+            f = m[r][i] / p
+            if f:
+                for j in range(i, k):
+                    m[r][j] -= f * m[i][j]
+                y[r] -= f * y[i]
+    x = [0.0] * k
+    for i in reversed(range(k)):
+        x[i] = (y[i] - sum(m[i][j] * x[j] for j in range(i + 1, k))) / m[i][i]
+    return x
 
 
 def _mean(old: list[float] | None, new: list[float], weight: float) -> list[float]:
@@ -252,6 +290,7 @@ class BatchScheduler:
         self._sync_row_s: float | None = None     # running mean of a draft context's catch-up, per ring row
         self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
         self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
+        self._proposals: int | None = None         # proposals per draft step (the drafter's)
         self.stop_ids = frozenset(codec.stop_ids())
         self._cv = threading.Condition()
         self._queue: deque[_Seq] = deque()
@@ -332,14 +371,18 @@ class BatchScheduler:
                     closing = list(self._active)
                 else:
                     closing = []
+                    coming = min(self.max_sequences, len(self._active) + len(self._queue))
                     while self._queue and len(self._active) < self.max_sequences:
                         seq = self._queue.popleft()
                         seq.handle = self.model.open_sequence()
                         self._active.append(seq)
-                        if (self.step_factory is not None and self.spec_model is not None
-                                and seq.request.logprobs is None):
+                        if self.step_factory is not None and self.spec_model is not None \
+                                and seq.request.logprobs is None:
                             target = self.spec_model.sequence_target(seq.handle)
                             seq.dec = self.step_factory(target, seq.sampler)
+                            self._proposals = seq.dec.draft.n_proposals
+                            if not self._speculates(seq, coming):
+                                self._plain(seq)
             if self._closed:
                 for seq in closing:
                     seq.out.cancel("error", "the server is shutting down")
@@ -361,6 +404,45 @@ class BatchScheduler:
             self._retire([s for s in self._active if s.out.done])
             if entries:
                 self._expert_snapshot()
+
+    def _speculates(self, seq: _Seq, n: int) -> bool:
+        """Whether a newly admitted request with a SpeculativeDecoder keeps it, `n` sequences
+        active once the waiting ones are in. A sampled one does: whether it drafts must not depend
+        on timing (its seed repeats); so does one with a fixed verify budget. A greedy one does only
+        where it could draft (`_would_draft(n)`); else it runs as a plain sequence for its whole life
+        (`_plain`)."""
+        if seq.dec is None or not seq.dec.sampling.greedy or seq.dec.schedule.budget is not None:
+            return True
+        return self._would_draft(n)
+
+    def _would_draft(self, n: int) -> bool:
+        """Could greedy sequences draft in a pass of `n` decoders, as things stand? Not where drafting
+        stands condemned (DraftGuard.verdict False), nor where the allocator, given fresh sequences
+        (judged, as it judges them, by the recent drafts of all sequences) and the measured draft and
+        pass costs, would draft none of them. Until something has been learnt: yes (find out)."""
+        if self._guard.verdict(n) is False:
+            return False
+        p, surv = self._proposals, self._survival
+        share = self._draft_fit.per_sequence(n)
+        d = share if share is not None else self._draft_s
+        room = self.limit - n
+        if p is None or surv is None or len(surv) != p or d is None or room <= 0 or self.spec_model is None:
+            return p is None or surv is None or d is None
+        cost, row_cost, block_cost = self._pass_cost(n)
+        widths = allocate_widths([Claim(surv, p + 1, d)] * n, cost, n, n, room, 0.0, row_cost, block_cost)
+        return max(widths) > 1
+
+    def _plain(self, seq: _Seq) -> None:
+        """Drop a newly admitted greedy sequence's SpeculativeDecoder: it is a plain sequence, run
+        exactly as the AR server runs it (its row committed by the pass, no tap capture, no feature
+        ring, no draft bookkeeping), for its whole life (a draft context later would have to be
+        built from a prompt's worth of features the ring never held)."""
+        dec, seq.dec = seq.dec, None
+        release = getattr(getattr(dec, "draft", None), "release", None)
+        if release is not None:
+            release(dec.ring)
+        with self._cv:
+            self._stats.plain_sequences += 1
 
     def _settle(self) -> None:
         """The admission window (the lock held): a worker woken from idle waits while requests keep
@@ -442,6 +524,7 @@ class BatchScheduler:
             self._timing.record(self._cost(n_rows), sum(cand), sum(1 for n in cand if n), dt)
         prompts_done = 0
         spec = [0, 0, 0, 0]                       # verifies, committed, proposed, accepted
+        decoded = [0, 0]                          # decoding sequences, the tokens they committed
         for (s, r), out in zip(entries, outs, strict=True):
             if not s.decoding:
                 s.fed += len(r)
@@ -465,16 +548,21 @@ class BatchScheduler:
                 spec[1] += len(tokens)
                 spec[2] += len(cand)
                 spec[3] += s.dec.last_accepted
+                decoded[0] += 1
+                decoded[1] += len(tokens)
                 for t in tokens:
                     if s.out.push(t):
                         break
             else:
                 row = out.logits[-1]
                 s.out.push(s.sampler(row), row)
+                decoded[0] += 1
+                decoded[1] += 1
         if self.step_factory is not None and spec[0] and not prompt_rows:     # pure decode passes
             # the whole pass as it ran, its choices and draft steps included: a first draft's context (the
-            # prompt's) or a catch-up after undrafted passes is a one-off, but paid by the requests served
-            self._guard.record(spec[0], self._drafted, spec[1], self._clock() - t_start)
+            # prompt's) or a catch-up after undrafted passes is a one-off, but paid by the requests served;
+            # every decoding sequence's tokens count (plain ones too: they share the pass and its time)
+            self._guard.record(decoded[0], self._drafted, decoded[1], self._clock() - t_start)
         with self._cv:
             st = self._stats
             st.batch_rows, st.batch_sequences = n_rows, len(entries)
@@ -508,6 +596,18 @@ class BatchScheduler:
             c = self._cost_memo[n] = self.spec_model.cost(n)
         return c
 
+    def _pass_cost(self, rows: int) -> tuple[Callable[[int], float], float, float]:
+        """PassTiming's view of a pass that holds `rows` rows before speculation: (seconds of a pass
+        of n rows, a verify row's correction, a block's cost). The correction may be negative (it
+        fixes cost()'s slope) but never takes a verify row below a fifth of what cost() says a row
+        costs here."""
+        scale, level, row_cost, block_cost = self._timing.coefficients()
+
+        def cost(n: int) -> float:
+            return scale * self._cost(n) + level
+        slope = cost(rows + 1) - cost(rows)
+        return cost, max(row_cost, -0.8 * slope), block_cost
+
     def _calibration(self) -> float:
         """Accepted / expected proposals so far (1 to start): a draft's confidence head may promise
         more than the target grants (the mini drafter's by about 1.6x), and the widths should be
@@ -526,17 +626,14 @@ class BatchScheduler:
         fixed = self._sampled_blocks([s for s in decs if not s.dec.sampling.greedy], room)
         room -= sum(len(c) for _, c in fixed.values())
         base_rows += sum(len(c) for _, c in fixed.values())
-        n_decoders = len(decs)
+        n_decoders = sum(1 for s, _ in entries if s.decoding)     # the guard's count: plain ones too
         decs = [s for s in decs if s.dec.sampling.greedy]
         if not decs or room <= 0 or not self._guard.allow(n_decoders):
             return fixed
         # a prompt row is work the pass must do as much as a token: count it, so that speculation
         # does not slow down the prefill of others because their rows made the pass long
         base_tokens = sum(1 if s.decoding else len(r) for s, r in entries)
-        scale, row_cost, block_cost = self._timing.coefficients()
-
-        def cost(n: int) -> float:
-            return scale * self._cost(n)
+        cost, row_cost, block_cost = self._pass_cost(base_rows)
 
         def max_rows(s: _Seq, proposals: int) -> int:
             return max(1, min(proposals + 1, s.out.remaining))

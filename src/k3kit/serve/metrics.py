@@ -65,6 +65,8 @@ class SchedulerCollector(Collector):
         yield counter("decode_passes", "target passes with decoding sequences", s.decode_passes)
         yield counter("speculative_drafted_passes", "decode passes that ran a draft step first",
                       s.drafted_passes)
+        yield counter("speculative_plain_sequences", "greedy requests served without the draft, where it "
+                      "could not pay", s.plain_sequences)
         yield gauge("speculative_committed_per_pass", "tokens committed per target pass since start",
                     s.spec_committed / s.spec_passes if s.spec_passes else 0)
         yield gauge("speculative_acceptance", "accepted / verified draft proposals since start",

@@ -113,6 +113,7 @@ class SchedulerStats:
     spec_accepted: int = 0                # of which accepted
     decode_passes: int = 0                # target passes with at least one decoding sequence
     drafted_passes: int = 0               # of which ran a draft step first
+    plain_sequences: int = 0              # greedy requests served without their draft (where it cannot pay)
 
 
 class Scheduler(Protocol):
