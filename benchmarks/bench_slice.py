@@ -28,9 +28,11 @@ k3kit configurations (`--configs`, comma list of MODE:DTYPE:CACHE_MIB):
   float:bf16:4096 float32-activation kernels, bf16 compute (dequantize + bf16 GEMM for many rows).
 always `--trunk quantized`, native expert kernels. llama.cpp: llama-cpp-python, F32 KV cache, its
 default weight repacking, except on a CPU with AMX-INT8, where llama.cpp aborts on kimi-k3 files
-with it (`--llama-no-repack` / `--llama-repack` decide; the header says which). Prints a markdown
-table: median tok/s of the reps with the spread (min-max), the ratio k3kit / llama.cpp of the
-medians, peak RSS.
+with it (`--llama-no-repack` / `--llama-repack` decide; the header says which). `--llama-both` runs
+both llama.cpp peers in every round (repacking on, then off), e.g. with a llama.cpp built without
+AMX (`LLAMA_CPP_LIB_PATH=DIR`, named in the header), where its CPU repack path works on this kind of
+file. Prints a markdown table: median tok/s of the reps with the spread (min-max), the ratio
+k3kit / llama.cpp of the medians (one per peer, `on / off` with --llama-both), peak RSS.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from k3kit.bench.llama_cpp import model_params, repack_choice
@@ -154,6 +156,42 @@ def cell(vals: list[float]) -> str:
     return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
 
 
+def llama_peers(asked: bool | None, both: bool) -> tuple[list[tuple[str, bool]], str]:
+    """([(row label, repack on)] of the llama.cpp peers run in every round, the header's words on it).
+
+    One peer (repack_choice decides) unless `both`: then repacking on and off, in that order, so
+    that a llama.cpp whose repack path works here is measured both ways against the same k3kit runs."""
+    if both:
+        return [("llama.cpp repack on", True), ("llama.cpp repack off", False)], \
+            "llama.cpp repack on and off (both asked for)"
+    repack, note = repack_choice(asked)
+    return [("llama.cpp", repack)], note
+
+
+def library_note(environ: Mapping[str, str] = os.environ) -> str:
+    """Where llama-cpp-python loads libllama from, when not its own build (LLAMA_CPP_LIB_PATH)."""
+    lib = environ.get("LLAMA_CPP_LIB_PATH")
+    return f"; llama.cpp libraries from LLAMA_CPP_LIB_PATH={lib}" if lib else ""
+
+
+def table_rows(name: str, threads: str, res: dict[str, list[dict]], peers: list[str]) -> list[str]:
+    """The markdown rows of one file and thread count: every engine, its ratios to each peer's medians
+    (joined by ' / ' when there are several peers), tokens equal to the first peer's first run."""
+    pp = [statistics.median(r["prefill"] for r in res[p]) for p in peers]
+    tg = [statistics.median(r["decode"] for r in res[p]) for p in peers]
+    first = res[peers[0]][0]["tokens"]
+    rows = []
+    for label, runs in res.items():
+        p = [r["prefill"] for r in runs]
+        d = [r["decode"] for r in runs]
+        xp = " / ".join(f"{statistics.median(p) / v:.2f}" for v in pp)
+        xd = " / ".join(f"{statistics.median(d) / v:.2f}" for v in tg)
+        same = "" if label == peers[0] else f"{sum(r['tokens'] == first for r in runs)}/{len(runs)}"
+        rows.append(f"| {name} | {threads} | {label} | {cell(p)} | {cell(d)} | {xp} | {xd} | "
+                    f"{max(r['rss_mib'] for r in runs):.0f} | {same} |")
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp")
@@ -170,6 +208,8 @@ def parser() -> argparse.ArgumentParser:
     repack.add_argument("--llama-repack", dest="llama_repack", action="store_const", const=True,
                         help="llama.cpp weight repacking on, even on an AMX-INT8 CPU (default: on, "
                         "except there)")
+    repack.add_argument("--llama-both", action="store_true",
+                        help="two llama.cpp peers in every round, repacking on then off (ratios to each)")
     ap.add_argument("--keep", action="store_true", help="keep the synthesized files")
     ap.add_argument("--reuse", action="store_true",
                     help="use DIR/slice-NAME/*.gguf if it exists (never deleted) instead of synthesizing")
@@ -189,12 +229,13 @@ def main() -> None:
         print(json.dumps(r))
         return
     configs = [c.split(":") for c in args.configs.split(",")]
-    llama_repack, repack_note = repack_choice(args.llama_repack)
+    peers, repack_note = llama_peers(args.llama_repack, args.llama_both)
     print(f"{cpu_info()}, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"prompt {args.prompt}, decode {args.tokens} (greedy), second request of two per load; "
-          f"{args.reps} reps alternating; {repack_note}")
-    print("| file | threads | engine | prefill tok/s | decode tok/s | prefill x | decode x | peak RSS MiB | "
-          "same tokens |")
+          f"{args.reps} reps alternating; {repack_note}{library_note()}")
+    vs = "" if len(peers) == 1 else " (vs on / off)"
+    print(f"| file | threads | engine | prefill tok/s | decode tok/s | prefill x{vs} | decode x{vs} | "
+          "peak RSS MiB | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.files.split(","):
         out = Path(args.dir) / f"slice-{name}"
@@ -213,23 +254,14 @@ def main() -> None:
                 with machine_lock(args.lock):    # a round per hold: llama.cpp then each config, per threads
                     for threads, res in results.items():
                         base = [path, threads, str(args.prompt), str(args.tokens)]
-                        res.setdefault("llama.cpp", []).append(
-                            run_child(["llama", *base, "1" if llama_repack else "0"]))
+                        for label, repack in peers:
+                            res.setdefault(label, []).append(
+                                run_child(["llama", *base, "1" if repack else "0"]))
                         for mode, dtype, cache in configs:
                             res.setdefault(f"k3kit {mode} {dtype} {cache} MiB", []).append(
                                 run_child(["k3", *base, mode, dtype, cache]))
             for threads, res in results.items():
-                peer = res["llama.cpp"]
-                pp = statistics.median(r["prefill"] for r in peer)
-                tg = statistics.median(r["decode"] for r in peer)
-                for label, runs in res.items():
-                    p = [r["prefill"] for r in runs]
-                    d = [r["decode"] for r in runs]
-                    same = "" if label == "llama.cpp" else \
-                        f"{sum(r['tokens'] == peer[0]['tokens'] for r in runs)}/{len(runs)}"
-                    print(f"| {name} | {threads} | {label} | {cell(p)} | {cell(d)} | "
-                          f"{statistics.median(p) / pp:.2f} | {statistics.median(d) / tg:.2f} | "
-                          f"{max(r['rss_mib'] for r in runs):.0f} | {same} |", flush=True)
+                print("\n".join(table_rows(name, threads, res, [label for label, _ in peers])), flush=True)
         finally:
             if made and not args.keep:
                 shutil.rmtree(out, ignore_errors=True)

@@ -120,3 +120,41 @@ def test_a_model_loads_through_the_amx_choice(tmp_path):
         assert llm.n_tokens == 3
     finally:
         llm.close()
+
+
+def test_bench_slice_both_peers():
+    """--llama-both runs repacking on, then off, whatever the CPU; it excludes the single choices."""
+    bench = load("bench_slice")
+    args = bench.parser().parse_args(["--llama-both"])
+    peers, note = bench.llama_peers(args.llama_repack, args.llama_both)
+    assert peers == [("llama.cpp repack on", True), ("llama.cpp repack off", False)]
+    assert "on and off" in note
+    peers, _ = bench.llama_peers(False, False)
+    assert peers == [("llama.cpp", False)]
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--llama-both", "--llama-repack"])
+
+
+def test_bench_slice_library_note():
+    bench = load("bench_slice")
+    assert bench.library_note({}) == ""
+    assert bench.library_note({"LLAMA_CPP_LIB_PATH": "/tmp/x/bin"}).endswith("LLAMA_CPP_LIB_PATH=/tmp/x/bin")
+
+
+def _run(prefill: float, decode: float, tokens: list[int], rss: float = 100.0) -> dict:
+    return {"prefill": prefill, "decode": decode, "tokens": tokens, "rss_mib": rss}
+
+
+def test_bench_slice_rows_give_a_ratio_to_each_peer():
+    bench = load("bench_slice")
+    res = {"llama.cpp repack on": [_run(20, 4, [1, 2]), _run(20, 6, [1, 2])],
+           "llama.cpp repack off": [_run(10, 2, [1, 3]), _run(10, 2, [1, 3])],
+           "k3kit ggml f32 4096 MiB": [_run(40, 5, [1, 2]), _run(40, 5, [9, 9], rss=300)]}
+    rows = bench.table_rows("q4k", "2", res, ["llama.cpp repack on", "llama.cpp repack off"])
+    assert rows[0] == "| q4k | 2 | llama.cpp repack on | 20.00 (20.00-20.00) | 5.00 (4.00-6.00) | " \
+                      "1.00 / 2.00 | 1.00 / 2.50 | 100 |  |"
+    assert rows[1].endswith("| 0.50 / 1.00 | 0.40 / 1.00 | 100 | 0/2 |")
+    assert rows[2].endswith("| 2.00 / 4.00 | 1.00 / 2.50 | 300 | 1/2 |")
+    single = bench.table_rows("iq", "1", {"llama.cpp": res["llama.cpp repack on"],
+                                          "k3": res["k3kit ggml f32 4096 MiB"]}, ["llama.cpp"])
+    assert single[1].endswith("| 2.00 | 1.00 | 300 | 1/2 |")
