@@ -8,7 +8,7 @@ from scheduling import ar_tokens, serve_and_close
 
 from k3kit.runtime.sampling import make_sampling
 from k3kit.runtime.speculative.schedule import DraftGuard
-from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.batch import PLAIN_FROM, BatchScheduler
 from k3kit.serve.scheduler import GenerationRequest
 
 TEXTS = ["import os", "def add(a, b):", "class Foo:", "x = [", "for i in range(10):", "# a comment"]
@@ -142,4 +142,30 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
         assert got[:len(reqs)] == ref and len(got[-1]) == 12
         assert seen[True] == {not plain_greedy} and seen[False] == {True}
         assert st.plain_sequences == (len(reqs) if plain_greedy else 0)
+        assert len(reqs) + 1 >= PLAIN_FROM                  # admitted together: that many active
         assert model.sequences == 0 and spec_session.draft_model.contexts == 0
+
+
+def test_a_request_admitted_with_few_others_keeps_its_draft_even_where_condemned(spec_session, monkeypatch):
+    """Below PLAIN_FROM active sequences a greedy request keeps its decoder whatever the verdict (its
+    bookkeeping is small there, and the guard's probes need drafting sequences to revisit it)."""
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+
+    model, codec = spec_session.model, spec_session.codec
+
+    def auto_factory(target, sampler):
+        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=codec.stop_ids())
+    reqs = _requests(codec)[:PLAIN_FROM - 1]
+    ref = ar_tokens(spec_session, reqs)
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=auto_factory,
+                        guard=_Condemned(1))
+    kept: set[bool] = set()
+    run = sp._run
+
+    def noted(entries):
+        kept.update(s.dec is not None for s, _ in entries)
+        run(entries)
+    monkeypatch.setattr(sp, "_run", noted)
+    got, st = serve_and_close(sp, reqs)
+    assert got == ref and kept == {True} and st.plain_sequences == 0

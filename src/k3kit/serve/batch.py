@@ -64,14 +64,18 @@ committed row of the pass (as in the AR server: not a pending one-row block comm
 its tap features (rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
-Plain sequences: a greedy request admitted where drafting cannot pay (`_would_draft`: the guard
-condemns it at the number of sequences then active, or the allocator, given fresh sequences and
-the measured costs, would draft none of them) drops its SpeculativeDecoder and runs as the AR
-server runs it, for its whole life (no tap capture, no feature ring, no allocation): where
-drafting does not pay, the draft server then costs what the AR server costs (its bookkeeping was
-3-5% of a pass at 16 clients on the mini). Its tokens are AR's either way; sampled requests and
-fixed verify budgets keep their decoders. A sequence admitted with one keeps it (it drafts again
-when the others have left).
+Plain sequences: a greedy request admitted, PLAIN_FROM or more sequences active, where drafting
+cannot pay (`_would_draft`: the guard condemns it at the number of sequences then active, or the
+allocator, given fresh sequences and the measured costs, would draft none of them) drops its
+SpeculativeDecoder and runs as the AR server runs it, for its whole life (no tap capture, no
+feature ring, no allocation): where drafting does not pay, the draft server then costs what the
+AR server costs (its bookkeeping was 3-5% of a pass at 16 clients on the mini). Its tokens are
+AR's either way; sampled requests and fixed verify budgets keep their decoders. A sequence
+admitted with one keeps it (it drafts again when the others have left). A verdict is revisited
+through the sequences admitted with fewer than PLAIN_FROM active (they always keep their decoder:
+the guard's probes and the allocator's survival need drafting sequences) and the sampled ones; a
+server never below PLAIN_FROM users keeps the verdict it has (no decoder at 8 clients paid more
+than it cost on the mini, 2 cores, any way we tried: a decoder admitted in 8 to probe cost 5-10%).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
 segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
 plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
@@ -127,6 +131,7 @@ log = logging.getLogger("k3kit.serve")
 ADMIT_SETTLE = 0.005     # s without a new request that ends the admission window (_settle)
 ADMIT_MAX = 0.025        # s the admission window lasts at most
 REDRAFT_AFTER = 8        # passes without a draft after which a sequence is judged by everyone's drafts
+PLAIN_FROM = 4           # sequences active from which a greedy request may be admitted plain
 COST_REFRESH = 32        # passes between fresh asks of the model's cost(), the expert cache unchanged
 
 
@@ -291,6 +296,7 @@ class BatchScheduler:
         self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
         self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
         self._proposals: int | None = None         # proposals per draft step (the drafter's)
+        self._would_memo: bool | None = None       # _would_draft of this admission round
         self.stop_ids = frozenset(codec.stop_ids())
         self._cv = threading.Condition()
         self._queue: deque[_Seq] = deque()
@@ -372,6 +378,7 @@ class BatchScheduler:
                 else:
                     closing = []
                     coming = min(self.max_sequences, len(self._active) + len(self._queue))
+                    self._would_memo = None
                     while self._queue and len(self._active) < self.max_sequences:
                         seq = self._queue.popleft()
                         seq.handle = self.model.open_sequence()
@@ -408,12 +415,19 @@ class BatchScheduler:
     def _speculates(self, seq: _Seq, n: int) -> bool:
         """Whether a newly admitted request with a SpeculativeDecoder keeps it, `n` sequences
         active once the waiting ones are in. A sampled one does: whether it drafts must not depend
-        on timing (its seed repeats); so does one with a fixed verify budget. A greedy one does only
-        where it could draft (`_would_draft(n)`); else it runs as a plain sequence for its whole life
-        (`_plain`)."""
+        on timing (its seed repeats); so does one with a fixed verify budget. A greedy one does with
+        fewer than PLAIN_FROM sequences (there its bookkeeping is ~1% of a pass, and the guard's probes
+        and the allocator's survival need drafting sequences: one prompt the drafter cannot follow
+        can condemn drafting at 1 for prompts it follows well, and a probe that pays lifts that), or
+        where it could draft
+        (`_would_draft(n)`); else it runs as a plain sequence for its whole life (`_plain`)."""
         if seq.dec is None or not seq.dec.sampling.greedy or seq.dec.schedule.budget is not None:
             return True
-        return self._would_draft(n)
+        if n < PLAIN_FROM:
+            return True
+        if self._would_memo is None:              # once per admission round
+            self._would_memo = self._would_draft(n)
+        return self._would_memo
 
     def _would_draft(self, n: int) -> bool:
         """Could greedy sequences draft in a pass of `n` decoders, as things stand? Not where drafting
@@ -429,8 +443,10 @@ class BatchScheduler:
         if p is None or surv is None or len(surv) != p or d is None or room <= 0 or self.spec_model is None:
             return p is None or surv is None or d is None
         cost, row_cost, block_cost = self._pass_cost(n)
-        widths = allocate_widths([Claim(surv, p + 1, d)] * n, cost, n, n, room, 0.0, row_cost, block_cost)
-        return max(widths) > 1
+        # one fresh claim among n decoding rows: the allocator's first pick among n like ones is this
+        # one's first widening, and if that does not pay, none does (n claims cost O(n^2) to allocate)
+        widths = allocate_widths([Claim(surv, p + 1, d)], cost, n, n, room, 0.0, row_cost, block_cost)
+        return widths[0] > 1
 
     def _plain(self, seq: _Seq) -> None:
         """Drop a newly admitted greedy sequence's SpeculativeDecoder: it is a plain sequence, run
