@@ -4,7 +4,7 @@ at any pass with the AR output."""
 
 from __future__ import annotations
 
-from scheduling import ar_tokens, serve_and_close
+from scheduling import ar_tokens, serve_and_close, serve_together
 
 from k3kit.runtime.sampling import make_sampling
 from k3kit.runtime.speculative.schedule import DraftGuard
@@ -115,7 +115,8 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
     """A greedy request admitted while drafting stands condemned at the number of sequences active
     once the waiting ones are in gets no SpeculativeDecoder (no tap capture, no ring: the AR server's
     work); a sampled one always keeps its own (its seed must not depend on timing); the greedy tokens
-    are AR's. Where drafting is not condemned every request keeps its decoder."""
+    are AR's. A server that has not built a decoder yet (its verify budget unknown) gives every request
+    one."""
     from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
 
     model, codec = spec_session.model, spec_session.codec
@@ -137,6 +138,8 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
             for s, _ in entries:
                 seen[s.request.sampling.greedy].add(s.dec is not None)
             run(entries)
+        if plain_greedy:       # one alone first: a decoder, and the factory's verify budget known (auto)
+            assert serve_together(sp, reqs[:1]) == ref[:1]
         monkeypatch.setattr(sp, "_run", noted)
         got, st = serve_and_close(sp, [*reqs, sampled])
         assert got[:len(reqs)] == ref and len(got[-1]) == 12

@@ -296,6 +296,7 @@ class BatchScheduler:
         self._foretold = self._accepted = 0.0     # proposals expected to survive / that did (running)
         self._survival: list[float] | None = None  # running mean of drafts' prefix survival, any sequence
         self._proposals: int | None = None         # proposals per draft step (the drafter's)
+        self._budgeted: bool | None = None         # whether the factory's decoders have a fixed budget
         self._would_memo: bool | None = None       # _would_draft of this admission round
         self.stop_ids = frozenset(codec.stop_ids())
         self._cv = threading.Condition()
@@ -385,11 +386,13 @@ class BatchScheduler:
                         self._active.append(seq)
                         if self.step_factory is not None and self.spec_model is not None \
                                 and seq.request.logprobs is None:
-                            target = self.spec_model.sequence_target(seq.handle)
-                            seq.dec = self.step_factory(target, seq.sampler)
-                            self._proposals = seq.dec.draft.n_proposals
-                            if not self._speculates(seq, coming):
-                                self._plain(seq)
+                            if self._speculates(seq, coming):
+                                target = self.spec_model.sequence_target(seq.handle)
+                                seq.dec = self.step_factory(target, seq.sampler)
+                                self._proposals = seq.dec.draft.n_proposals
+                                self._budgeted = seq.dec.schedule.budget is not None
+                            else:
+                                self._stats.plain_sequences += 1
             if self._closed:
                 for seq in closing:
                     seq.out.cancel("error", "the server is shutting down")
@@ -413,15 +416,17 @@ class BatchScheduler:
                 self._expert_snapshot()
 
     def _speculates(self, seq: _Seq, n: int) -> bool:
-        """Whether a newly admitted request with a SpeculativeDecoder keeps it, `n` sequences
-        active once the waiting ones are in. A sampled one does: whether it drafts must not depend
-        on timing (its seed repeats); so does one with a fixed verify budget. A greedy one does with
+        """Whether a newly admitted request gets a SpeculativeDecoder, `n` sequences active once the
+        waiting ones are in; if not, it runs as a plain sequence for its whole life, as the AR server
+        runs it (no decoder is built: its ring and draft context cost the admission ~10 ms at 8
+        clients). A sampled one does: whether it drafts must not depend on timing (its seed
+        repeats); so does every one while the factory's verify budget is not known to be `auto`
+        (the first decoder tells), and one with a fixed budget. A greedy one does with
         fewer than PLAIN_FROM sequences (there its bookkeeping is ~1% of a pass, and the guard's probes
         and the allocator's survival need drafting sequences: one prompt the drafter cannot follow
         can condemn drafting at 1 for prompts it follows well, and a probe that pays lifts that), or
-        where it could draft
-        (`_would_draft(n)`); else it runs as a plain sequence for its whole life (`_plain`)."""
-        if seq.dec is None or not seq.dec.sampling.greedy or seq.dec.schedule.budget is not None:
+        where it could draft (`_would_draft(n)`)."""
+        if not seq.sampler.sampling.greedy or self._budgeted is not False:
             return True
         if n < PLAIN_FROM:
             return True
@@ -447,18 +452,6 @@ class BatchScheduler:
         # one's first widening, and if that does not pay, none does (n claims cost O(n^2) to allocate)
         widths = allocate_widths([Claim(surv, p + 1, d)], cost, n, n, room, 0.0, row_cost, block_cost)
         return widths[0] > 1
-
-    def _plain(self, seq: _Seq) -> None:
-        """Drop a newly admitted greedy sequence's SpeculativeDecoder: it is a plain sequence, run
-        exactly as the AR server runs it (its row committed by the pass, no tap capture, no feature
-        ring, no draft bookkeeping), for its whole life (a draft context later would have to be
-        built from a prompt's worth of features the ring never held)."""
-        dec, seq.dec = seq.dec, None
-        release = getattr(getattr(dec, "draft", None), "release", None)
-        if release is not None:
-            release(dec.ring)
-        with self._cv:
-            self._stats.plain_sequences += 1
 
     def _settle(self) -> None:
         """The admission window (the lock held): a worker woken from idle waits while requests keep
