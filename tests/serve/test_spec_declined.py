@@ -115,8 +115,9 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
     """A greedy request admitted while drafting stands condemned at the number of sequences active
     once the waiting ones are in gets no SpeculativeDecoder (no tap capture, no ring: the AR server's
     work); a sampled one always keeps its own (its seed must not depend on timing); the greedy tokens
-    are AR's. A server that has not built a decoder yet (its verify budget unknown) gives every request
-    one."""
+    are AR's. A server that has seen no pass yet starts the requests of a large round plain too (no
+    pass has shown drafting to pay there), but for the first, whose decoder tells it the factory's
+    verify budget."""
     from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
 
     model, codec = spec_session.model, spec_session.codec
@@ -128,7 +129,7 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
     sampled = GenerationRequest(prompt_ids=tuple(codec.encode("while True:")), max_tokens=12,
                                 sampling=make_sampling(0.8, seed=3))
     ref = ar_tokens(spec_session, reqs)
-    for condemned_from, plain_greedy in ((3, True), (100, False)):
+    for condemned_from, warm, kept in ((3, True, {False}), (100, False, {True, False})):
         sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=auto_factory,
                             guard=_Condemned(condemned_from))
         seen: dict[bool, set[bool]] = {True: set(), False: set()}      # greedy? -> {has a decoder?}
@@ -138,13 +139,13 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
             for s, _ in entries:
                 seen[s.request.sampling.greedy].add(s.dec is not None)
             run(entries)
-        if plain_greedy:       # one alone first: a decoder, and the factory's verify budget known (auto)
+        if warm:               # one alone first: a decoder, and the factory's verify budget known (auto)
             assert serve_together(sp, reqs[:1]) == ref[:1]
         monkeypatch.setattr(sp, "_run", noted)
         got, st = serve_and_close(sp, [*reqs, sampled])
         assert got[:len(reqs)] == ref and len(got[-1]) == 12
-        assert seen[True] == {not plain_greedy} and seen[False] == {True}
-        assert st.plain_sequences == (len(reqs) if plain_greedy else 0)
+        assert seen[True] == kept and seen[False] == {True}
+        assert st.plain_sequences == len(reqs) - (0 if warm else 1)
         assert len(reqs) + 1 >= PLAIN_FROM                  # admitted together: that many active
         assert model.sequences == 0 and spec_session.draft_model.contexts == 0
 

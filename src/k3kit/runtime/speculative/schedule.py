@@ -384,6 +384,10 @@ class DraftGuard:
         resid = max(0.0, (tt - 2 * r * ts + r * r * ss) / w)
         return r, resid * w2 / (sec * sec)
 
+    def measured(self, n: int) -> bool:
+        """Whether n has had enough passes each way for a verdict of its own."""
+        return self._measured(n)
+
     def _measured(self, n: int) -> bool:
         """Enough passes at n for a verdict: `samples` drafted ones and a few undrafted ones (a
         verdict against drafting asks for `samples` of those too, see _judged)."""
