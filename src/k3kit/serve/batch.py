@@ -64,18 +64,18 @@ committed row of the pass (as in the AR server: not a pending one-row block comm
 its tap features (rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
-Plain sequences: a greedy request admitted, PLAIN_FROM or more sequences active, where drafting
-cannot pay (`_would_draft`: the guard condemns it at the number of sequences then active, or the
-allocator, given fresh sequences and the measured costs, would draft none of them) drops its
-SpeculativeDecoder and runs as the AR server runs it, for its whole life (no tap capture, no
+Plain sequences: a greedy request admitted with PLAIN_FROM or more sequences active gets no
+SpeculativeDecoder unless passes have shown drafting to pay at that count (`_would_draft`: the
+guard's verdict there, or a smaller count's scaled to it, and the allocator given fresh sequences
+and the measured costs), and runs as the AR server runs it, for its whole life (no tap capture, no
 feature ring, no allocation): where drafting does not pay, the draft server then costs what the
 AR server costs (its bookkeeping was 3-5% of a pass at 16 clients on the mini). Its tokens are
 AR's either way; sampled requests and fixed verify budgets keep their decoders. A sequence
 admitted with one keeps it (it drafts again when the others have left). A verdict is revisited
 through the sequences admitted with fewer than PLAIN_FROM active (they always keep their decoder:
 the guard's probes and the allocator's survival need drafting sequences) and the sampled ones; a
-server never below PLAIN_FROM users keeps the verdict it has (no decoder at 8 clients paid more
-than it cost on the mini, 2 cores, any way we tried: a decoder admitted in 8 to probe cost 5-10%).
+server never below PLAIN_FROM users keeps the verdict it has (a decoder admitted in 8 to probe
+cost 5-10% at 8 clients on the mini, 2 cores).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
 segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
 plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
