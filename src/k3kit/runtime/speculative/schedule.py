@@ -362,7 +362,7 @@ class DraftGuard:
         how this machine runs (a cold start's first draft steps weigh in it until forgotten, which at
         one probe in 32..512 questions takes thousands of passes), so the drafted side where it was reached is
         measured again (`samples` passes, the allocator deciding) and judged afresh."""
-        source = next((m for m in range(n, 0, -1) if self._measured(m)), None)
+        source = next((m for m in range(n, 0, -1) if self.measured(m)), None)
         if source is None or self._judged(source) is not False:
             return
         undrafted = self.rate(n, False)
@@ -385,10 +385,6 @@ class DraftGuard:
         return r, resid * w2 / (sec * sec)
 
     def measured(self, n: int) -> bool:
-        """Whether n has had enough passes each way for a verdict of its own."""
-        return self._measured(n)
-
-    def _measured(self, n: int) -> bool:
         """Enough passes at n for a verdict: `samples` drafted ones and a few undrafted ones (a
         verdict against drafting asks for `samples` of those too, see _judged)."""
         return (self.count.get((n, True), 0) >= self.samples
@@ -398,7 +394,7 @@ class DraftGuard:
         """n's own verdict: both sides measured and `z` standard errors apart (None: not so).
         Drafting is only condemned on `samples` undrafted passes: a wrong False costs the gain until
         a probe turns it, a wrong True only leaves the choice to the allocator, as before a verdict."""
-        if not self._measured(n):
+        if not self.measured(n):
             return None
         rt, vt = self._stat(n, True)
         rf, vf = self._stat(n, False)
@@ -419,12 +415,11 @@ class DraftGuard:
         at 8), and where that falls short of the margin drafting starts there condemned (it is
         only probed, until the probes have measured n itself)."""
         for m in range(n, 0, -1):
-            if self._measured(m):
+            if self.measured(m):
                 judged = self._judged(m)
                 if m == n or judged is False:
                     return judged
-                r = self.sums[(m, True)][2] / self.sums[(m, True)][3] / (
-                    self.sums[(m, False)][2] / self.sums[(m, False)][3])
+                r = self._stat(m, True)[0] / self._stat(m, False)[0]
                 return False if 1 + (r - 1) * m / n < 1 + self.margin else judged
         return None
 
