@@ -173,3 +173,38 @@ def test_a_request_admitted_with_few_others_keeps_its_draft_even_where_condemned
     monkeypatch.setattr(sp, "_run", noted)
     got, st = serve_and_close(sp, reqs)
     assert got == ref and kept == {True} and st.plain_sequences == 0
+
+
+def test_requests_coming_back_to_a_busy_server_are_admitted_under_its_recent_load(spec_session):
+    """A busy server's clients come back one by one after their answers, so the first of them are
+    admitted with few others active: within RECENT_S of a pass that held PLAIN_FROM sequences, a
+    greedy request is admitted under that load (plain, where drafting stands condemned there), and
+    once RECENT_S has gone by without such a pass, under what is active (its decoder kept)."""
+    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
+    from k3kit.serve.batch import RECENT_S
+
+    model, codec = spec_session.model, spec_session.codec
+
+    def auto_factory(target, sampler):
+        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=codec.stop_ids())
+    reqs = _requests(codec)
+    assert len(reqs) == PLAIN_FROM
+    few = reqs[:2]
+    ref = ar_tokens(spec_session, few)
+    now = [0.0]
+    sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=auto_factory,
+                        guard=_Condemned(PLAIN_FROM), clock=lambda: now[0])
+    try:
+        serve_together(sp, reqs[:1])              # a decoder: the factory's verify budget known
+        serve_together(sp, reqs)                  # PLAIN_FROM at once: all plain
+        plain = sp.stats().plain_sequences
+        assert plain == PLAIN_FROM
+        assert serve_together(sp, few) == ref     # right after: admitted under the busy passes' load
+        assert sp.stats().plain_sequences == plain + len(few)
+        now[0] += RECENT_S * 1.01
+        assert serve_together(sp, few) == ref     # the load has gone: decoders again
+        assert sp.stats().plain_sequences == plain + len(few)
+    finally:
+        sp.close()
+    assert model.sequences == 0 and spec_session.draft_model.contexts == 0

@@ -64,10 +64,11 @@ committed row of the pass (as in the AR server: not a pending one-row block comm
 its tap features (rows the target computes anyway) go to its ring, and nothing else; its draft context K/V is
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
-Plain sequences: a greedy request admitted with PLAIN_FROM or more sequences active gets no
-SpeculativeDecoder unless passes have shown drafting to pay at that count (`_would_draft`: the
-guard's verdict there, or a smaller count's scaled to it, and the allocator given fresh sequences
-and the measured costs), and runs as the AR server runs it, for its whole life (no tap capture, no
+Plain sequences: a greedy request admitted with PLAIN_FROM or more sequences active (counting the
+waiting ones, or as many as a pass held within the last RECENT_S seconds if more: the clients of
+a busy server come back one by one) gets no SpeculativeDecoder unless passes have shown drafting
+to pay at that count (`_would_draft`: the guard's verdict there, or a smaller count's scaled to
+it, and the allocator given fresh sequences and the measured costs), and runs as the AR server runs it, for its whole life (no tap capture, no
 feature ring, no allocation): where drafting does not pay, the draft server then costs what the
 AR server costs (its bookkeeping was 3-5% of a pass at 16 clients on the mini). Its tokens are
 AR's either way; sampled requests and fixed verify budgets keep their decoders. A sequence
@@ -132,6 +133,7 @@ ADMIT_SETTLE = 0.005     # s without a new request that ends the admission windo
 ADMIT_MAX = 0.025        # s the admission window lasts at most
 REDRAFT_AFTER = 8        # passes without a draft after which a sequence is judged by everyone's drafts
 PLAIN_FROM = 6           # sequences active from which a greedy request may be admitted plain
+RECENT_S = 0.25          # s a pass's sequence count stays the load requests are admitted under
 COST_REFRESH = 32        # passes between fresh asks of the model's cost(), the expert cache unchanged
 
 
@@ -298,6 +300,7 @@ class BatchScheduler:
         self._proposals: int | None = None         # proposals per draft step (the drafter's)
         self._budgeted: bool | None = None         # whether the factory's decoders have a fixed budget
         self._would_memo: bool | None = None       # _would_draft of this admission round
+        self._load = (0, float("-inf"))            # (sequences in a recent pass, when it ended): _recent_load
         self.stop_ids = frozenset(codec.stop_ids())
         self._cv = threading.Condition()
         self._queue: deque[_Seq] = deque()
@@ -378,7 +381,8 @@ class BatchScheduler:
                     closing = list(self._active)
                 else:
                     closing = []
-                    coming = min(self.max_sequences, len(self._active) + len(self._queue))
+                    coming = max(min(self.max_sequences, len(self._active) + len(self._queue)),
+                                 self._recent_load())
                     self._would_memo = None
                     while self._queue and len(self._active) < self.max_sequences:
                         seq = self._queue.popleft()
@@ -411,13 +415,29 @@ class BatchScheduler:
                 log.exception("a batched pass failed")
                 for seq in [s for s, _ in entries] or list(self._active):
                     seq.out.cancel("error", f"{type(e).__name__}: {e}")
+            if entries:
+                self._note_load(len(self._active))
             self._retire([s for s in self._active if s.out.done])
             if entries:
                 self._expert_snapshot()
 
+    def _recent_load(self) -> int:
+        """The most sequences a pass held within the last RECENT_S seconds (0: none ran): the load a
+        request is admitted under, whoever happens to be active at that moment. Clients of a busy
+        server come back over a few ms after their answers, so those admitted first see the server
+        almost empty; over HTTP on the mini, 8 clients' requests admitted in twos and threes that way
+        got decoders and the draft server ran 0.74-0.91x AR."""
+        n, t = self._load
+        return n if self._clock() - t <= RECENT_S else 0
+
+    def _note_load(self, n: int) -> None:
+        """A pass ran with `n` sequences active (its finished ones included)."""
+        if n >= self._recent_load():
+            self._load = (n, self._clock())
+
     def _speculates(self, seq: _Seq, n: int) -> bool:
         """Whether a newly admitted request gets a SpeculativeDecoder, `n` sequences active once the
-        waiting ones are in; if not, it runs as a plain sequence for its whole life, as the AR server
+        waiting ones are in (or as many as a pass held within RECENT_S, if more); if not, it runs as a plain sequence for its whole life, as the AR server
         runs it (no decoder is built: its ring and draft context cost the admission ~10 ms at 8
         clients). A sampled one does: whether it drafts must not depend on timing (its seed
         repeats); so does every one while the factory's verify budget is not known to be `auto`
