@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -31,7 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def openmp_waits_passively() -> None:
+    """Let OpenMP threads sleep while they wait, unless the user chose (OMP_WAIT_POLICY, or
+    GOMP_SPINCOUNT: `GOMP_SPINCOUNT=300000` is libgomp's own default back). libgomp's threads spin
+    first, and when anything else wants the cores (another process, a client, a build) a spinning
+    team loses a time slice at every parallel region: the mini's server at 2 threads beside one
+    busy process ran 16-91 tok/s spinning against 41-242 sleeping (1-16 clients), `generate` 4.7
+    against 97 beside a compiler and a test run. Alone, the slices decode the same either way; the
+    mini's many tiny torch regions pay a thread's wake-up each, 16% at 8-16 clients
+    (benchmarks/RESULTS.md). libgomp reads it once, when torch loads it: so before that."""
+    if "torch" not in sys.modules and not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
+    openmp_waits_passively()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "_run"):
