@@ -65,18 +65,18 @@ its tap features (rows the target computes anyway) go to its ring, and nothing e
 brought up to date from the ring only in the next pass where it drafts (tests/serve/
 test_spec_declined.py).
 Plain sequences: a greedy request admitted with PLAIN_FROM or more sequences active (counting the
-waiting ones, or as many as a pass held within the last RECENT_S seconds if more: the clients of
-a busy server come back one by one) gets no SpeculativeDecoder unless passes have shown drafting
-to pay at that count (`_would_draft`: the guard's verdict there, or a smaller count's scaled to
-it, and the allocator given fresh sequences and the measured costs), and runs as the AR server runs it, for its whole life (no tap capture, no
-feature ring, no allocation): where drafting does not pay, the draft server then costs what the
-AR server costs (its bookkeeping was 3-5% of a pass at 16 clients on the mini). Its tokens are
-AR's either way; sampled requests and fixed verify budgets keep their decoders. A sequence
-admitted with one keeps it (it drafts again when the others have left). A verdict is revisited
-through the sequences admitted with fewer than PLAIN_FROM active (they always keep their decoder:
-the guard's probes and the allocator's survival need drafting sequences) and the sampled ones; a
-server never below PLAIN_FROM users keeps the verdict it has (a decoder admitted in 8 to probe
-cost 5-10% at 8 clients on the mini, 2 cores).
+waiting ones, or as many as a pass held within the last RECENT_S seconds if more: the clients of a
+busy server come back one by one) gets no SpeculativeDecoder unless passes have shown drafting to
+pay at that count (`_would_draft`: the guard's verdict there, or a smaller count's scaled to it, and
+the allocator given fresh sequences and the measured costs), and runs as the AR server runs it, for
+its whole life (no tap capture, no feature ring, no allocation): where drafting does not pay, the
+draft server then costs what the AR server costs (its bookkeeping was 3-5% of a pass at 16 clients
+on the mini). Its tokens are AR's either way; sampled requests and fixed verify budgets keep their
+decoders. A sequence admitted with one keeps it (it drafts again when the others have left). A
+verdict is revisited through the sequences admitted with fewer than PLAIN_FROM active (they always
+keep their decoder: the guard's probes and the allocator's survival need drafting sequences) and the
+sampled ones; a server never below PLAIN_FROM users keeps the verdict it has (a decoder admitted in
+8 to probe cost 5-10% at 8 clients on the mini, 2 cores).
 A verify block is a segment that starts at the anchor, and its rows are the floats a committed
 segment of those rows gets, alone or batched, within the same row limit; a one-row block is the
 plain decode row, and the plain rows of other sequences keep their bits. Greedy output is the
@@ -437,15 +437,15 @@ class BatchScheduler:
 
     def _speculates(self, seq: _Seq, n: int) -> bool:
         """Whether a newly admitted request gets a SpeculativeDecoder, `n` sequences active once the
-        waiting ones are in (or as many as a pass held within RECENT_S, if more); if not, it runs as a plain sequence for its whole life, as the AR server
-        runs it (no decoder is built: its ring and draft context cost the admission ~10 ms at 8
-        clients). A sampled one does: whether it drafts must not depend on timing (its seed
-        repeats); so does every one while the factory's verify budget is not known to be `auto`
-        (the first decoder tells), and one with a fixed budget. A greedy one does with
-        fewer than PLAIN_FROM sequences (there its bookkeeping is ~1% of a pass, and the guard's probes
-        and the allocator's survival need drafting sequences: one prompt the drafter cannot follow
-        can condemn drafting at 1 for prompts it follows well, and a probe that pays lifts that), or
-        where it could draft (`_would_draft(n)`)."""
+        waiting ones are in (or as many as a pass held within RECENT_S, if more); if not, it runs as
+        a plain sequence for its whole life, as the AR server runs it (no decoder is built: its ring
+        and draft context cost the admission ~10 ms at 8 clients). A sampled one does: whether it
+        drafts must not depend on timing (its seed repeats); so does every one while the factory's
+        verify budget is not known to be `auto` (the first decoder tells), and one with a fixed
+        budget. A greedy one does with fewer than PLAIN_FROM sequences (there its bookkeeping is ~1%
+        of a pass, and the guard's probes and the allocator's survival need drafting sequences: one
+        prompt the drafter cannot follow can condemn drafting at 1 for prompts it follows well, and
+        a probe that pays lifts that), or where it could draft (`_would_draft(n)`)."""
         if not seq.sampler.sampling.greedy or self._budgeted is not False:
             return True
         if n < PLAIN_FROM:
