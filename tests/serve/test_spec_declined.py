@@ -7,6 +7,7 @@ from __future__ import annotations
 from scheduling import ar_tokens, serve_and_close, serve_together
 
 from k3kit.runtime.sampling import make_sampling
+from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
 from k3kit.runtime.speculative.schedule import DraftGuard
 from k3kit.serve.batch import PLAIN_FROM, BatchScheduler
 from k3kit.serve.scheduler import GenerationRequest
@@ -100,6 +101,14 @@ def test_drafting_resumes_after_declined_passes_with_ar_output(spec_session, mon
     assert draft.contexts == 0 and model.sequences == 0
 
 
+def _auto_factory(session):
+    """Decoders as `k3kit serve --draft` builds them (`--verify-budget auto`)."""
+    def build(target, sampler):
+        return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
+                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=session.codec.stop_ids())
+    return build
+
+
 class _Condemned(DraftGuard):
     """Drafting stands condemned from `n` active sequences up (a verdict, as realized passes give)."""
 
@@ -118,13 +127,9 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
     are AR's. A server that has seen no pass yet starts the requests of a large round plain too (no
     pass has shown drafting to pay there), but for the first, whose decoder tells it the factory's
     verify budget."""
-    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
-
     model, codec = spec_session.model, spec_session.codec
 
-    def auto_factory(target, sampler):              # `--verify-budget auto`, as `k3kit serve --draft`
-        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=codec.stop_ids())
+    auto_factory = _auto_factory(spec_session)
     reqs = _requests(codec)
     sampled = GenerationRequest(prompt_ids=tuple(codec.encode("while True:")), max_tokens=12,
                                 sampling=make_sampling(0.8, seed=3))
@@ -153,13 +158,9 @@ def test_greedy_requests_admitted_where_drafting_is_condemned_run_plain(spec_ses
 def test_a_request_admitted_with_few_others_keeps_its_draft_even_where_condemned(spec_session, monkeypatch):
     """Below PLAIN_FROM active sequences a greedy request keeps its decoder whatever the verdict (its
     bookkeeping is small there, and the guard's probes need drafting sequences to revisit it)."""
-    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
-
     model, codec = spec_session.model, spec_session.codec
 
-    def auto_factory(target, sampler):
-        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=codec.stop_ids())
+    auto_factory = _auto_factory(spec_session)
     reqs = _requests(codec)[:PLAIN_FROM - 1]
     ref = ar_tokens(spec_session, reqs)
     sp = BatchScheduler(model, codec, max_batch=64, max_queue=16, step_factory=auto_factory,
@@ -180,14 +181,11 @@ def test_requests_coming_back_to_a_busy_server_are_admitted_under_its_recent_loa
     admitted with few others active: within RECENT_S of a pass that held PLAIN_FROM sequences, a
     greedy request is admitted under that load (plain, where drafting stands condemned there), and
     once RECENT_S has gone by without such a pass, under what is active (its decoder kept)."""
-    from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder
     from k3kit.serve.batch import RECENT_S
 
     model, codec = spec_session.model, spec_session.codec
 
-    def auto_factory(target, sampler):
-        return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=codec.stop_ids())
+    auto_factory = _auto_factory(spec_session)
     reqs = _requests(codec)
     assert len(reqs) == PLAIN_FROM
     few = reqs[:2]
