@@ -26,7 +26,8 @@ Every server is a subprocess on a free loopback port, started once and kept for 
 Each client is a thread that sends `--requests` streamed greedy /v1/completions requests one
 after the other (fixed prompts, `max_tokens`, temperature 0) over http.client (stdlib); the same
 client code drives every server. At each concurrency the servers take turns, one at a time (the
-others idle), and the order flips on every other sweep of `--repeat`.
+others idle), and the order flips on every other sweep of `--repeat`; every step starts after
+`--settle` idle seconds (a step measures its own concurrency, not the tail of the one before).
 
 Reported per server and concurrency: aggregate generated tok/s (completion tokens of all requests
 / wall time from the first request sent to the last one finished), time to first token (p50, the
@@ -535,6 +536,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence (k3kit --ctx; llama.cpp "
                     "-c CTX*SLOTS for llama-server, n_ctx for the serial peers)")
     ap.add_argument("--repeat", type=int, default=1, help="sweeps (servers alternate within each)")
+    ap.add_argument("--settle", type=float, default=1.0, metavar="S",
+                    help="idle seconds before each step, so that a step starts on a server its previous "
+                         "step has left (a draft server admits requests under the load of the last "
+                         "RECENT_S = 0.25 s: right after a 16-client step a 1-client step's first "
+                         "requests would run plain, as AR)")
     ap.add_argument("--time-budget", type=float, default=0.0, metavar="S",
                     help="start no further sweep that would end after S seconds of sweeping (0: no limit), "
                     "to keep a run under a shared machine lock short")
@@ -567,6 +573,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         args.slots = max(levels)
     if args.slots < 1 or args.ctx < 1 or args.requests < 1 or args.max_tokens < 1:
         raise SystemExit("--slots, --ctx, --requests and --max-tokens must be >= 1")
+    if not args.settle >= 0:
+        raise SystemExit(f"--settle {args.settle:g}: must be >= 0 seconds")
     return args, levels
 
 
@@ -610,6 +618,7 @@ def main() -> None:
             for n in levels:
                 # one server at a time, the order flipped every other sweep (no server always goes first)
                 for s in (servers if rep % 2 == 0 else servers[::-1]):
+                    time.sleep(args.settle)
                     st = run_step(s, n, args.requests, args.max_tokens)
                     steps.append(st)
                     pay = ("" if st.payload_per_token is None

@@ -168,6 +168,8 @@ def test_llama_server_peer_gets_a_slot_per_client_of_k3kits_context(tmp_path):
     (["--concurrency", "1,x"], "expected comma-separated integers"),
     (["--concurrency", "0,2"], "every level must be >= 1"),
     (["--ctx", "0"], "must be >= 1"),
+    (["--settle", "-1"], "--settle -1: must be >= 0 seconds"),
+    (["--settle", "nan"], "--settle nan: must be >= 0 seconds"),
     (["--model", "/nonexistent/m.gguf"], "/nonexistent/m.gguf: no such model file"),
     (["--llama-server", "/nonexistent/llama-server", "--peer", "llama-server"], "not an executable file"),
 ])

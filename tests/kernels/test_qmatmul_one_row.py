@@ -8,12 +8,18 @@ arrange a group's bytes their own way and copy x to match, and Q4_K unpacks its 
 and mins with byte shuffles; these cases hit whole groups, a partial last group, no whole group,
 every MXFP4 exponent byte (0 and 1 take the subnormal scales, 255 the largest), every Q4_K
 scale byte, and rows split over 2 threads.
+
+On AVX2 (and with simd=1 on any x86 CPU) Q4_K, Q8_0 and MXFP4 have direct kernels of their own
+for 1-8 rows (unsigned maddubs operands, 16-bit folds, MXFP4's values biased by 12 and its sums
+corrected from X): their rows equal the generic 256-bit direct path's, the panels' and the
+scalar path's bit for bit, alone and in calls of 2-9 rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from test_qmatmul_int8 import SIMD, activations, blocks, dequantize_q8, product, q8
 from test_qmatmul_types import check_bound, weights
@@ -89,3 +95,33 @@ def test_q4_k_row_same_bits_on_every_path(k: int, n_out: int) -> None:
             for threads in (1, 2):
                 y = product(T.Q4_K, raw, x, n_out, simd, threads=threads, path=path)
                 np.testing.assert_array_equal(y, one, err_msg=f"simd {simd} path {path} threads {threads}")
+
+
+AVX2_SHAPES = [(7168, 19), (2304, 9), (256, 5), (768, 3)]   # whole groups, partial last groups, none whole
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("k,n_out", AVX2_SHAPES, ids=lambda v: str(v))
+def test_avx2_own_kernels_same_bits_for_few_rows(qtype: T, k: int, n_out: int) -> None:
+    rng = np.random.default_rng(k + 5 * n_out + int(qtype))
+    raw = blocks(qtype, n_out * k // GGML_QUANT_SIZES[qtype][0], rng)
+    if qtype == T.Q4_K:
+        raw = raw.reshape(-1, 144)
+        raw[:, 4:16] = rng.integers(0, 256, size=(raw.shape[0], 12), dtype=np.uint8)
+        raw = raw.reshape(-1)
+    if qtype == T.Q8_0:   # -128 (outside ggml's quantizer, possible in a file) and 127
+        raw = raw.reshape(-1, 34)
+        raw[::7, 2:6] = np.array([0x80, 0x7F, 0x80, 0x80], np.uint8)
+        raw = raw.reshape(-1)
+    x = activations(rng, 9, k)
+    x[0] *= 1e-3
+    alone = np.concatenate([product(qtype, raw, x[i:i + 1], n_out, 1) for i in range(9)])
+    xd = dequantize_q8(q8(x, ACT_TYPE[qtype]), ACT_TYPE[qtype], 9, k).astype(np.float32)
+    w = weights(qtype, raw, n_out, k)
+    check_bound(alone, xd, w)
+    scalar = product(qtype, raw, x, n_out, 0)
+    np.testing.assert_array_equal(alone, scalar)
+    for m in (2, 3, 5, 8, 9):
+        for path in (-1, 0, 1):
+            y = product(qtype, raw, x[:m], n_out, 1, threads=1 + m % 2, path=path)
+            np.testing.assert_array_equal(y, alone[:m], err_msg=f"{m} rows, path {path}")

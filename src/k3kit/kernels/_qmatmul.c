@@ -1625,6 +1625,66 @@ __attribute__((target(AVX2_TARGET))) INLINE void i8mk_avx2(const i8job_t *jb, co
             }
 }
 
+/* AVX2 tiles for the types with a min (Q2_K, Q4_K, Q5_K), whose values are unsigned (at most
+ * 31): maddubs takes them as they are, and 4 chunks' 16-bit pair sums add up before one madd
+ * (at most 8 products of 31 by 127: below 2^15), about half the operations of i8mk_avx2. */
+__attribute__((target(AVX2_TARGET))) INLINE void i8mk_avx2u(const i8job_t *jb, const uint8_t *wq, const float *ws,
+                                                          const float *wmn, int NT, int64_t g0, int64_t ng,
+                                                          int64_t r, int RT, float *acc, int first, int last,
+                                                          float *y) {
+    const xlane_t *xl = jb->xl;
+    const int64_t gv = xl->gv, xrow = xl->ngroups * gv;
+    const int nc = jb->G / 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ng; g++) {
+        const int8_t *xq = xl->q + r * xrow + (g0 + g) * gv;
+        const int64_t lx = (r * xl->ngroups + g0 + g) * 16;
+        const uint8_t *wg = wq + g * gv;
+        for (int hh = 0; hh < 2; hh++) {
+            __m256i s[2][2];
+            for (int i = 0; i < NT; i++)
+                for (int t = 0; t < RT; t++) s[i][t] = _mm256_setzero_si256();
+            for (int c0 = 0; c0 < nc; c0 += 4) {
+                __m256i a[2][2];
+                for (int i = 0; i < NT; i++)
+                    for (int t = 0; t < RT; t++) a[i][t] = _mm256_setzero_si256();
+                for (int c = c0; c < c0 + 4; c++) {
+                    __m256i wv[2];
+                    for (int i = 0; i < NT; i++)
+                        wv[i] = _mm256_loadu_si256((const __m256i *)(wg + (int64_t)i * I8_KC + 64 * c + 32 * hh));
+                    for (int t = 0; t < RT; t++) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * xrow + 64 * c + 32 * hh));
+                        for (int i = 0; i < NT; i++) a[i][t] = _mm256_add_epi16(a[i][t], _mm256_maddubs_epi16(wv[i], xv));
+                    }
+                }
+                for (int i = 0; i < NT; i++)
+                    for (int t = 0; t < RT; t++) s[i][t] = _mm256_add_epi32(s[i][t], _mm256_madd_epi16(a[i][t], ones));
+            }
+            for (int i = 0; i < NT; i++) {
+                const __m256 wsv = _mm256_loadu_ps(ws + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
+                const __m256 mnv = _mm256_loadu_ps(wmn + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
+                for (int t = 0; t < RT; t++) {
+                    float *ap = acc + ((int64_t)t * I8_NP + i) * 16 + 8 * hh;
+                    __m256 v = first && g == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ap);
+                    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t]), wsv);
+                    v = _mm256_fmadd_ps(f, _mm256_loadu_ps(xl->dx + lx + t * xl->ngroups * 16 + 8 * hh), v);
+                    v = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xl->dxs + lx + t * xl->ngroups * 16 + 8 * hh), v);
+                    _mm256_store_ps(ap, v);
+                }
+            }
+        }
+    }
+    if (ng == 0 && first)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) memset(acc + ((int64_t)t * I8_NP + i) * 16, 0, 16 * sizeof(float));
+    if (last)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) {
+                const float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
+                y[t * jb->n_out + i] = i8_reduce256(_mm256_load_ps(ap), _mm256_load_ps(ap + 8));
+            }
+}
+
 /* Tiles of NTMAX rows of W by RTMAX rows of x (then fewer); every shape a compile-time constant,
  * so the accumulators stay in registers. */
 #define I8_CALL(MK, NT, RT)                                                                         \
@@ -1657,7 +1717,11 @@ __attribute__((target(AVX2_TARGET))) static void i8tiles_avx2(const i8job_t *jb,
                                                             const float *wmn, int np, int64_t g0, int64_t ng,
                                                             int64_t r0, int mb, float *acc, int first, int last,
                                                             int64_t p0) {
-    I8_TILES(i8mk_avx2, 2, 2)
+    if (jb->has_min) {
+        I8_TILES(i8mk_avx2u, 2, 2)
+    } else {
+        I8_TILES(i8mk_avx2, 2, 2)
+    }
 }
 
 /* ---- few rows: the direct path ----------------------------------------------------------------
@@ -1829,6 +1893,237 @@ DEFINE_I8(IQ3_XXS, iq3_xxs)
 DEFINE_I8(IQ1_S, iq1_s)
 DEFINE_I8(IQ1_M, iq1_m)
 DEFINE_I8(MXFP4, mxfp4)
+
+#ifdef K3_X86
+/* ---- few rows on AVX2: kernels of their own -------------------------------------------------
+ * The 256-bit direct path above is generic: per sub-block |q| . (x with q's sign) (abs, sign,
+ * maddubs, madd), the lane sums folded by hadd_epi32, every scale and min stored to memory and
+ * reloaded per group. For the types a K3 trunk and its experts are stored in (Q4_K, Q8_0,
+ * MXFP4) that is up to 3x the instructions the product needs. These kernels give the same
+ * integer sums and the same float steps per lane (so the same bits as every other path) with
+ * fewer, for 1 to I8_DIRECT_ROWS rows of x (a block is decoded once for all of them). Q4_K's
+ * values are unsigned, so maddubs takes them as they are; MXFP4's table values are looked up as
+ * unsigned too (below); the scales and mins stay in registers. For one row (compiled apart, the
+ * row count a constant) a block's 8 sub-blocks' 16-bit partial sums fold with 7 hadd_epi16
+ * (every partial sum stays below 2^15: at most 16 products of 15 by 127). From 2 rows the 8
+ * decoded vectors (8 sub-blocks, or 8 blocks of Q8_0 / MXFP4) are transposed once instead
+ * (transpose8: vector c then holds values 4c .. 4c + 3 of each, the panels' lane layout), and
+ * each row of x, read from its transposed copy (xl->q), needs one maddubs per vector and adds,
+ * no fold: the transpose is paid once for all the rows, the fold was paid per row. */
+
+/* 8 vectors of maddubs results (16 pair sums each, sub-blocks 0-7) -> the 8 sub-blocks' sums. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i fold8_epi16(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi16(p[0], p[1]), b = _mm256_hadd_epi16(p[2], p[3]);
+    const __m256i c = _mm256_hadd_epi16(p[4], p[5]), d = _mm256_hadd_epi16(p[6], p[7]);
+    /* lane 0: each sub-block's sum over its values 0-15, lane 1: over 16-31 */
+    const __m256i e = _mm256_hadd_epi16(_mm256_hadd_epi16(a, b), _mm256_hadd_epi16(c, d));
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(e)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(e, 1)));
+}
+
+/* A Q4_K block's 8 scales d * sc and mins dmin * m in registers (scales_k4_v's products). */
+__attribute__((target(AVX2_TARGET))) INLINE void scales_k4_r(const uint8_t *b, __m256 *s, __m256 *mn) {
+    const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
+    const uint64_t sc = (a & 0x3F3F3F3Fu) | (uint64_t)((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t m = (c & 0x3F3F3F3Fu) | (uint64_t)(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
+    *s = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b))),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    *mn = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b + 2))),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
+}
+
+/* Q4_K: a group (two blocks) is lanes 0-7 (its first block) and 8-15. */
+__attribute__((target(AVX2_TARGET))) INLINE void q4k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                              int m) {
+    const xlane_t *xl = jb->xl;
+    const int64_t k = jb->k, nb = k / Q4_K_QK, rb = nb * Q4_K_BYTES, ng = xl->ngroups, xrow = ng * xl->gv;
+    const int8_t *xq = xl->xn + r0 * xrow;
+    const float *dx = xl->dx + r0 * ng * 16, *dxs = xl->dxs + r0 * ng * 16;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[I8_DIRECT_ROWS][2];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ri = jb->w + n * rb;
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < 2 * ng; b++) {
+            const int h = (int)(b & 1);
+            const int64_t lx = (b >> 1) * 16 + 8 * h;
+            if (b >= nb) {   /* the missing half of a partial last group: zeros, as the other paths */
+                for (int t = 0; t < m; t++) {
+                    const __m256 a = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(dx + t * ng * 16 + lx), acc[t][h]);
+                    acc[t][h] = _mm256_fnmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(dxs + t * ng * 16 + lx), a);
+                }
+                continue;
+            }
+            const uint8_t *blk = ri + b * Q4_K_BYTES;
+            __builtin_prefetch(blk + I8_PREFETCH);
+            __builtin_prefetch(blk + I8_PREFETCH + 64);
+            __builtin_prefetch(blk + I8_PREFETCH + Q4_K_BYTES - 1);
+            __m256i v[8];
+            for (int i = 0; i < 4; i++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
+                v[2 * i] = _mm256_and_si256(q, m4);
+                v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            }
+            __m256 ws, wm;
+            scales_k4_r(blk, &ws, &wm);
+            if (m > 1) transpose8(v);   /* v[c]: values 4c .. 4c + 3 of each sub-block, as x's copy in xl->q */
+            for (int t = 0; t < m; t++) {
+                __m256i s;
+                if (m == 1) {
+                    const int8_t *xb = xq + t * xrow + b * Q4_K_QK;
+                    __m256i p[8];
+                    for (int i = 0; i < 8; i++)
+                        p[i] = _mm256_maddubs_epi16(v[i], _mm256_loadu_si256((const __m256i *)(xb + 32 * i)));
+                    s = fold8_epi16(p);
+                } else {   /* 16 products a 16-bit sum, below 2^15 */
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + (b >> 1) * xl->gv + 32 * h;
+                    __m256i a16 = _mm256_maddubs_epi16(v[0], _mm256_load_si256((const __m256i *)xt));
+                    for (int c = 1; c < 8; c++)
+                        a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(v[c], _mm256_load_si256((const __m256i *)(xt + 64 * c))));
+                    s = _mm256_madd_epi16(a16, ones);
+                }
+                const __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), ws),
+                                                 _mm256_loadu_ps(dx + t * ng * 16 + lx), acc[t][h]);
+                acc[t][h] = _mm256_fnmadd_ps(wm, _mm256_loadu_ps(dxs + t * ng * 16 + lx), a);
+            }
+        }
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
+    }
+}
+
+/* Q8_0 and MXFP4 (a scale per 32 values: a group is 16 blocks, lane p block p): one vector of a
+ * block's values times x, 8 pair sums of 4 products; fold_lanes makes the group's 16 lane sums.
+ * Q8_0's values are signed, so |q| . (x with q's sign) as the generic path; MXFP4's are table
+ * values, looked up as KV + 12 (0-24, unsigned: maddubs takes them as they are) and each lane
+ * sum corrected by -12 X (X its bytes' sum: from corr = -128 X, exactly). */
+#define MX_BIAS 12
+__attribute__((target(AVX2_TARGET))) INLINE void row16_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                           int m, int mx) {
+    const xlane_t *xl = jb->xl;
+    const int64_t bytes = mx ? MXFP4_BYTES : Q8_0_BYTES, nb = jb->k / 32, rb = nb * bytes, ng = xl->ngroups;
+    const int64_t xrow = ng * xl->gv;
+    const int8_t *xq = xl->xn + r0 * xrow;
+    const float *dx = xl->dx + r0 * ng * 16;
+    const int32_t *corr = xl->corr + r0 * ng * 16;
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    int8_t kvb[16];
+    for (int i = 0; i < 16; i++) kvb[i] = (int8_t)(KV[i] + MX_BIAS);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvb));
+    __m256 acc[I8_DIRECT_ROWS][2];
+    __m256i p[I8_DIRECT_ROWS][16];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ri = jb->w + n * rb;
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng && m > 1; g++)
+            for (int h = 0; h < 2; h++) {   /* 8 blocks a vector each, transposed: v[c] = values 4c .. 4c + 3 of each */
+                __m256i v[8], va[8];
+                float sc[8] __attribute__((aligned(32)));
+                for (int u = 0; u < 8; u++) {
+                    const int64_t b = 16 * g + 8 * h + u;
+                    if (b >= nb) {   /* past a partial last group: zeros, as the other paths */
+                        v[u] = _mm256_setzero_si256();
+                        sc[u] = 0.0f;
+                        continue;
+                    }
+                    const uint8_t *blk = ri + b * bytes;
+                    __builtin_prefetch(blk + I8_PREFETCH);
+                    if (mx) {
+                        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
+                        v[u] = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srlv_epi32(q, sh), m4));
+                        sc[u] = E8M0_HALF[blk[0]];
+                    } else {
+                        v[u] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                        sc[u] = f16v(rd16(blk));
+                    }
+                }
+                transpose8(v);
+                if (!mx)
+                    for (int c = 0; c < 8; c++) va[c] = _mm256_abs_epi8(v[c]);
+                const __m256 ws = _mm256_load_ps(sc);
+                for (int t = 0; t < m; t++) {
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + g * xl->gv + 32 * h;
+                    const int64_t lx = t * ng * 16 + g * 16 + 8 * h;
+                    __m256i S;
+                    if (mx) {   /* 4 chunks a 16-bit sum: 8 products of 24 by 127, below 2^15 */
+                        __m256i a0 = _mm256_maddubs_epi16(v[0], _mm256_load_si256((const __m256i *)xt));
+                        __m256i a1 = _mm256_maddubs_epi16(v[4], _mm256_load_si256((const __m256i *)(xt + 256)));
+                        for (int c = 1; c < 4; c++) {
+                            a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(v[c], _mm256_load_si256((const __m256i *)(xt + 64 * c))));
+                            a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(v[c + 4], _mm256_load_si256((const __m256i *)(xt + 256 + 64 * c))));
+                        }
+                        const __m256i c0 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 5);
+                        S = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, ones), _mm256_madd_epi16(a1, ones)),
+                                             _mm256_add_epi32(c0, _mm256_add_epi32(c0, c0)));
+                    } else {
+                        S = _mm256_setzero_si256();
+                        for (int c = 0; c < 8; c++) {
+                            const __m256i xv = _mm256_load_si256((const __m256i *)(xt + 64 * c));
+                            S = _mm256_add_epi32(S, _mm256_madd_epi16(_mm256_maddubs_epi16(va[c], _mm256_sign_epi8(xv, v[c])), ones));
+                        }
+                    }
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S), ws), _mm256_loadu_ps(dx + lx), acc[t][h]);
+                }
+            }
+        for (int64_t g = 0; g < ng && m == 1; g++) {
+            float sc[16] __attribute__((aligned(32)));
+            for (int u = 0; u < 16; u++) {
+                const int64_t b = 16 * g + u;
+                if (b >= nb) {   /* past a partial last group: zeros, as the other paths */
+                    for (int t = 0; t < m; t++) p[t][u] = _mm256_setzero_si256();
+                    sc[u] = 0.0f;
+                    continue;
+                }
+                const uint8_t *blk = ri + b * bytes;
+                __builtin_prefetch(blk + I8_PREFETCH);
+                if (mx) {
+                    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
+                    const __m256i v = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srlv_epi32(q, sh), m4));
+                    for (int t = 0; t < m; t++)   /* v: values 0-15 | 16-31 */
+                        p[t][u] = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(xq + t * xrow + 32 * b))), ones);
+                    sc[u] = E8M0_HALF[blk[0]];
+                } else {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), qa = _mm256_abs_epi8(q);
+                    for (int t = 0; t < m; t++)
+                        p[t][u] = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * xrow + 32 * b)), q)),
+                            ones);
+                    sc[u] = f16v(rd16(blk));
+                }
+            }
+            const __m256 ws_lo = _mm256_load_ps(sc), ws_hi = _mm256_load_ps(sc + 8);
+            for (int t = 0; t < m; t++) {
+                __m256i lo, hi;
+                fold_lanes(p[t], 32, &lo, &hi);
+                const int64_t lx = t * ng * 16 + g * 16;
+                if (mx) {   /* corr >> 5 = -4 X */
+                    const __m256i c0 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 5);
+                    const __m256i c1 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 5);
+                    lo = _mm256_add_epi32(lo, _mm256_add_epi32(c0, _mm256_add_epi32(c0, c0)));
+                    hi = _mm256_add_epi32(hi, _mm256_add_epi32(c1, _mm256_add_epi32(c1, c1)));
+                }
+                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8),
+                                            acc[t][1]);
+            }
+        }
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
+    }
+}
+
+#define DEFINE_ROWS_AVX2(NAME_LC, CALL)                                                             \
+    __attribute__((target(AVX2_TARGET))) static void i8rows_##NAME_LC##_avx2(const i8job_t *jb, int64_t n0, int64_t n1, \
+                                                                          int64_t r0, int m) {      \
+        if (m == 1) CALL(n0, n1, r0, 1);                                                           \
+        else CALL(n0, n1, r0, m);                                                                  \
+    }
+#define Q4K_CALL(A, B, R, M) q4k_rows_avx2(jb, A, B, R, M)
+#define Q80_CALL(A, B, R, M) row16_avx2(jb, A, B, R, M, 0)
+#define MX_CALL(A, B, R, M) row16_avx2(jb, A, B, R, M, 1)
+DEFINE_ROWS_AVX2(q4_k, Q4K_CALL)
+DEFINE_ROWS_AVX2(q8_0, Q80_CALL)
+DEFINE_ROWS_AVX2(mxfp4, MX_CALL)
+#endif
 
 /* ---- few rows on AVX512-VNNI: the fast direct path ---------------------------------------------
  * The direct path's arithmetic, bit for bit, arranged for 512-bit registers. A group's W values
@@ -3126,6 +3421,31 @@ static int use_vbmi = 0;
 #define Q4K1_FN NULL
 #endif
 
+/* Rows below which AVX2's default path runs a type's own direct kernel (few rows on AVX2 above)
+ * instead of the panels. Measured (AVX2-only EPYC, 7168 x 2048, 1 thread, benchmarks/
+ * bench_rows.py against a build with every threshold at 65, 2026-12-03): the kernels take
+ * 0.76-0.91x the panels' time for Q4_K at 12-32 rows, 0.80-0.82x for MXFP4 at 8-16 rows (even
+ * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32). */
+static int own_avx2_below(int qtype, int direct_below) {
+    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : direct_below;
+}
+
+/* The default path's direct kernel: the type's own where it has one for the direct kernel d0
+ * that the row count chose (AVX512-VNNI's 512-bit folding one, for one row; AVX2's). */
+static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, int64_t m) {
+#ifdef K3_X86
+    if (d0 != NULL && d0 == it->direct[3] && m == 1)
+        return qtype == 39 && MX1_FN != NULL ? MX1_FN : qtype == 12 ? Q4K1_FN : d0;
+    if (d0 != NULL && d0 == it->direct[1])
+        return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2 : d0;
+#else
+    (void)it;
+    (void)qtype;
+    (void)m;
+#endif
+    return d0;
+}
+
 /* quantize_q8(x, out, act_type, m, k, variant=1): rows of x (float32 [m, k]) as ggml blocks of
  * act_type (8 = Q8_0: 34 bytes per 32 values; 15 = Q8_K: 292 bytes per 256). variant (Q8_0
  * only): 0 quantize_row_q8_0_ref, 1 ggml-cpu's x86 quantize_row_q8_0. */
@@ -3216,14 +3536,13 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         if (path == 6) path = -1;
         const int auto_path = path < 0 || path == 3 || path == 5, d256 = path == 0 || path == 3;
         const int below = level == 2 && path < 0 ? it->ft_below : level == 2 && path == 5 ? it->fast_below
-                                                                                         : it->direct_below;
+                          : level == 1 && path < 0 ? own_avx2_below(qtype, it->direct_below) : it->direct_below;
         const int direct = !amx && level > 0 && (auto_path ? m < below : path == 0 || path == 2 || path == 4);
         const int transposed = direct && level == 2 && !d256 && (path == 4 || (path < 0 && m >= it->ft_from));
         const i8direct_fn dfn0 = !direct ? NULL : transposed ? it->direct[4] : level == 2 && !d256 ? it->direct[3]
                                                                                                 : it->direct[level];
-        /* one MXFP4 (VBMI) or Q4_K row on the default path: their one-row kernels */
-        const i8direct_fn dfn = m != 1 || path >= 0 || dfn0 != it->direct[3] ? dfn0
-                                : qtype == 39 && MX1_FN != NULL ? MX1_FN : qtype == 12 ? Q4K1_FN : dfn0;
+        /* on the default path: the type's own direct kernel where it has one */
+        const i8direct_fn dfn = path >= 0 ? dfn0 : own_direct_fn(it, qtype, dfn0, m);
         const int64_t nsubp = ngroups * 16, nxb = (m + 7) / 8;
 #ifdef K3_X86
         const int64_t scratch_bytes = amx ? (AMX_SCRATCH_BYTES(nsubp) + 63) / 64 * 64 : I8_SCRATCH_BYTES;
@@ -3235,14 +3554,15 @@ static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
         float *amx_dxv = amx ? aligned_alloc(64, (size_t)(nxb * nsubp * 16) * sizeof(float)) : NULL;
         /* the transposed bytes: for the panels and as the source of the transposed path's copy; the
          * other direct paths read xn (a decode row's layout work: ~halved) */
-        if ((!direct && !amx) || transposed) xl.q = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
+        const int own_t = level == 1 && m > 1 && dfn != dfn0;   /* AVX2's own kernels: x's transposed copy */
+        if ((!direct && !amx) || transposed || own_t) xl.q = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
         if (transposed) {
             xl.qt = aligned_alloc(64, (size_t)(m * ngroups * gv + 64));
             xl.dxt = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
             xl.dxst = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
             xl.corrt = aligned_alloc(64, (size_t)(m * ngroups * 16 * 4 + 64));
         }
-        if ((((!direct && !amx) || transposed) && !xl.q) || (amx && (!amx_xb || !amx_dxv)) || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf
+        if ((((!direct && !amx) || transposed || own_t) && !xl.q) || (amx && (!amx_xb || !amx_dxv)) || !xl.xn || !xl.dx || !xl.dxs || !xl.corr || !qbuf
             || (!direct && !scratch) || (transposed && (!xl.qt || !xl.dxt || !xl.dxst || !xl.corrt))) {
             PyErr_NoMemory();
         } else {
@@ -3770,12 +4090,11 @@ static PyObject *py_experts_q8(PyObject *self, PyObject *args) {
         for (Py_ssize_t s = 0; s < E && ok; s++) {
             const int64_t m = cnt[s];
             if (m == 0) continue;
-            const int direct = level > 0 && m < (level == 2 ? it->ft_below : it->direct_below);
+            const int direct = level > 0 && m < (level == 2 ? it->ft_below : own_avx2_below(qtype, it->direct_below));
             const int transposed = direct && level == 2 && m >= it->ft_from;
             const i8direct_fn d0 = !direct ? NULL : transposed ? it->direct[4] : level == 2 ? it->direct[3]
                                                                                             : it->direct[level];
-            dfn[s] = m != 1 || d0 != it->direct[3] ? d0 : qtype == 39 && MX1_FN != NULL ? MX1_FN
-                                                          : qtype == 12 ? Q4K1_FN : d0;
+            dfn[s] = own_direct_fn(it, qtype, d0, m);
             any_panels |= !direct;
             ok = heads_buf_alloc(&bufs[s], m, ngroups, gv, qbytes, transposed, 0);
         }
