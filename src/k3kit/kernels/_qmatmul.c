@@ -1566,6 +1566,40 @@ __attribute__((target(VNNI_TARGET))) INLINE void i8mk_vnni(const i8job_t *jb, co
             }
 }
 
+/* AVX2 tiles' float steps for lane half hh of group g: NT x RT pairs' integer sums s into the
+ * accumulators (the scalar path's operations, 8 lanes at a time). */
+__attribute__((target(AVX2_TARGET))) INLINE void i8half_avx2(const xlane_t *xl, __m256i s[2][2], const float *ws,
+                                                           const float *wmn, int has_min, int NT, int RT, int64_t g,
+                                                           int hh, int64_t lx, float *acc, int first) {
+    for (int i = 0; i < NT; i++) {
+        const __m256 wsv = _mm256_loadu_ps(ws + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
+        const __m256 mnv = has_min ? _mm256_loadu_ps(wmn + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh)
+                                   : _mm256_setzero_ps();
+        for (int t = 0; t < RT; t++) {
+            float *ap = acc + ((int64_t)t * I8_NP + i) * 16 + 8 * hh;
+            __m256 a = first && g == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ap);
+            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t]), wsv);
+            a = _mm256_fmadd_ps(f, _mm256_loadu_ps(xl->dx + lx + t * xl->ngroups * 16 + 8 * hh), a);
+            if (has_min) a = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xl->dxs + lx + t * xl->ngroups * 16 + 8 * hh), a);
+            _mm256_store_ps(ap, a);
+        }
+    }
+}
+
+/* AVX2 tiles' end: zero accumulators where a tile had no group; the pairs' results on the last. */
+__attribute__((target(AVX2_TARGET))) INLINE void i8end_avx2(const i8job_t *jb, int NT, int RT, int64_t ng,
+                                                          float *acc, int first, int last, float *y) {
+    if (ng == 0 && first)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) memset(acc + ((int64_t)t * I8_NP + i) * 16, 0, 16 * sizeof(float));
+    if (last)
+        for (int i = 0; i < NT; i++)
+            for (int t = 0; t < RT; t++) {
+                const float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
+                y[t * jb->n_out + i] = i8_reduce256(_mm256_load_ps(ap), _mm256_load_ps(ap + 8));
+            }
+}
+
 /* AVX2 tiles: a lane half (8 lanes) per register; |q| (maddubs' unsigned operand, <= 128) times
  * x with q's sign (|x| <= 127), so no 16-bit pair sum saturates. */
 __attribute__((target(AVX2_TARGET))) INLINE void i8mk_avx2(const i8job_t *jb, const uint8_t *wq, const float *ws,
@@ -1598,31 +1632,14 @@ __attribute__((target(AVX2_TARGET))) INLINE void i8mk_avx2(const i8job_t *jb, co
                     }
                 }
             }
-        for (int i = 0; i < NT; i++)
-            for (int hh = 0; hh < 2; hh++) {
-                const __m256 wsv = _mm256_loadu_ps(ws + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
-                const __m256 mnv = has_min ? _mm256_loadu_ps(wmn + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh)
-                                           : _mm256_setzero_ps();
-                for (int t = 0; t < RT; t++) {
-                    float *ap = acc + ((int64_t)t * I8_NP + i) * 16 + 8 * hh;
-                    __m256 a = first && g == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ap);
-                    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][hh]), wsv);
-                    a = _mm256_fmadd_ps(f, _mm256_loadu_ps(xl->dx + lx + t * xl->ngroups * 16 + 8 * hh), a);
-                    if (has_min)
-                        a = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xl->dxs + lx + t * xl->ngroups * 16 + 8 * hh), a);
-                    _mm256_store_ps(ap, a);
-                }
-            }
+        for (int hh = 0; hh < 2; hh++) {
+            __m256i sh[2][2];
+            for (int i = 0; i < NT; i++)
+                for (int t = 0; t < RT; t++) sh[i][t] = s[i][t][hh];
+            i8half_avx2(xl, sh, ws, wmn, has_min, NT, RT, g, hh, lx, acc, first);
+        }
     }
-    if (ng == 0 && first)
-        for (int i = 0; i < NT; i++)
-            for (int t = 0; t < RT; t++) memset(acc + ((int64_t)t * I8_NP + i) * 16, 0, 16 * sizeof(float));
-    if (last)
-        for (int i = 0; i < NT; i++)
-            for (int t = 0; t < RT; t++) {
-                const float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
-                y[t * jb->n_out + i] = i8_reduce256(_mm256_load_ps(ap), _mm256_load_ps(ap + 8));
-            }
+    i8end_avx2(jb, NT, RT, ng, acc, first, last, y);
 }
 
 /* AVX2 tiles for the types with a min (Q2_K, Q4_K, Q5_K), whose values are unsigned (at most
@@ -1660,29 +1677,10 @@ __attribute__((target(AVX2_TARGET))) INLINE void i8mk_avx2u(const i8job_t *jb, c
                 for (int i = 0; i < NT; i++)
                     for (int t = 0; t < RT; t++) s[i][t] = _mm256_add_epi32(s[i][t], _mm256_madd_epi16(a[i][t], ones));
             }
-            for (int i = 0; i < NT; i++) {
-                const __m256 wsv = _mm256_loadu_ps(ws + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
-                const __m256 mnv = _mm256_loadu_ps(wmn + (int64_t)i * I8_GMAX * 16 + g * 16 + 8 * hh);
-                for (int t = 0; t < RT; t++) {
-                    float *ap = acc + ((int64_t)t * I8_NP + i) * 16 + 8 * hh;
-                    __m256 v = first && g == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ap);
-                    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t]), wsv);
-                    v = _mm256_fmadd_ps(f, _mm256_loadu_ps(xl->dx + lx + t * xl->ngroups * 16 + 8 * hh), v);
-                    v = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xl->dxs + lx + t * xl->ngroups * 16 + 8 * hh), v);
-                    _mm256_store_ps(ap, v);
-                }
-            }
+            i8half_avx2(xl, s, ws, wmn, 1, NT, RT, g, hh, lx, acc, first);
         }
     }
-    if (ng == 0 && first)
-        for (int i = 0; i < NT; i++)
-            for (int t = 0; t < RT; t++) memset(acc + ((int64_t)t * I8_NP + i) * 16, 0, 16 * sizeof(float));
-    if (last)
-        for (int i = 0; i < NT; i++)
-            for (int t = 0; t < RT; t++) {
-                const float *ap = acc + ((int64_t)t * I8_NP + i) * 16;
-                y[t * jb->n_out + i] = i8_reduce256(_mm256_load_ps(ap), _mm256_load_ps(ap + 8));
-            }
+    i8end_avx2(jb, NT, RT, ng, acc, first, last, y);
 }
 
 /* Tiles of NTMAX rows of W by RTMAX rows of x (then fewer); every shape a compile-time constant,
@@ -1997,6 +1995,27 @@ __attribute__((target(AVX2_TARGET))) INLINE void q4k_rows_avx2(const i8job_t *jb
  * values, looked up as KV + 12 (0-24, unsigned: maddubs takes them as they are) and each lane
  * sum corrected by -12 X (X its bytes' sum: from corr = -128 X, exactly). */
 #define MX_BIAS 12
+/* Block b of a Q8_0 (its 32 values) or MXFP4 (KV + MX_BIAS, values 0-15 | 16-31) row in a
+ * vector and its scale in *sc; past the row's nb blocks (a partial last group) zeros, as the other
+ * paths. kv: the biased MXFP4 table in both lanes. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i block16_avx2(const uint8_t *ri, int64_t b, int64_t nb, int mx,
+                                                               __m256i kv, float *sc) {
+    if (b >= nb) {
+        *sc = 0.0f;
+        return _mm256_setzero_si256();
+    }
+    const uint8_t *blk = ri + b * (mx ? MXFP4_BYTES : Q8_0_BYTES);
+    __builtin_prefetch(blk + I8_PREFETCH);
+    if (mx) {
+        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
+        const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                             _mm256_set1_epi8(0x0F));
+        *sc = E8M0_HALF[blk[0]];
+        return _mm256_shuffle_epi8(kv, nib);
+    }
+    *sc = f16v(rd16(blk));
+    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+}
 __attribute__((target(AVX2_TARGET))) INLINE void row16_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
                                                            int m, int mx) {
     const xlane_t *xl = jb->xl;
@@ -2005,12 +2024,12 @@ __attribute__((target(AVX2_TARGET))) INLINE void row16_avx2(const i8job_t *jb, i
     const int8_t *xq = xl->xn + r0 * xrow;
     const float *dx = xl->dx + r0 * ng * 16;
     const int32_t *corr = xl->corr + r0 * ng * 16;
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F), sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i ones = _mm256_set1_epi16(1);
     int8_t kvb[16];
     for (int i = 0; i < 16; i++) kvb[i] = (int8_t)(KV[i] + MX_BIAS);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvb));
     __m256 acc[I8_DIRECT_ROWS][2];
-    __m256i p[I8_DIRECT_ROWS][16];
+    __m256i p[16];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ri = jb->w + n * rb;
         for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -2018,24 +2037,7 @@ __attribute__((target(AVX2_TARGET))) INLINE void row16_avx2(const i8job_t *jb, i
             for (int h = 0; h < 2; h++) {   /* 8 blocks a vector each, transposed: v[c] = values 4c .. 4c + 3 of each */
                 __m256i v[8], va[8];
                 float sc[8] __attribute__((aligned(32)));
-                for (int u = 0; u < 8; u++) {
-                    const int64_t b = 16 * g + 8 * h + u;
-                    if (b >= nb) {   /* past a partial last group: zeros, as the other paths */
-                        v[u] = _mm256_setzero_si256();
-                        sc[u] = 0.0f;
-                        continue;
-                    }
-                    const uint8_t *blk = ri + b * bytes;
-                    __builtin_prefetch(blk + I8_PREFETCH);
-                    if (mx) {
-                        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
-                        v[u] = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srlv_epi32(q, sh), m4));
-                        sc[u] = E8M0_HALF[blk[0]];
-                    } else {
-                        v[u] = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                        sc[u] = f16v(rd16(blk));
-                    }
-                }
+                for (int u = 0; u < 8; u++) v[u] = block16_avx2(ri, 16 * g + 8 * h + u, nb, mx, kv, &sc[u]);
                 transpose8(v);
                 if (!mx)
                     for (int c = 0; c < 8; c++) va[c] = _mm256_abs_epi8(v[c]);
@@ -2068,44 +2070,24 @@ __attribute__((target(AVX2_TARGET))) INLINE void row16_avx2(const i8job_t *jb, i
             float sc[16] __attribute__((aligned(32)));
             for (int u = 0; u < 16; u++) {
                 const int64_t b = 16 * g + u;
-                if (b >= nb) {   /* past a partial last group: zeros, as the other paths */
-                    for (int t = 0; t < m; t++) p[t][u] = _mm256_setzero_si256();
-                    sc[u] = 0.0f;
-                    continue;
-                }
-                const uint8_t *blk = ri + b * bytes;
-                __builtin_prefetch(blk + I8_PREFETCH);
-                if (mx) {
-                    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
-                    const __m256i v = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srlv_epi32(q, sh), m4));
-                    for (int t = 0; t < m; t++)   /* v: values 0-15 | 16-31 */
-                        p[t][u] = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(xq + t * xrow + 32 * b))), ones);
-                    sc[u] = E8M0_HALF[blk[0]];
-                } else {
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), qa = _mm256_abs_epi8(q);
-                    for (int t = 0; t < m; t++)
-                        p[t][u] = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * xrow + 32 * b)), q)),
-                            ones);
-                    sc[u] = f16v(rd16(blk));
-                }
+                const __m256i v = block16_avx2(ri, b, nb, mx, kv, &sc[u]);
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+                p[u] = _mm256_madd_epi16(mx ? _mm256_maddubs_epi16(v, xv)
+                                            : _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v)), ones);
             }
-            const __m256 ws_lo = _mm256_load_ps(sc), ws_hi = _mm256_load_ps(sc + 8);
-            for (int t = 0; t < m; t++) {
-                __m256i lo, hi;
-                fold_lanes(p[t], 32, &lo, &hi);
-                const int64_t lx = t * ng * 16 + g * 16;
-                if (mx) {   /* corr >> 5 = -4 X */
-                    const __m256i c0 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 5);
-                    const __m256i c1 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 5);
-                    lo = _mm256_add_epi32(lo, _mm256_add_epi32(c0, _mm256_add_epi32(c0, c0)));
-                    hi = _mm256_add_epi32(hi, _mm256_add_epi32(c1, _mm256_add_epi32(c1, c1)));
-                }
-                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8),
-                                            acc[t][1]);
+            __m256i lo, hi;
+            fold_lanes(p, 32, &lo, &hi);
+            const int64_t lx = g * 16;
+            if (mx) {   /* corr >> 5 = -4 X */
+                const __m256i c0 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 5);
+                const __m256i c1 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 5);
+                lo = _mm256_add_epi32(lo, _mm256_add_epi32(c0, _mm256_add_epi32(c0, c0)));
+                hi = _mm256_add_epi32(hi, _mm256_add_epi32(c1, _mm256_add_epi32(c1, c1)));
             }
+            acc[0][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_load_ps(sc)), _mm256_loadu_ps(dx + lx),
+                                        acc[0][0]);
+            acc[0][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_load_ps(sc + 8)),
+                                        _mm256_loadu_ps(dx + lx + 8), acc[0][1]);
         }
         for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
     }
