@@ -10,7 +10,7 @@ every MXFP4 exponent byte (0 and 1 take the subnormal scales, 255 the largest), 
 scale byte, and rows split over 2 threads.
 
 On AVX2 (and with simd=1 on any x86 CPU) Q4_K, Q8_0 and MXFP4 have direct kernels of their own
-for 1-32 rows and Q6_K for one (unsigned maddubs operands, 16-bit folds, MXFP4's values biased by
+for 1-32 rows and Q6_K for 1-11 (unsigned maddubs operands, 16-bit folds, MXFP4's values biased by
 12 and Q6_K's by 32, their sums corrected from X; from 2 rows a transpose per block): their rows
 equal the generic 256-bit direct path's, the panels' and the scalar path's bit for bit, alone
 and in calls of 2-9 rows.

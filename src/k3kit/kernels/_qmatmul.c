@@ -2106,61 +2106,87 @@ DEFINE_ROWS_AVX2(q4_k, Q4K_CALL)
 DEFINE_ROWS_AVX2(q8_0, Q80_CALL)
 DEFINE_ROWS_AVX2(mxfp4, MX_CALL)
 
-/* Q6_K, one row (a 256-value block is a group of 16 lanes of 16 values: lanes 0-7 the first
- * halves of its 8 sub-blocks of 32, 8-15 the second halves). Values as q + 32 (0-63, unsigned:
- * maddubs takes them as they are) and each lane corrected by -32 X (corr >> 2, exactly); a pair of
+/* Q6_K (a 256-value block is a group of 16 lanes of 16 values: lanes 0-7 the first halves of its
+ * 8 sub-blocks of 32, 8-15 the second halves). Values as q + 32 (0-63, unsigned: maddubs takes
+ * them as they are) and each lane corrected by -32 X (corr >> 2, exactly). One row: a pair of
  * sub-blocks' pair sums add once in 16 bits (4 products of 63 by 127, below 2^15) before madd
- * widens them, then two hadd_epi32 and two permutes make the 16 lane sums. */
-__attribute__((target(AVX2_TARGET))) static void i8direct_q6_k_row_avx2(const i8job_t *jb, int64_t n0, int64_t n1,
-                                                                      int64_t r0, int m) {
-    (void)m;
+ * widens them, then two hadd_epi32 and two permutes make the 16 lane sums. From 2 rows the 8
+ * sub-blocks are transposed once (vector c < 4: values 4c .. 4c + 3 of each, lanes 0-7; c >= 4:
+ * values 16 + 4(c - 4) .., lanes 8-15), as x's transposed copy lies. */
+__attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                              int m) {
     const xlane_t *xl = jb->xl;
-    const int64_t nb = jb->k / Q6_K_QK, rb = nb * Q6_K_BYTES;
-    const int8_t *xq = xl->xn + r0 * nb * Q6_K_QK;
+    const int64_t nb = jb->k / Q6_K_QK, rb = nb * Q6_K_BYTES, xrow = nb * Q6_K_QK;
+    const int8_t *xq = xl->xn + r0 * xrow;
     const float *dx = xl->dx + r0 * nb * 16;
     const int32_t *corr = xl->corr + r0 * nb * 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
     const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256 acc[I8_DIRECT_ROWS][2];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ri = jb->w + n * rb;
-        __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = ri + b * Q6_K_BYTES;
             __builtin_prefetch(blk + I8_PREFETCH);
             __builtin_prefetch(blk + I8_PREFETCH + 64);
             __builtin_prefetch(blk + I8_PREFETCH + 128);
             __builtin_prefetch(blk + I8_PREFETCH + Q6_K_BYTES - 1);
-            const int8_t *xb = xq + b * Q6_K_QK;
-            __m256i w[4];
-            for (int h = 0; h < 2; h++) {   /* sub-blocks 4h .. 4h + 3: values 128h + 32g + l */
+            __m256i u[8];   /* sub-block 4h + g: values 128h + 32g + l */
+            for (int h = 0; h < 2; h++) {
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                __m256i u[4];
                 for (int g = 0; g < 4; g++) {
                     const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? l1 : l0, 4) : (g & 1 ? l1 : l0), m4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m3);
-                    u[g] = _mm256_maddubs_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
-                                                _mm256_loadu_si256((const __m256i *)(xb + 128 * h + 32 * g)));
+                    u[4 * h + g] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
                 }
-                /* per pair: [sub-block a values 0-7, 8-15 | b ...] sums of 4, then of 8 in 32 bits */
-                w[2 * h] = _mm256_madd_epi16(_mm256_hadd_epi16(u[0], u[1]), ones);
-                w[2 * h + 1] = _mm256_madd_epi16(_mm256_hadd_epi16(u[2], u[3]), ones);
             }
-            const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
-            __m256i lo = _mm256_permute2x128_si256(g0, g1, 0x20), hi = _mm256_permute2x128_si256(g0, g1, 0x31);
-            lo = _mm256_add_epi32(lo, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + 16 * b)), 2));
-            hi = _mm256_add_epi32(hi, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + 16 * b + 8)), 2));
             const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), deint);
             const __m256 d = _mm256_set1_ps(f16v(rd16(blk + 208)));
             const __m256 ws_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
             const __m256 ws_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-            acc_lo = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + 16 * b), acc_lo);
-            acc_hi = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + 16 * b + 8), acc_hi);
+            if (m > 1) transpose8(u);
+            for (int t = 0; t < m; t++) {
+                __m256i lo, hi;
+                if (m == 1) {
+                    const int8_t *xb = xq + b * Q6_K_QK;
+                    __m256i w[4];
+                    for (int i = 0; i < 4; i++)   /* [sub-block a values 0-7, 8-15 | b ...]: sums of 8 */
+                        w[i] = _mm256_madd_epi16(
+                            _mm256_hadd_epi16(_mm256_maddubs_epi16(u[2 * i], _mm256_loadu_si256((const __m256i *)(xb + 64 * i))),
+                                              _mm256_maddubs_epi16(u[2 * i + 1], _mm256_loadu_si256((const __m256i *)(xb + 64 * i + 32)))),
+                            ones);
+                    const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
+                    lo = _mm256_permute2x128_si256(g0, g1, 0x20);
+                    hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+                } else {   /* 2 chunks a 16-bit sum (4 products) */
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q6_K_QK;
+                    __m256i a[4];
+                    for (int i = 0; i < 4; i++) {
+                        const int c = 2 * (i & 1), o = 32 * (i >> 1);   /* lanes 0-7 from u[c], 8-15 from u[4 + c] */
+                        a[i] = _mm256_madd_epi16(
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c], _mm256_load_si256((const __m256i *)(xt + 64 * c + o))),
+                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c + 1], _mm256_load_si256((const __m256i *)(xt + 64 * c + 64 + o)))),
+                            ones);
+                    }
+                    lo = _mm256_add_epi32(a[0], a[1]);
+                    hi = _mm256_add_epi32(a[2], a[3]);
+                }
+                const int64_t lx = t * nb * 16 + 16 * b;
+                lo = _mm256_add_epi32(lo, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 2));
+                hi = _mm256_add_epi32(hi, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 2));
+                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
+            }
         }
-        jb->y[r0 * jb->n_out + n] = i8_reduce256(acc_lo, acc_hi);
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
     }
 }
+#define Q6K_CALL(A, B, R, M) q6k_rows_avx2(jb, A, B, R, M)
+DEFINE_ROWS_AVX2(q6_k, Q6K_CALL)
 #endif
 
 /* ---- few rows on AVX512-VNNI: the fast direct path ---------------------------------------------
@@ -3476,7 +3502,7 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
         return qtype == 39 && MX1_FN != NULL ? MX1_FN : qtype == 12 ? Q4K1_FN : d0;
     if (d0 != NULL && d0 == it->direct[1])
         return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2
-               : qtype == 14 && m == 1 ? i8direct_q6_k_row_avx2 : d0;
+               : qtype == 14 ? i8rows_q6_k_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
