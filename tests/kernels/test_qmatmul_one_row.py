@@ -10,8 +10,9 @@ every MXFP4 exponent byte (0 and 1 take the subnormal scales, 255 the largest), 
 scale byte, and rows split over 2 threads.
 
 On AVX2 (and with simd=1 on any x86 CPU) Q4_K, Q8_0 and MXFP4 have direct kernels of their own
-for 1-32 rows and Q6_K for 1-11 (unsigned maddubs operands, 16-bit folds, MXFP4's values biased by
-12 and Q6_K's by 32, their sums corrected from X; from 2 rows a transpose per block): their rows
+for 1-32 rows, Q6_K for 1-11 and IQ1_S for one (unsigned maddubs operands, 16-bit folds, MXFP4's
+values biased by 12, Q6_K's by 32, IQ1_S's by 9, their sums corrected from X; from 2 rows a
+transpose per block): their rows
 equal the generic 256-bit direct path's, the panels' and the scalar path's bit for bit, alone
 and in calls of 2-9 rows.
 """
@@ -101,7 +102,7 @@ def test_q4_k_row_same_bits_on_every_path(k: int, n_out: int) -> None:
 AVX2_SHAPES = [(7168, 19), (2304, 9), (256, 5), (768, 3)]   # whole groups, partial last groups, none whole
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4, T.Q6_K, T.IQ1_S], ids=lambda t: t.name)
 @pytest.mark.parametrize("k,n_out", AVX2_SHAPES, ids=lambda v: str(v))
 def test_avx2_own_kernels_same_bits_for_few_rows(qtype: T, k: int, n_out: int) -> None:
     rng = np.random.default_rng(k + 5 * n_out + int(qtype))

@@ -1897,8 +1897,8 @@ DEFINE_I8(MXFP4, mxfp4)
  * The 256-bit direct path above is generic: per sub-block |q| . (x with q's sign) (abs, sign,
  * maddubs, madd), the lane sums folded by hadd_epi32, every scale and min stored to memory and
  * reloaded per group. For the types a K3 trunk and its experts are stored in (Q4_K, Q8_0,
- * MXFP4, and Q6_K, the LM head of Q4_K_M-style mixes) that is up to 3x the instructions the
- * product needs. These kernels give the same
+ * MXFP4, IQ1_S, and Q6_K, the LM head of Q4_K_M-style mixes) that is up to 3x the instructions
+ * the product needs. These kernels give the same
  * integer sums and the same float steps per lane (so the same bits as every other path) with
  * fewer, for 1 to I8_DIRECT_ROWS rows of x (a block is decoded once for all of them). Q4_K's
  * values are unsigned, so maddubs takes them as they are; MXFP4's table values are looked up as
@@ -2188,6 +2188,65 @@ __attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb
 }
 #define Q6K_CALL(A, B, R, M) q6k_rows_avx2(jb, A, B, R, M)
 DEFINE_ROWS_AVX2(q6_k, Q6K_CALL)
+
+/* IQ1_S, one row (lanes as Q4_K's: a group is two blocks of 8 sub-blocks). Values 8 grid + delta
+ * looked up as before, then + 9 (0-18, unsigned: maddubs takes them as they are; the delta's byte
+ * and the bias are one add) and each lane corrected by -9 X (from corr >> 7 = -X, exactly); a
+ * block's 8 sub-blocks fold in 16 bits for two rounds (8 products of 18 by 127, below 2^15),
+ * then madd widens them. */
+__attribute__((target(AVX2_TARGET))) static void i8direct_iq1_s_row_avx2(const i8job_t *jb, int64_t n0, int64_t n1,
+                                                                       int64_t r0, int m) {
+    (void)m;
+    const xlane_t *xl = jb->xl;
+    const int64_t nb = jb->k / IQ1_S_QK, rb = nb * IQ1_S_BYTES, ng = xl->ngroups;
+    const int8_t *xq = xl->xn + r0 * ng * xl->gv;
+    const float *dx = xl->dx + r0 * ng * 16;
+    const int32_t *corr = xl->corr + r0 * ng * 16;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ri = jb->w + n * rb;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < 2 * ng; b++) {
+            const int h = (int)(b & 1);
+            const int64_t lx = (b >> 1) * 16 + 8 * h;
+            __m256i s = _mm256_setzero_si256();
+            __m256 ws = _mm256_setzero_ps();
+            if (b < nb) {   /* (else the missing half of a partial last group: zeros, as the other paths) */
+                const uint8_t *blk = ri + b * IQ1_S_BYTES;
+                __builtin_prefetch(blk + I8_PREFETCH);
+                __builtin_prefetch(blk + I8_PREFETCH + IQ1_S_BYTES - 1);
+                const int8_t *xb = xq + b * IQ1_S_QK;
+                __m256i p[8];
+                for (int j = 0; j < 8; j++) {
+                    const unsigned qh = rd16(blk + 34 + 2 * j);
+                    const uint8_t *qs = blk + 2 + 4 * j;
+                    const __m256i g = _mm256_set_epi64x((long long)IQ1S_GRID8[qs[3] | ((qh >> 1) & 0x700)],
+                                                        (long long)IQ1S_GRID8[qs[2] | ((qh << 2) & 0x700)],
+                                                        (long long)IQ1S_GRID8[qs[1] | ((qh << 5) & 0x700)],
+                                                        (long long)IQ1S_GRID8[qs[0] | ((qh << 8) & 0x700)]);
+                    const __m256i u = _mm256_add_epi8(g, _mm256_set1_epi8(qh & 0x8000 ? 8 : 10));
+                    p[j] = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
+                }
+                /* lane 0: sums over each sub-block's values 0-15, lane 1: 16-31 */
+                const __m256i a0 = _mm256_hadd_epi16(p[0], p[1]), a1 = _mm256_hadd_epi16(p[2], p[3]);
+                const __m256i a2 = _mm256_hadd_epi16(p[4], p[5]), a3 = _mm256_hadd_epi16(p[6], p[7]);
+                const __m256i m0 = _mm256_madd_epi16(_mm256_hadd_epi16(a0, a1), ones);
+                const __m256i m1 = _mm256_madd_epi16(_mm256_hadd_epi16(a2, a3), ones);
+                s = _mm256_add_epi32(_mm256_permute2x128_si256(m0, m1, 0x20), _mm256_permute2x128_si256(m0, m1, 0x31));
+                const __m256i qh8 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 34)));
+                const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh8, 12),
+                                                                                       _mm256_set1_epi32(7)), 1),
+                                                    _mm256_set1_epi32(1));
+                ws = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16v(rd16(blk))), _mm256_cvtepi32_ps(ls)),
+                                   _mm256_set1_ps(0.125f));
+            }
+            const __m256i c = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 7);   /* -X */
+            s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_slli_epi32(c, 3), c));
+            acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), ws), _mm256_loadu_ps(dx + lx), acc[h]);
+        }
+        jb->y[r0 * jb->n_out + n] = i8_reduce256(acc[0], acc[1]);
+    }
+}
 #endif
 
 /* ---- few rows on AVX512-VNNI: the fast direct path ---------------------------------------------
@@ -3504,7 +3563,7 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
         return qtype == 39 && MX1_FN != NULL ? MX1_FN : qtype == 12 ? Q4K1_FN : d0;
     if (d0 != NULL && d0 == it->direct[1])
         return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2
-               : qtype == 14 ? i8rows_q6_k_avx2 : d0;
+               : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 && m == 1 ? i8direct_iq1_s_row_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
