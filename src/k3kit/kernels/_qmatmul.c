@@ -2190,8 +2190,8 @@ __attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb
 DEFINE_ROWS_AVX2(q6_k, Q6K_CALL)
 
 /* IQ1_S, one row (lanes as Q4_K's: a group is two blocks of 8 sub-blocks). Values 8 grid + delta
- * looked up as before, then + 9 (0-18, unsigned: maddubs takes them as they are; the delta's byte
- * and the bias are one add) and each lane corrected by -9 X (from corr >> 7 = -X, exactly); a
+ * looked up as before (qv_iq1_s), then + 9 (0-18, unsigned: maddubs takes them as they are) and
+ * each lane corrected by -9 X (from corr >> 7 = -X, exactly); a
  * block's 8 sub-blocks fold in 16 bits for two rounds (8 products of 18 by 127, below 2^15),
  * then madd widens them. */
 __attribute__((target(AVX2_TARGET))) static void i8direct_iq1_s_row_avx2(const i8job_t *jb, int64_t n0, int64_t n1,
@@ -2217,16 +2217,9 @@ __attribute__((target(AVX2_TARGET))) static void i8direct_iq1_s_row_avx2(const i
                 __builtin_prefetch(blk + I8_PREFETCH + IQ1_S_BYTES - 1);
                 const int8_t *xb = xq + b * IQ1_S_QK;
                 __m256i p[8];
-                for (int j = 0; j < 8; j++) {
-                    const unsigned qh = rd16(blk + 34 + 2 * j);
-                    const uint8_t *qs = blk + 2 + 4 * j;
-                    const __m256i g = _mm256_set_epi64x((long long)IQ1S_GRID8[qs[3] | ((qh >> 1) & 0x700)],
-                                                        (long long)IQ1S_GRID8[qs[2] | ((qh << 2) & 0x700)],
-                                                        (long long)IQ1S_GRID8[qs[1] | ((qh << 5) & 0x700)],
-                                                        (long long)IQ1S_GRID8[qs[0] | ((qh << 8) & 0x700)]);
-                    const __m256i u = _mm256_add_epi8(g, _mm256_set1_epi8(qh & 0x8000 ? 8 : 10));
-                    p[j] = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
-                }
+                for (int j = 0; j < 8; j++)
+                    p[j] = _mm256_maddubs_epi16(_mm256_add_epi8(qv_iq1_s(blk, j), _mm256_set1_epi8(9)),
+                                                _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
                 /* lane 0: sums over each sub-block's values 0-15, lane 1: 16-31 */
                 const __m256i a0 = _mm256_hadd_epi16(p[0], p[1]), a1 = _mm256_hadd_epi16(p[2], p[3]);
                 const __m256i a2 = _mm256_hadd_epi16(p[4], p[5]), a3 = _mm256_hadd_epi16(p[6], p[7]);
