@@ -655,15 +655,22 @@ __attribute__((target(AVX2_TARGET))) INLINE void scales_q8_0_v(const uint8_t *b,
     s[0] = f16v(rd16(b));
 }
 /* Q4_K/Q5_K: the 8 six-bit scales and mins unpacked 4 at a time in 32-bit words (ggml's
- * get_scale_min_k4), then d * sc and dmin * m for all 8 in one vector each. */
-__attribute__((target(AVX2_TARGET))) INLINE void scales_k4_v(const uint8_t *b, float *s, float *mn) {
+ * get_scale_min_k4), then d * sc and dmin * m for all 8 in one vector each: in registers, and
+ * stored (the generic paths). */
+__attribute__((target(AVX2_TARGET))) INLINE void scales_k4_r(const uint8_t *b, __m256 *s, __m256 *mn) {
     const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
     const uint64_t sc = (a & 0x3F3F3F3Fu) | (uint64_t)((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
     const uint64_t m = (c & 0x3F3F3F3Fu) | (uint64_t)(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
-    const __m256 d = _mm256_set1_ps(f16v(rd16(b)));
-    const __m256 dmin = _mm256_set1_ps(f16v(rd16(b + 2)));
-    _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)))));
-    _mm256_storeu_ps(mn, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)))));
+    *s = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b))),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    *mn = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b + 2))),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
+}
+__attribute__((target(AVX2_TARGET))) INLINE void scales_k4_v(const uint8_t *b, float *s, float *mn) {
+    __m256 sv, mv;
+    scales_k4_r(b, &sv, &mv);
+    _mm256_storeu_ps(s, sv);
+    _mm256_storeu_ps(mn, mv);
 }
 #define scales_q4_k_v scales_k4_v
 #define scales_q5_k_v scales_k4_v
@@ -1920,16 +1927,6 @@ __attribute__((target(AVX2_TARGET))) INLINE __m256i fold8_epi16(const __m256i *p
                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(e, 1)));
 }
 
-/* A Q4_K block's 8 scales d * sc and mins dmin * m in registers (scales_k4_v's products). */
-__attribute__((target(AVX2_TARGET))) INLINE void scales_k4_r(const uint8_t *b, __m256 *s, __m256 *mn) {
-    const uint32_t a = rd32(b + 4), c = rd32(b + 8), e = rd32(b + 12);
-    const uint64_t sc = (a & 0x3F3F3F3Fu) | (uint64_t)((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t m = (c & 0x3F3F3F3Fu) | (uint64_t)(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
-    *s = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b))),
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
-    *mn = _mm256_mul_ps(_mm256_set1_ps(f16v(rd16(b + 2))),
-                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
-}
 
 /* Q4_K: a group (two blocks) is lanes 0-7 (its first block) and 8-15. */
 __attribute__((target(AVX2_TARGET))) INLINE void q4k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
