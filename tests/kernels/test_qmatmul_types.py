@@ -192,6 +192,11 @@ def test_init_tables_checks_before_replacing() -> None:
         ext.init_tables(*good[:3], twos, good[4])
     with pytest.raises(ValueError, match="ksigns"):
         ext.init_tables(*good[:4], good[4][:100])
+    for i, name, width in ((0, "iq2xxs", 8), (2, "iq3xxs", 4)):   # magnitudes above 62 would overflow
+        big = good[i].copy()                                           # the AVX2 kernel's 16-bit sums
+        big.reshape(-1, width)[7, 2] = 63
+        with pytest.raises(ValueError, match=f"{name} entry 7 has value 63"):
+            ext.init_tables(*good[:i], big, *good[i + 1:])
     np.testing.assert_array_equal(kernel(T.IQ2_XXS, raw, x, 64), before)
 
 

@@ -2186,43 +2186,72 @@ __attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb
 #define Q6K_CALL(A, B, R, M) q6k_rows_avx2(jb, A, B, R, M)
 DEFINE_ROWS_AVX2(q6_k, Q6K_CALL)
 
-/* IQ1_S, one row (lanes as Q4_K's: a group is two blocks of 8 sub-blocks). Values 8 grid + delta
- * looked up as before (qv_iq1_s), then + 9 (0-18, unsigned: maddubs takes them as they are) and
- * each lane corrected by -9 X (from corr >> 7 = -X, exactly); a
- * block's 8 sub-blocks fold in 16 bits for two rounds (8 products of 18 by 127, below 2^15),
- * then madd widens them. */
-__attribute__((target(AVX2_TARGET))) static void i8direct_iq1_s_row_avx2(const i8job_t *jb, int64_t n0, int64_t n1,
-                                                                       int64_t r0, int m) {
-    (void)m;
+/* IQ1_S, IQ2_XXS and IQ3_XXS (lanes as Q4_K's: a group is two blocks of 8 sub-blocks), 1 to
+ * I8_DIRECT_ROWS rows: a block is decoded once, then each row folds its own products (no
+ * transpose: these types' decoding, grid lookups, outweighs the fold).
+ * IQ1_S: values 8 grid + delta looked up as before (qv_iq1_s), then + 9 (0-18, unsigned: maddubs
+ * takes them as they are) and each lane corrected by -9 X (from corr >> 7 = -X, exactly); a
+ * block's 8 sub-blocks fold in 16 bits for two rounds (8 products of 18 by 127, below 2^15), then
+ * madd widens them.
+ * IQ3_XXS and IQ2_XXS: the grid rows are magnitudes (1-62: init_tables holds them to that), so
+ * maddubs takes them as they are and the signs go onto x instead (sign_epi8 by the sign mask or 1:
+ * the products of the generic |q| . (x with q's sign)); a pair of sub-blocks' pair sums add once in
+ * 16 bits (4 products of 62 by 127, below 2^15) before madd widens them, then Q6_K's one-row fold.
+ * Scales as scales_iq3_xxs / scales_iq2_xxs compute them, 8 at a time. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i grid_iq3_xxs(const uint8_t *q) {
+    return _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
+                            (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
+                            (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
+}
+__attribute__((target(AVX2_TARGET))) INLINE __m256i grid_iq2_xxs(const uint8_t *q) {
+    return _mm256_set_epi64x((long long)IQ2XXS_GRID[q[3]], (long long)IQ2XXS_GRID[q[2]], (long long)IQ2XXS_GRID[q[1]],
+                             (long long)IQ2XXS_GRID[q[0]]);
+}
+/* IQ2_XXS's and IQ3_XXS's four 7-bit sign indices of a sub-block: 0xFF where negative, else 1. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i signs_iq3_xxs(uint32_t aux) {
+    return _mm256_or_si256(_mm256_set_epi64x((long long)SIGN_MASK[(aux >> 21) & 127], (long long)SIGN_MASK[(aux >> 14) & 127],
+                                             (long long)SIGN_MASK[(aux >> 7) & 127], (long long)SIGN_MASK[aux & 127]),
+                           _mm256_set1_epi8(1));
+}
+__attribute__((target(AVX2_TARGET))) INLINE void iq_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                             int m, int kind) {
+    const int iq3 = kind != 0;   /* IQ3_XXS and IQ2_XXS: magnitudes and signs */
     const xlane_t *xl = jb->xl;
-    const int64_t nb = jb->k / IQ1_S_QK, rb = nb * IQ1_S_BYTES, ng = xl->ngroups;
-    const int8_t *xq = xl->xn + r0 * ng * xl->gv;
+    const int64_t qk = IQ1_S_QK, bytes = kind == 2 ? IQ2_XXS_BYTES : kind ? IQ3_XXS_BYTES : IQ1_S_BYTES;
+    const int64_t nb = jb->k / qk, rb = nb * bytes, ng = xl->ngroups, xrow = ng * xl->gv;
+    const int8_t *xq = xl->xn + r0 * xrow;
     const float *dx = xl->dx + r0 * ng * 16;
     const int32_t *corr = xl->corr + r0 * ng * 16;
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[I8_DIRECT_ROWS][2];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ri = jb->w + n * rb;
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < 2 * ng; b++) {
             const int h = (int)(b & 1);
             const int64_t lx = (b >> 1) * 16 + 8 * h;
-            __m256i s = _mm256_setzero_si256();
-            __m256 ws = _mm256_setzero_ps();
-            if (b < nb) {   /* (else the missing half of a partial last group: zeros, as the other paths) */
-                const uint8_t *blk = ri + b * IQ1_S_BYTES;
-                __builtin_prefetch(blk + I8_PREFETCH);
-                __builtin_prefetch(blk + I8_PREFETCH + IQ1_S_BYTES - 1);
-                const int8_t *xb = xq + b * IQ1_S_QK;
-                __m256i p[8];
-                for (int j = 0; j < 8; j++)
-                    p[j] = _mm256_maddubs_epi16(_mm256_add_epi8(qv_iq1_s(blk, j), _mm256_set1_epi8(9)),
-                                                _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
-                /* lane 0: sums over each sub-block's values 0-15, lane 1: 16-31 */
-                const __m256i a0 = _mm256_hadd_epi16(p[0], p[1]), a1 = _mm256_hadd_epi16(p[2], p[3]);
-                const __m256i a2 = _mm256_hadd_epi16(p[4], p[5]), a3 = _mm256_hadd_epi16(p[6], p[7]);
-                const __m256i m0 = _mm256_madd_epi16(_mm256_hadd_epi16(a0, a1), ones);
-                const __m256i m1 = _mm256_madd_epi16(_mm256_hadd_epi16(a2, a3), ones);
-                s = _mm256_add_epi32(_mm256_permute2x128_si256(m0, m1, 0x20), _mm256_permute2x128_si256(m0, m1, 0x31));
+            if (b >= nb) {   /* the missing half of a partial last group: zeros, as the other paths */
+                for (int t = 0; t < m; t++)
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(dx + t * ng * 16 + lx), acc[t][h]);
+                continue;
+            }
+            const uint8_t *blk = ri + b * bytes;
+            __builtin_prefetch(blk + I8_PREFETCH);
+            __builtin_prefetch(blk + I8_PREFETCH + bytes - 1);
+            __m256i v[8], sg[8];
+            __m256 ws;
+            if (iq3) {
+                uint32_t a[8];
+                for (int j = 0; j < 8; j++) {
+                    a[j] = rd32(kind == 2 ? blk + 6 + 8 * j : blk + 66 + 4 * j);
+                    v[j] = kind == 2 ? grid_iq2_xxs(blk + 2 + 8 * j) : grid_iq3_xxs(blk + 2 + 8 * j);
+                    sg[j] = signs_iq3_xxs(a[j]);
+                }
+                const __m256i aux = _mm256_loadu_si256((const __m256i *)a);
+                const __m256 sc = _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_cvtepi32_ps(_mm256_srli_epi32(aux, 28)));
+                ws = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16v(rd16(blk))), sc), _mm256_set1_ps(kind == 2 ? 0.25f : 0.5f));
+            } else {
+                for (int j = 0; j < 8; j++) v[j] = _mm256_add_epi8(qv_iq1_s(blk, j), _mm256_set1_epi8(9));
                 const __m256i qh8 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 34)));
                 const __m256i ls = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh8, 12),
                                                                                        _mm256_set1_epi32(7)), 1),
@@ -2230,13 +2259,45 @@ __attribute__((target(AVX2_TARGET))) static void i8direct_iq1_s_row_avx2(const i
                 ws = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16v(rd16(blk))), _mm256_cvtepi32_ps(ls)),
                                    _mm256_set1_ps(0.125f));
             }
-            const __m256i c = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 7);   /* -X */
-            s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_slli_epi32(c, 3), c));
-            acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), ws), _mm256_loadu_ps(dx + lx), acc[h]);
+            for (int t = 0; t < m; t++) {
+                const int8_t *xb = xq + t * xrow + b * qk;
+                __m256i s;
+                if (iq3) {
+                    __m256i w[4];
+                    for (int i = 0; i < 4; i++) {
+                        const int j = 2 * i;
+                        const __m256i p0 = _mm256_maddubs_epi16(v[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * j)), sg[j]));
+                        const __m256i p1 = _mm256_maddubs_epi16(v[j + 1], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * j + 32)), sg[j + 1]));
+                        w[i] = _mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones);
+                    }
+                    const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
+                    s = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+                } else {
+                    __m256i p[8];
+                    for (int j = 0; j < 8; j++)
+                        p[j] = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
+                    /* lane 0: sums over each sub-block's values 0-15, lane 1: 16-31 */
+                    const __m256i a0 = _mm256_hadd_epi16(p[0], p[1]), a1 = _mm256_hadd_epi16(p[2], p[3]);
+                    const __m256i a2 = _mm256_hadd_epi16(p[4], p[5]), a3 = _mm256_hadd_epi16(p[6], p[7]);
+                    const __m256i m0 = _mm256_madd_epi16(_mm256_hadd_epi16(a0, a1), ones);
+                    const __m256i m1 = _mm256_madd_epi16(_mm256_hadd_epi16(a2, a3), ones);
+                    s = _mm256_add_epi32(_mm256_permute2x128_si256(m0, m1, 0x20), _mm256_permute2x128_si256(m0, m1, 0x31));
+                    const __m256i c = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + t * ng * 16 + lx)), 7);   /* -X */
+                    s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_slli_epi32(c, 3), c));
+                }
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), ws), _mm256_loadu_ps(dx + t * ng * 16 + lx),
+                                            acc[t][h]);
+            }
         }
-        jb->y[r0 * jb->n_out + n] = i8_reduce256(acc[0], acc[1]);
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
     }
 }
+#define IQ1S_CALL(A, B, R, M) iq_rows_avx2(jb, A, B, R, M, 0)
+#define IQ3XXS_CALL(A, B, R, M) iq_rows_avx2(jb, A, B, R, M, 1)
+#define IQ2XXS_CALL(A, B, R, M) iq_rows_avx2(jb, A, B, R, M, 2)
+DEFINE_ROWS_AVX2(iq1_s, IQ1S_CALL)
+DEFINE_ROWS_AVX2(iq3_xxs, IQ3XXS_CALL)
+DEFINE_ROWS_AVX2(iq2_xxs, IQ2XXS_CALL)
 #endif
 
 /* ---- few rows on AVX512-VNNI: the fast direct path ---------------------------------------------
@@ -3539,10 +3600,12 @@ static int use_vbmi = 0;
  * instead of the panels. Measured (AVX2-only EPYC, 7168 x 2048, 1 thread, benchmarks/
  * bench_rows.py against a build with every threshold at 65, 2026-12-03): the kernels take
  * 0.76-0.91x the panels' time for Q4_K at 12-32 rows, 0.80-0.82x for MXFP4 at 8-16 rows (even
- * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32). Q6_K keeps its old threshold (not
- * measured beyond 8 rows, where its kernel is 1.8x the old path). */
+ * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32), 0.67-0.72x for IQ1_S and IQ3_XXS at 4
+ * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS, the same kernel, by
+ * analogy). Q6_K keeps its old threshold (not measured beyond 8 rows, where its kernel is 1.8x
+ * the old path). */
 static int own_avx2_below(int qtype, int direct_below) {
-    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : direct_below;
+    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 ? 9 : direct_below;
 }
 
 /* The default path's direct kernel: the type's own where it has one for the direct kernel d0
@@ -3553,7 +3616,8 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
         return qtype == 39 && MX1_FN != NULL ? MX1_FN : qtype == 12 ? Q4K1_FN : d0;
     if (d0 != NULL && d0 == it->direct[1])
         return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2
-               : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 && m == 1 ? i8direct_iq1_s_row_avx2 : d0;
+               : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 ? i8rows_iq1_s_avx2
+               : qtype == 18 ? i8rows_iq3_xxs_avx2 : qtype == 16 ? i8rows_iq2_xxs_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
@@ -3855,9 +3919,9 @@ static PyObject *py_init_tables(PyObject *self, PyObject *args) {
     Py_buffer b[5];
     (void)self;
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &b[0], &b[1], &b[2], &b[3], &b[4])) return NULL;
-    int ok = load_table("iq2xxs", &b[0], 256, 8, 1, 127, 1, g2xxs) == 0 &&
+    int ok = load_table("iq2xxs", &b[0], 256, 8, 1, 62, 1, g2xxs) == 0 &&
              load_table("iq2xs", &b[1], 512, 8, 1, 127, 1, g2xs) == 0 &&
-             load_table("iq3xxs", &b[2], 256, 4, 1, 127, 1, g3xxs) == 0 &&
+             load_table("iq3xxs", &b[2], 256, 4, 1, 62, 1, g3xxs) == 0 &&
              load_table("iq1s", &b[3], 2048, 8, -1, 1, 8, g1) == 0;
     if (ok && b[4].len != 128) {
         PyErr_Format(PyExc_ValueError, "init_tables: ksigns has %zd bytes, expected 128", b[4].len);
