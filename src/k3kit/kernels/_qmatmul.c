@@ -3602,10 +3602,10 @@ static int use_vbmi = 0;
  * 0.76-0.91x the panels' time for Q4_K at 12-32 rows, 0.80-0.82x for MXFP4 at 8-16 rows (even
  * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32), 0.67-0.72x for IQ1_S and IQ3_XXS at 4
  * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS, the same kernel, by
- * analogy). Q6_K keeps its old threshold (not measured beyond 8 rows, where its kernel is 1.8x
- * the old path). */
+ * analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
 static int own_avx2_below(int qtype, int direct_below) {
-    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 ? 9 : direct_below;
+    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 ? 9
+           : qtype == 14 ? 65 : direct_below;
 }
 
 /* The default path's direct kernel: the type's own where it has one for the direct kernel d0
