@@ -39,7 +39,7 @@ def openmp_waits_passively() -> None:
     team loses a time slice at every parallel region: the mini's server at 2 threads beside one
     busy process ran 16-91 tok/s spinning against 41-242 sleeping (1-16 clients), `generate` 4.7
     against 97 beside a compiler and a test run. Alone, every parallel region pays a thread's
-    wake-up (~0.15 ms on a 2-vCPU VM): 16% of the mini's server at 8-16 clients, 10-25% of a K3
+    wake-up (~0.15 ms on a 2-vCPU VM): 16% of the mini's server at 8-16 clients, 5-25% of a K3
     slice's decode at 2 threads (benchmarks/RESULTS.md); the README tells a dedicated machine's
     owner to set GOMP_SPINCOUNT. libgomp reads it once, when torch loads it: so before that."""
     if "torch" not in sys.modules and not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
