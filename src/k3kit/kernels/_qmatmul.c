@@ -2292,6 +2292,64 @@ __attribute__((target(AVX2_TARGET))) INLINE void iq_rows_avx2(const i8job_t *jb,
         for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
     }
 }
+/* IQ1_M (lanes as Q6_K's: a group is one block, 16 lanes of 16 values: lanes 0-7 the first halves
+ * of its 8 sub-blocks, 8-15 the second halves), 1 to I8_DIRECT_ROWS rows. Values 8 grid + delta
+ * (qv_iq1_m) + 9 (0-18, unsigned: maddubs takes them as they are), each lane corrected by -9 X
+ * (corr >> 7 = -X, exactly); Q6_K's one-row fold per row; the 16 scales as scales_iq1_m computes
+ * them, 8 at a time. */
+__attribute__((target(AVX2_TARGET))) INLINE void iq1m_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                               int m) {
+    const xlane_t *xl = jb->xl;
+    const int64_t nb = jb->k / IQ1_M_QK, rb = nb * IQ1_M_BYTES, xrow = nb * IQ1_M_QK;
+    const int8_t *xq = xl->xn + r0 * xrow;
+    const float *dx = xl->dx + r0 * nb * 16;
+    const int32_t *corr = xl->corr + r0 * nb * 16;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[I8_DIRECT_ROWS][2];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ri = jb->w + n * rb;
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = ri + b * IQ1_M_BYTES;
+            __builtin_prefetch(blk + I8_PREFETCH);
+            __builtin_prefetch(blk + I8_PREFETCH + IQ1_M_BYTES - 1);
+            __m256i v[8];
+            for (int j = 0; j < 8; j++) v[j] = _mm256_add_epi8(qv_iq1_m(blk, j), _mm256_set1_epi8(9));
+            const uint16_t sc[4] = {rd16(blk + 48), rd16(blk + 50), rd16(blk + 52), rd16(blk + 54)};
+            const float d = f16v((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                                            (sc[3] & 0xf000)));
+            int32_t l1[8], l2[8];
+            for (int j = 0; j < 8; j++) {
+                l1[j] = 2 * ((sc[j / 2] >> (6 * (j % 2))) & 0x7) + 1;
+                l2[j] = 2 * ((sc[j / 2] >> (6 * (j % 2) + 3)) & 0x7) + 1;
+            }
+            const __m256 dv = _mm256_set1_ps(d), eighth = _mm256_set1_ps(0.125f);
+            const __m256 ws_lo = _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)l1))), eighth);
+            const __m256 ws_hi = _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)l2))), eighth);
+            for (int t = 0; t < m; t++) {
+                const int8_t *xb = xq + t * xrow + b * IQ1_M_QK;
+                __m256i w[4];
+                for (int i = 0; i < 4; i++)   /* [sub-block 2i values 0-7, 8-15 | 2i + 1 ...]: sums of 8 */
+                    w[i] = _mm256_madd_epi16(
+                        _mm256_hadd_epi16(_mm256_maddubs_epi16(v[2 * i], _mm256_loadu_si256((const __m256i *)(xb + 64 * i))),
+                                          _mm256_maddubs_epi16(v[2 * i + 1], _mm256_loadu_si256((const __m256i *)(xb + 64 * i + 32)))),
+                        ones);
+                const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
+                __m256i lo = _mm256_permute2x128_si256(g0, g1, 0x20), hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+                const int64_t lx = t * nb * 16 + 16 * b;
+                const __m256i c0 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 7);       /* -X */
+                const __m256i c1 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 7);
+                lo = _mm256_add_epi32(lo, _mm256_add_epi32(_mm256_slli_epi32(c0, 3), c0));
+                hi = _mm256_add_epi32(hi, _mm256_add_epi32(_mm256_slli_epi32(c1, 3), c1));
+                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
+            }
+        }
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
+    }
+}
+#define IQ1M_CALL(A, B, R, M) iq1m_rows_avx2(jb, A, B, R, M)
+DEFINE_ROWS_AVX2(iq1_m, IQ1M_CALL)
 #define IQ1S_CALL(A, B, R, M) iq_rows_avx2(jb, A, B, R, M, 0)
 #define IQ3XXS_CALL(A, B, R, M) iq_rows_avx2(jb, A, B, R, M, 1)
 #define IQ2XXS_CALL(A, B, R, M) iq_rows_avx2(jb, A, B, R, M, 2)
@@ -3604,7 +3662,7 @@ static int use_vbmi = 0;
  * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS, the same kernel, by
  * analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
 static int own_avx2_below(int qtype, int direct_below) {
-    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 ? 9
+    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
            : qtype == 14 ? 65 : direct_below;
 }
 
@@ -3617,7 +3675,8 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
     if (d0 != NULL && d0 == it->direct[1])
         return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2
                : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 ? i8rows_iq1_s_avx2
-               : qtype == 18 ? i8rows_iq3_xxs_avx2 : qtype == 16 ? i8rows_iq2_xxs_avx2 : d0;
+               : qtype == 18 ? i8rows_iq3_xxs_avx2 : qtype == 16 ? i8rows_iq2_xxs_avx2
+               : qtype == 29 ? i8rows_iq1_m_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
