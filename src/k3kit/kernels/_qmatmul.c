@@ -1904,8 +1904,8 @@ DEFINE_I8(MXFP4, mxfp4)
  * The 256-bit direct path above is generic: per sub-block |q| . (x with q's sign) (abs, sign,
  * maddubs, madd), the lane sums folded by hadd_epi32, every scale and min stored to memory and
  * reloaded per group. For the types a K3 trunk and its experts are stored in (Q4_K, Q8_0,
- * MXFP4, IQ1_S, and Q6_K, the LM head of Q4_K_M-style mixes) that is up to 3x the instructions
- * the product needs. These kernels give the same
+ * MXFP4, the IQ1/IQ2/IQ3 expert types, and Q6_K, the LM head of Q4_K_M-style mixes) that is up
+ * to 3x the instructions the product needs. These kernels give the same
  * integer sums and the same float steps per lane (so the same bits as every other path) with
  * fewer, for 1 to I8_DIRECT_ROWS rows of x (a block is decoded once for all of them). Q4_K's
  * values are unsigned, so maddubs takes them as they are; MXFP4's table values are looked up as
@@ -3659,8 +3659,8 @@ static int use_vbmi = 0;
  * bench_rows.py against a build with every threshold at 65, 2026-12-03): the kernels take
  * 0.76-0.91x the panels' time for Q4_K at 12-32 rows, 0.80-0.82x for MXFP4 at 8-16 rows (even
  * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32), 0.67-0.72x for IQ1_S and IQ3_XXS at 4
- * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS, the same kernel, by
- * analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
+ * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS and IQ1_M, the same
+ * kind of kernel, by analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
 static int own_avx2_below(int qtype, int direct_below) {
     return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
            : qtype == 14 ? 65 : direct_below;
