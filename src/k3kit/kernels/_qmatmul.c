@@ -2104,6 +2104,28 @@ DEFINE_ROWS_AVX2(q4_k, Q4K_CALL)
 DEFINE_ROWS_AVX2(q8_0, Q80_CALL)
 DEFINE_ROWS_AVX2(mxfp4, MX_CALL)
 
+/* 8 sub-blocks' unsigned vectors times x (sub-block j's 32 values at xb + 32 j; with sg, x with
+ * those signs first), a pair of sub-blocks' pair sums added once in 16 bits (4 products, at most
+ * 63 by 127: below 2^15) before madd widens them: sub-block j's sum over its values 0-15 in lane j
+ * of *lo, over 16-31 in lane j of *hi. */
+__attribute__((target(AVX2_TARGET))) INLINE void fold8_pairs(const __m256i *v, const int8_t *xb, const __m256i *sg,
+                                                            __m256i *lo, __m256i *hi) {
+    __m256i w[4];
+    for (int i = 0; i < 4; i++) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb + 64 * i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 64 * i + 32));
+        if (sg != NULL) {
+            x0 = _mm256_sign_epi8(x0, sg[2 * i]);
+            x1 = _mm256_sign_epi8(x1, sg[2 * i + 1]);
+        }
+        w[i] = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_maddubs_epi16(v[2 * i], x0), _mm256_maddubs_epi16(v[2 * i + 1], x1)),
+                                 _mm256_set1_epi16(1));
+    }
+    const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
+    *lo = _mm256_permute2x128_si256(g0, g1, 0x20);
+    *hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+}
+
 /* Q6_K (a 256-value block is a group of 16 lanes of 16 values: lanes 0-7 the first halves of its
  * 8 sub-blocks of 32, 8-15 the second halves). Values as q + 32 (0-63, unsigned: maddubs takes
  * them as they are) and each lane corrected by -32 X (corr >> 2, exactly). One row: a pair of
@@ -2149,16 +2171,7 @@ __attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb
             for (int t = 0; t < m; t++) {
                 __m256i lo, hi;
                 if (m == 1) {
-                    const int8_t *xb = xq + b * Q6_K_QK;
-                    __m256i w[4];
-                    for (int i = 0; i < 4; i++)   /* [sub-block a values 0-7, 8-15 | b ...]: sums of 8 */
-                        w[i] = _mm256_madd_epi16(
-                            _mm256_hadd_epi16(_mm256_maddubs_epi16(u[2 * i], _mm256_loadu_si256((const __m256i *)(xb + 64 * i))),
-                                              _mm256_maddubs_epi16(u[2 * i + 1], _mm256_loadu_si256((const __m256i *)(xb + 64 * i + 32)))),
-                            ones);
-                    const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
-                    lo = _mm256_permute2x128_si256(g0, g1, 0x20);
-                    hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+                    fold8_pairs(u, xq + b * Q6_K_QK, NULL, &lo, &hi);
                 } else {   /* 2 chunks a 16-bit sum (4 products) */
                     const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q6_K_QK;
                     __m256i a[4];
@@ -2263,15 +2276,9 @@ __attribute__((target(AVX2_TARGET))) INLINE void iq_rows_avx2(const i8job_t *jb,
                 const int8_t *xb = xq + t * xrow + b * qk;
                 __m256i s;
                 if (iq3) {
-                    __m256i w[4];
-                    for (int i = 0; i < 4; i++) {
-                        const int j = 2 * i;
-                        const __m256i p0 = _mm256_maddubs_epi16(v[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * j)), sg[j]));
-                        const __m256i p1 = _mm256_maddubs_epi16(v[j + 1], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 32 * j + 32)), sg[j + 1]));
-                        w[i] = _mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones);
-                    }
-                    const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
-                    s = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+                    __m256i lo, hi;
+                    fold8_pairs(v, xb, sg, &lo, &hi);
+                    s = _mm256_add_epi32(lo, hi);
                 } else {
                     __m256i p[8];
                     for (int j = 0; j < 8; j++)
@@ -2304,7 +2311,6 @@ __attribute__((target(AVX2_TARGET))) INLINE void iq1m_rows_avx2(const i8job_t *j
     const int8_t *xq = xl->xn + r0 * xrow;
     const float *dx = xl->dx + r0 * nb * 16;
     const int32_t *corr = xl->corr + r0 * nb * 16;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[I8_DIRECT_ROWS][2];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ri = jb->w + n * rb;
@@ -2327,15 +2333,8 @@ __attribute__((target(AVX2_TARGET))) INLINE void iq1m_rows_avx2(const i8job_t *j
             const __m256 ws_lo = _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)l1))), eighth);
             const __m256 ws_hi = _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)l2))), eighth);
             for (int t = 0; t < m; t++) {
-                const int8_t *xb = xq + t * xrow + b * IQ1_M_QK;
-                __m256i w[4];
-                for (int i = 0; i < 4; i++)   /* [sub-block 2i values 0-7, 8-15 | 2i + 1 ...]: sums of 8 */
-                    w[i] = _mm256_madd_epi16(
-                        _mm256_hadd_epi16(_mm256_maddubs_epi16(v[2 * i], _mm256_loadu_si256((const __m256i *)(xb + 64 * i))),
-                                          _mm256_maddubs_epi16(v[2 * i + 1], _mm256_loadu_si256((const __m256i *)(xb + 64 * i + 32)))),
-                        ones);
-                const __m256i g0 = _mm256_hadd_epi32(w[0], w[1]), g1 = _mm256_hadd_epi32(w[2], w[3]);
-                __m256i lo = _mm256_permute2x128_si256(g0, g1, 0x20), hi = _mm256_permute2x128_si256(g0, g1, 0x31);
+                __m256i lo, hi;
+                fold8_pairs(v, xq + t * xrow + b * IQ1_M_QK, NULL, &lo, &hi);
                 const int64_t lx = t * nb * 16 + 16 * b;
                 const __m256i c0 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 7);       /* -X */
                 const __m256i c1 = _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 7);
