@@ -2221,16 +2221,16 @@ __attribute__((target(AVX2_TARGET))) INLINE __m256i grid_iq2_xxs(const uint8_t *
                              (long long)IQ2XXS_GRID[q[0]]);
 }
 /* IQ2_XXS's and IQ3_XXS's four 7-bit sign indices of a sub-block: 0xFF where negative, else 1. */
-__attribute__((target(AVX2_TARGET))) INLINE __m256i signs_iq3_xxs(uint32_t aux) {
+__attribute__((target(AVX2_TARGET))) INLINE __m256i signs_xxs(uint32_t aux) {
     return _mm256_or_si256(_mm256_set_epi64x((long long)SIGN_MASK[(aux >> 21) & 127], (long long)SIGN_MASK[(aux >> 14) & 127],
                                              (long long)SIGN_MASK[(aux >> 7) & 127], (long long)SIGN_MASK[aux & 127]),
                            _mm256_set1_epi8(1));
 }
 __attribute__((target(AVX2_TARGET))) INLINE void iq_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
                                                              int m, int kind) {
-    const int iq3 = kind != 0;   /* IQ3_XXS and IQ2_XXS: magnitudes and signs */
+    const int mag = kind != 0;   /* IQ3_XXS, IQ2_XXS: grid magnitudes, the signs onto x */
     const xlane_t *xl = jb->xl;
-    const int64_t qk = IQ1_S_QK, bytes = kind == 2 ? IQ2_XXS_BYTES : kind ? IQ3_XXS_BYTES : IQ1_S_BYTES;
+    const int64_t qk = 256, bytes = kind == 2 ? IQ2_XXS_BYTES : kind ? IQ3_XXS_BYTES : IQ1_S_BYTES;   /* all QK 256 */
     const int64_t nb = jb->k / qk, rb = nb * bytes, ng = xl->ngroups, xrow = ng * xl->gv;
     const int8_t *xq = xl->xn + r0 * xrow;
     const float *dx = xl->dx + r0 * ng * 16;
@@ -2253,12 +2253,12 @@ __attribute__((target(AVX2_TARGET))) INLINE void iq_rows_avx2(const i8job_t *jb,
             __builtin_prefetch(blk + I8_PREFETCH + bytes - 1);
             __m256i v[8], sg[8];
             __m256 ws;
-            if (iq3) {
+            if (mag) {
                 uint32_t a[8];
                 for (int j = 0; j < 8; j++) {
                     a[j] = rd32(kind == 2 ? blk + 6 + 8 * j : blk + 66 + 4 * j);
                     v[j] = kind == 2 ? grid_iq2_xxs(blk + 2 + 8 * j) : grid_iq3_xxs(blk + 2 + 8 * j);
-                    sg[j] = signs_iq3_xxs(a[j]);
+                    sg[j] = signs_xxs(a[j]);
                 }
                 const __m256i aux = _mm256_loadu_si256((const __m256i *)a);
                 const __m256 sc = _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_cvtepi32_ps(_mm256_srli_epi32(aux, 28)));
@@ -2275,7 +2275,7 @@ __attribute__((target(AVX2_TARGET))) INLINE void iq_rows_avx2(const i8job_t *jb,
             for (int t = 0; t < m; t++) {
                 const int8_t *xb = xq + t * xrow + b * qk;
                 __m256i s;
-                if (iq3) {
+                if (mag) {
                     __m256i lo, hi;
                     fold8_pairs(v, xb, sg, &lo, &hi);
                     s = _mm256_add_epi32(lo, hi);
