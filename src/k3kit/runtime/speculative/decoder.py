@@ -17,7 +17,7 @@ that one target pass verifies the blocks of many sequences, each with its own de
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -29,9 +29,17 @@ from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.feature_ring import FeatureRing
 from k3kit.runtime.speculative.proposal import Proposal, chain, propose
 from k3kit.runtime.speculative.sampling import Sampling, probs
-from k3kit.runtime.speculative.schedule import DepthAcceptance, ScheduleConfig, choose_width
+from k3kit.runtime.speculative.schedule import (
+    DepthAcceptance,
+    ScheduleConfig,
+    choose_width,
+    expected_tokens,
+    prefix_survival,
+)
 
 REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
+PROBE_FIRST, PROBE_MAX = 8, 256     # declined serial passes between two that draft anyway (doubling)
+JUDGE_AFTER = 4                     # drafted steps before a serial decoder may decline to draft
 
 
 def _taps(out: VerifyOutput) -> Tensor:
@@ -46,6 +54,7 @@ class DecodeStats:
     prefill_rows: int = 0
     target_passes: int = 0                                     # verify calls after the prefill
     draft_steps: int = 0
+    plain_passes: int = 0                                      # serial passes that declined to draft
     committed_per_pass: list[int] = field(default_factory=list)   # tokens emitted per pass
     acceptance_histogram: list[int] = field(default_factory=list)  # [m] = passes accepting m
     verify_rows: list[int] = field(default_factory=list)        # rows verified per pass
@@ -69,6 +78,7 @@ class DecodeStats:
         out = {
             "target_passes": self.target_passes,
             "draft_steps": self.draft_steps,
+            "plain_passes": self.plain_passes,
             "committed_per_pass": self.tau,
             "acceptance_histogram": list(self.acceptance_histogram),
             "verify_rows": sum(self.verify_rows),
@@ -93,13 +103,16 @@ class SpeculativeDecoder:
     `prefill(chunk)` feeds prompt rows (taps captured into the ring) and returns the last row's
     logits; `step(anchor, remaining)` returns the tokens one pass commits (1..block+1, never
     more than `remaining`, cut after a stop token). Sampling draws come from `generator`, the
-    same one that picked the anchor, so a seed fixes the whole output.
+    same one that picked the anchor, so a seed fixes the whole output. `clock` times the draft
+    steps and verifies (seconds; tests pass a clock of their own).
     """
 
     def __init__(self, target: Target, draft: Draft, sampling: Sampling, generator: torch.Generator, *,
                  schedule: ScheduleConfig | None = None, ring: FeatureRing | None = None,
-                 ring_storage: str = "f16", ring_capacity: int = 4096, stop_ids: Iterable[int] = ()):
+                 ring_storage: str = "f16", ring_capacity: int = 4096, stop_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.perf_counter):
         self.target, self.draft, self.sampling, self.gen = target, draft, sampling, generator
+        self.clock = clock
         self.schedule = schedule or ScheduleConfig()
         self.stop = set(stop_ids)
         self.stats = DecodeStats(acceptance_histogram=[0] * (draft.n_proposals + 1))
@@ -109,6 +122,10 @@ class SpeculativeDecoder:
         self.last_accepted = 0                     # proposals the last accept() kept
         self._synced = 0                           # ring length at the last draft step
         self.last_sync = (0, 0.0)                  # (ring rows, seconds) the last step's sync brought in
+        self.verify_scale: dict[bool, float] = {}  # step()'s verify seconds / target.cost, by width > 1
+        self._declined, self._probe_every = 0, PROBE_FIRST
+        self._unjudged = JUDGE_AFTER               # draft steps to take before draft_pays judges
+        self.probing = False                       # the last draft_pays drafted only to look again
         if ring is None:
             ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
         if ring.length != target.position:
@@ -131,9 +148,9 @@ class SpeculativeDecoder:
         if not self.drafts(remaining):
             return None
         dt = self._sync()
-        t1 = time.perf_counter()
+        t1 = self.clock()
         props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen)
-        self._stepped(dt + time.perf_counter() - t1)
+        self._stepped(dt + self.clock() - t1)
         return props
 
     def drafts(self, remaining: int) -> bool:
@@ -143,9 +160,9 @@ class SpeculativeDecoder:
     def _sync(self) -> float:
         """Sync the draft to the ring; -> the seconds that count as the step's (a step's own sync;
         a prompt's context is a one-off, not a step's cost)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.draft.sync(self.ring)
-        dt = time.perf_counter() - t0
+        dt = self.clock() - t0
         rows = self.behind
         own = rows <= self.draft.n_proposals + 1
         self.last_sync = (rows, dt)
@@ -166,9 +183,9 @@ class SpeculativeDecoder:
         """The rest of a draft step whose block `draft_blocks` made: the Markov chain with this
         sequence's sampling and generator (its draws, as `propose` makes them). `seconds`: this
         sequence's share of the block's making, counted with the chain as its step time."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         props = chain(self.draft, [block], [anchor], [self.sampling], [self.gen])[0]
-        self._stepped(seconds + time.perf_counter() - t0)
+        self._stepped(seconds + self.clock() - t0)
         return props
 
     def confidence(self, props: Proposal) -> list[float]:
@@ -182,8 +199,10 @@ class SpeculativeDecoder:
         if props is None:
             return 1
         sched = self.schedule
-        if sched.draft_cost is None:      # the draft's own measured time, when cost() is seconds
-            sched = replace(sched, draft_cost=self.draft_seconds)
+        if sched.draft_cost is None:      # the draft's own measured time, when cost() is seconds;
+            # none for a sampled sequence: its widths decide its draws, which must not depend on
+            # timing (a seed must repeat), as in the batched server
+            sched = replace(sched, draft_cost=self.draft_seconds if self.sampling.greedy else 0.0)
         return choose_width(self.confidence(props), self.target.cost, min(len(props.tokens) + 1, remaining),
                             sched)
 
@@ -230,12 +249,71 @@ class SpeculativeDecoder:
         self.last_accepted = m
         return new
 
+    def draft_pays(self, remaining: int) -> bool:
+        """Whether `step` drafts: a draft step must be able to commit more tokens per second than a
+        plain pass, judged from the highest acceptance per depth the counts allow (Wilson upper
+        bounds: the counts, not a prior, must say no), the draft step's measured time and the
+        verifies' (their seconds over target.cost, apart for one row and for more). A
+        drafter that is seldom right otherwise costs its step on every pass (a random drafter on a
+        K3-geometry slice: 2.6 tok/s against 5.8 without it). After PROBE_FIRST declined passes one
+        drafts anyway, to see whether it pays now (the interval doubles up to PROBE_MAX while the
+        verdict stands). The first JUDGE_AFTER steps draft, and so do the JUDGE_AFTER after a probe
+        that paid (committed more tokens per second than a plain pass would): a drafter is often
+        wrong just after a prompt and right after that (the shipped mini's, on some prompts), and
+        acceptance counted since the start would take many probes to say so. Only for greedy
+        sequences whose draft cost is measured (`draft_cost` None: target.cost is seconds): their
+        output does not depend on it, while a sampled sequence's draws must not depend on timing
+        (a seed must repeat), so those always draft."""
+        self.probing = False
+        if not self.drafts(remaining):
+            return False
+        sched, d = self.schedule, self.draft_seconds
+        if (not self.sampling.greedy or sched.budget is not None or sched.draft_cost is not None
+                or d is None or not self.verify_scale or self._unjudged > 0):
+            return True
+        seconds = self._seconds
+        surv = prefix_survival(self.depth.upper(self.draft.n_proposals))
+        rows = min(self.draft.n_proposals + 1, remaining)
+        drafted = max(expected_tokens(surv, n) / (seconds(n) + d) for n in range(2, rows + 1))
+        if drafted * seconds(1) > 1.0:
+            self._declined, self._probe_every = 0, PROBE_FIRST
+            return True
+        self._declined += 1
+        if self._declined < self._probe_every:
+            return False
+        self._declined, self._probe_every = 0, min(2 * self._probe_every, PROBE_MAX)
+        self.probing = True
+        return True
+
+    def _seconds(self, n: int) -> float:
+        """A verify of n rows in seconds: target.cost(n) scaled by what verifies measured (of one
+        row, or of more; the other where one is not measured yet)."""
+        scale, wide = self.verify_scale, n > 1
+        return scale.get(wide, scale.get(not wide, 1.0)) * self.target.cost(n)
+
     def step(self, anchor: int, remaining: int) -> list[int]:
-        """One pass alone: propose, pick the width, verify [anchor, proposals], accept."""
-        props = self.propose(anchor, remaining)
+        """One pass alone: propose (if drafting pays), pick the width, verify [anchor, proposals],
+        accept."""
+        props = self.propose(anchor, remaining) if self.draft_pays(remaining) else None
+        if props is None and self.drafts(remaining):
+            self.stats.plain_passes += 1
         width = self.width(props, remaining)
+        if self.probing and props is not None:        # a probe verifies all it has: it is there to see
+            width = min(len(props.tokens) + 1, remaining)
         cand = props.tokens[: width - 1] if props else []
-        return self.accept(props, width, self.target.verify([anchor, *cand], capture=True))
+        t0 = self.clock()
+        v = self.target.verify([anchor, *cand], capture=True)
+        dt, cost = self.clock() - t0, self.target.cost(width)
+        if dt > 0 and cost > 0:
+            key, ratio = width > 1, dt / cost
+            old = self.verify_scale.get(key)
+            self.verify_scale[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+        tokens = self.accept(props, width, v)
+        if props is not None:
+            self._unjudged = max(0, self._unjudged - 1)
+            if self.probing and len(tokens) * self._seconds(1) > self.last_draft_seconds + dt:
+                self._unjudged, self._probe_every = JUDGE_AFTER, PROBE_FIRST    # a probe that paid
+        return tokens
 
     __call__ = step
 

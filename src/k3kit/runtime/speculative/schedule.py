@@ -78,6 +78,24 @@ class DepthAcceptance:
         return out
 
 
+    def upper(self, n: int, z: float = 1.64) -> list[float]:
+        """Conditional acceptance per depth as high as the counts allow: each depth's Wilson score
+        upper bound at `z` (one-sided 95% at 1.64), 1 before depth 0 is tried; depths never offered
+        inherit the bound before them (a draft rejected at depth 0 every time says nothing of
+        depth 1, and must not be taken as right there). What a decision to stop drafting rests
+        on: it should need the counts, not the prior, to say no."""
+        out, bound = [], 1.0
+        z2 = z * z
+        for k in range(n):
+            tried = self.tried[k] if k < len(self.tried) else 0
+            if tried:
+                acc = self.accepted[k]
+                spread = z * (acc * (tried - acc) / tried + z2 / 4) ** 0.5
+                bound = min(1.0, (acc + z2 / 2 + spread) / (tried + z2))
+            out.append(bound)
+        return out
+
+
 def prefix_survival(conf: Sequence[float]) -> list[float]:
     out, a = [], 1.0
     for c in conf:
