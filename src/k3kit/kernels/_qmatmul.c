@@ -2199,6 +2199,70 @@ __attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb
 #define Q6K_CALL(A, B, R, M) q6k_rows_avx2(jb, A, B, R, M)
 DEFINE_ROWS_AVX2(q6_k, Q6K_CALL)
 
+/* Q2_K, the lanes of Q6_K (lane j: the first 16 values of 32-value vector j, lane 8 + j: the
+ * last 16; vector 4h + g is bits 2g of qs[32h ..]). Values 0-3, unsigned: maddubs takes them as
+ * they are, no correction; each lane's float steps are the generic path's (lanes256: scale, then
+ * the min). Scales and mins de-interleaved into lane order before they become floats, as Q6_K's. */
+__attribute__((target(AVX2_TARGET))) INLINE void q2k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                              int m) {
+    const xlane_t *xl = jb->xl;
+    const int64_t nb = jb->k / Q2_K_QK, rb = nb * Q2_K_BYTES, xrow = nb * Q2_K_QK;
+    const int8_t *xq = xl->xn + r0 * xrow;
+    const float *dx = xl->dx + r0 * nb * 16, *dxs = xl->dxs + r0 * nb * 16;
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), low4 = _mm_set1_epi8(0x0F);
+    __m256 acc[I8_DIRECT_ROWS][2];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ri = jb->w + n * rb;
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = ri + b * Q2_K_BYTES;
+            __builtin_prefetch(blk + I8_PREFETCH);
+            __builtin_prefetch(blk + I8_PREFETCH + Q2_K_BYTES - 1);
+            __m256i u[8];
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * h));
+                for (int g = 0; g < 4; g++) u[4 * h + g] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), m3);
+            }
+            const __m128i sm = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), deint);
+            const __m128i sc = _mm_and_si128(sm, low4), mn = _mm_and_si128(_mm_srli_epi16(sm, 4), low4);
+            const __m256 d = _mm256_set1_ps(f16v(rd16(blk + 80))), dmin = _mm256_set1_ps(f16v(rd16(blk + 82)));
+            const __m256 ws_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+            const __m256 ws_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8))));
+            const __m256 wm_lo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+            const __m256 wm_hi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8))));
+            if (m > 1) transpose8(u);
+            for (int t = 0; t < m; t++) {
+                __m256i lo, hi;
+                if (m == 1) {
+                    fold8_pairs(u, xq + b * Q2_K_QK, NULL, &lo, &hi);
+                } else {   /* 2 chunks a 16-bit sum (4 products), as Q6_K's */
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q2_K_QK;
+                    __m256i a[4];
+                    for (int i = 0; i < 4; i++) {
+                        const int c = 2 * (i & 1), o = 32 * (i >> 1);
+                        a[i] = _mm256_madd_epi16(
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c], _mm256_load_si256((const __m256i *)(xt + 64 * c + o))),
+                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c + 1], _mm256_load_si256((const __m256i *)(xt + 64 * c + 64 + o)))),
+                            ones);
+                    }
+                    lo = _mm256_add_epi32(a[0], a[1]);
+                    hi = _mm256_add_epi32(a[2], a[3]);
+                }
+                const int64_t lx = t * nb * 16 + 16 * b;
+                const __m256 a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
+                const __m256 a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
+                acc[t][0] = _mm256_fnmadd_ps(wm_lo, _mm256_loadu_ps(dxs + lx), a0);
+                acc[t][1] = _mm256_fnmadd_ps(wm_hi, _mm256_loadu_ps(dxs + lx + 8), a1);
+            }
+        }
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
+    }
+}
+#define Q2K_CALL(A, B, R, M) q2k_rows_avx2(jb, A, B, R, M)
+DEFINE_ROWS_AVX2(q2_k, Q2K_CALL)
+
 /* IQ1_S, IQ2_XXS and IQ3_XXS (lanes as Q4_K's: a group is two blocks of 8 sub-blocks), 1 to
  * I8_DIRECT_ROWS rows: a block is decoded once, then each row folds its own products (no
  * transpose: these types' decoding, grid lookups, outweighs the fold).
@@ -3662,7 +3726,7 @@ static int use_vbmi = 0;
  * kind of kernel, by analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
 static int own_avx2_below(int qtype, int direct_below) {
     return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
-           : qtype == 14 ? 65 : direct_below;
+           : qtype == 14 || qtype == 10 ? 65 : direct_below;
 }
 
 /* The default path's direct kernel: the type's own where it has one for the direct kernel d0
@@ -3675,7 +3739,7 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
         return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2
                : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 ? i8rows_iq1_s_avx2
                : qtype == 18 ? i8rows_iq3_xxs_avx2 : qtype == 16 ? i8rows_iq2_xxs_avx2
-               : qtype == 29 ? i8rows_iq1_m_avx2 : d0;
+               : qtype == 29 ? i8rows_iq1_m_avx2 : qtype == 10 ? i8rows_q2_k_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
