@@ -2263,6 +2263,76 @@ __attribute__((target(AVX2_TARGET))) INLINE void q2k_rows_avx2(const i8job_t *jb
 #define Q2K_CALL(A, B, R, M) q2k_rows_avx2(jb, A, B, R, M)
 DEFINE_ROWS_AVX2(q2_k, Q2K_CALL)
 
+/* Q3_K, the lanes of Q2_K: vector j is bits 2 (j % 4) of qs[32 (j / 4) ..] and bit j of hmask,
+ * taken as q + 4 (0-7, unsigned: low bits + 4 x the hmask bit) with each lane corrected by -4 X
+ * (corr >> 5, exactly). Its scales (scales_q3_k_v's floats, in sub-block order) are moved into
+ * lane order as they are. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256 evens_ps(const float *s, int odd) {
+    const __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
+    const __m256 e = odd ? _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)) : _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+__attribute__((target(AVX2_TARGET))) INLINE void q3k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                              int m) {
+    const xlane_t *xl = jb->xl;
+    const int64_t nb = jb->k / Q3_K_QK, rb = nb * Q3_K_BYTES, xrow = nb * Q3_K_QK;
+    const int8_t *xq = xl->xn + r0 * xrow;
+    const float *dx = xl->dx + r0 * nb * 16;
+    const int32_t *corr = xl->corr + r0 * nb * 16;
+    const __m256i m3 = _mm256_set1_epi8(3), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    __m256 acc[I8_DIRECT_ROWS][2];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ri = jb->w + n * rb;
+        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = ri + b * Q3_K_BYTES;
+            __builtin_prefetch(blk + I8_PREFETCH);
+            __builtin_prefetch(blk + I8_PREFETCH + Q3_K_BYTES - 1);
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+            __m256i u[8];
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+                for (int g = 0; g < 4; g++) {
+                    const int j = 4 * h + g;
+                    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, j), one8);
+                    u[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * g), m3), _mm256_slli_epi16(hb, 2));
+                }
+            }
+            float sc[16];
+            scales_q3_k_v(blk, sc, NULL);
+            const __m256 ws_lo = evens_ps(sc, 0), ws_hi = evens_ps(sc, 1);
+            if (m > 1) transpose8(u);
+            for (int t = 0; t < m; t++) {
+                __m256i lo, hi;
+                if (m == 1) {
+                    fold8_pairs(u, xq + b * Q3_K_QK, NULL, &lo, &hi);
+                } else {   /* 2 chunks a 16-bit sum (4 products), as Q6_K's */
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q3_K_QK;
+                    __m256i a[4];
+                    for (int i = 0; i < 4; i++) {
+                        const int c = 2 * (i & 1), o = 32 * (i >> 1);
+                        a[i] = _mm256_madd_epi16(
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c], _mm256_load_si256((const __m256i *)(xt + 64 * c + o))),
+                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c + 1], _mm256_load_si256((const __m256i *)(xt + 64 * c + 64 + o)))),
+                            ones);
+                    }
+                    lo = _mm256_add_epi32(a[0], a[1]);
+                    hi = _mm256_add_epi32(a[2], a[3]);
+                }
+                const int64_t lx = t * nb * 16 + 16 * b;
+                lo = _mm256_add_epi32(lo, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 5));
+                hi = _mm256_add_epi32(hi, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 5));
+                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
+            }
+        }
+        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
+    }
+}
+#define Q3K_CALL(A, B, R, M) q3k_rows_avx2(jb, A, B, R, M)
+DEFINE_ROWS_AVX2(q3_k, Q3K_CALL)
+
 /* IQ1_S, IQ2_XXS and IQ3_XXS (lanes as Q4_K's: a group is two blocks of 8 sub-blocks), 1 to
  * I8_DIRECT_ROWS rows: a block is decoded once, then each row folds its own products (no
  * transpose: these types' decoding, grid lookups, outweighs the fold).
@@ -3726,7 +3796,7 @@ static int use_vbmi = 0;
  * kind of kernel, by analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
 static int own_avx2_below(int qtype, int direct_below) {
     return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
-           : qtype == 14 || qtype == 10 ? 65 : direct_below;
+           : qtype == 14 || qtype == 10 || qtype == 11 ? 65 : direct_below;
 }
 
 /* The default path's direct kernel: the type's own where it has one for the direct kernel d0
@@ -3739,7 +3809,8 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
         return qtype == 12 ? i8rows_q4_k_avx2 : qtype == 8 ? i8rows_q8_0_avx2 : qtype == 39 ? i8rows_mxfp4_avx2
                : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 ? i8rows_iq1_s_avx2
                : qtype == 18 ? i8rows_iq3_xxs_avx2 : qtype == 16 ? i8rows_iq2_xxs_avx2
-               : qtype == 29 ? i8rows_iq1_m_avx2 : qtype == 10 ? i8rows_q2_k_avx2 : d0;
+               : qtype == 29 ? i8rows_iq1_m_avx2 : qtype == 10 ? i8rows_q2_k_avx2
+               : qtype == 11 ? i8rows_q3_k_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
