@@ -61,8 +61,8 @@ def main() -> int:
                 tokens.add(tuple(res["token_ids"]))
                 spec = (f"{s['target_passes']} passes, {s['draft_steps']} draft steps, "
                         f"{s.get('plain_passes', '-')} declined" if d else "plain")
-                print(f"round {r} {name:4s} {'draft' if d else 'AR':5s} {s['decode_tok_s']:8.2f} tok/s  {spec}",
-                      flush=True)
+                label = "draft" if d else "AR"
+                print(f"round {r} {name:4s} {label:5s} {s['decode_tok_s']:8.2f} tok/s  {spec}", flush=True)
                 if d:
                     draft = s["decode_tok_s"]
                 else:

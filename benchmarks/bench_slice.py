@@ -1,6 +1,6 @@
 """K3-geometry slices: k3kit's quantized trunk vs llama.cpp, prefill and decode, 1 and 2 threads.
 
-    python benchmarks/bench_slice.py [--dir /tmp/C] [--files mxfp4,iq,q4k] [--threads 1,2]
+    python benchmarks/bench_slice.py [--dir /tmp/C] [--files mxfp4,iq,q4k,q2k] [--threads 1,2]
                                      [--prompt 64] [--tokens 16] [--reps 2] [--configs ...]
                                      [--lock /tmp/k3bench.lock] [--keep] [--reuse]
 
@@ -9,7 +9,8 @@ deleted after use unless --keep; with --reuse an existing DIR/slice-NAME/*.gguf 
 and never deleted, e.g. shared slices: `--dir /tmp/slices --reuse`):
   mxfp4  Q8_0 trunk, MXFP4 experts;
   iq     Q8_0 trunk, IQ1_S gate/up + IQ3_XXS down experts;
-  q4k    Q4_K trunk (`--trunk-type Q4_K`: the trunk `k3kit requant --to Q4_K` makes), MXFP4 experts.
+  q4k    Q4_K trunk (`--trunk-type Q4_K`: the trunk `k3kit requant --to Q4_K` makes), MXFP4 experts;
+  q2k    Q8_0 trunk, Q2_K gate/up + Q3_K down experts (a "Q2" file's expert types).
 Each run is its own process (one loaded model at a time, peak RSS measured per run); a round
 (llama.cpp, then each k3kit configuration) holds flock(2) on LOCK, so that timed runs on a
 shared machine do not overlap; rounds repeat `--reps` times, so the sides alternate. Every
@@ -59,6 +60,7 @@ FILES = {
     "mxfp4": [],
     "iq": ["--expert-type", "IQ1_S", "--expert-type-down", "IQ3_XXS"],
     "q4k": ["--trunk-type", "Q4_K"],
+    "q2k": ["--expert-type", "Q2_K", "--expert-type-down", "Q3_K"],
 }
 
 

@@ -1904,8 +1904,8 @@ DEFINE_I8(MXFP4, mxfp4)
  * The 256-bit direct path above is generic: per sub-block |q| . (x with q's sign) (abs, sign,
  * maddubs, madd), the lane sums folded by hadd_epi32, every scale and min stored to memory and
  * reloaded per group. For the types a K3 trunk and its experts are stored in (Q4_K, Q8_0,
- * MXFP4, the IQ1/IQ2/IQ3 expert types, and Q6_K, the LM head of Q4_K_M-style mixes) that is up
- * to 3x the instructions the product needs. These kernels give the same
+ * MXFP4, the IQ1/IQ2/IQ3 expert types, Q2_K and Q3_K, the experts of "Q2" files, and Q6_K, the
+ * LM head of Q4_K_M-style mixes) that is up to 3x the instructions the product needs. These kernels give the same
  * integer sums and the same float steps per lane (so the same bits as every other path) with
  * fewer, for 1 to I8_DIRECT_ROWS rows of x (a block is decoded once for all of them). Q4_K's
  * values are unsigned, so maddubs takes them as they are; MXFP4's table values are looked up as
@@ -2126,54 +2126,102 @@ __attribute__((target(AVX2_TARGET))) INLINE void fold8_pairs(const __m256i *v, c
     *hi = _mm256_permute2x128_si256(g0, g1, 0x31);
 }
 
-/* Q6_K (a 256-value block is a group of 16 lanes of 16 values: lanes 0-7 the first halves of its
- * 8 sub-blocks of 32, 8-15 the second halves). Values as q + 32 (0-63, unsigned: maddubs takes
- * them as they are) and each lane corrected by -32 X (corr >> 2, exactly). One row: a pair of
- * sub-blocks' pair sums add once in 16 bits (4 products of 63 by 127, below 2^15) before madd
- * widens them, then two hadd_epi32 and two permutes make the 16 lane sums. From 2 rows the 8
- * sub-blocks are transposed once (vector c < 4: values 4c .. 4c + 3 of each, lanes 0-7; c >= 4:
- * values 16 + 4(c - 4) .., lanes 8-15), as x's transposed copy lies. */
-__attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
-                                                              int m) {
-    const xlane_t *xl = jb->xl;
-    const int64_t nb = jb->k / Q6_K_QK, rb = nb * Q6_K_BYTES, xrow = nb * Q6_K_QK;
-    const int8_t *xq = xl->xn + r0 * xrow;
-    const float *dx = xl->dx + r0 * nb * 16;
-    const int32_t *corr = xl->corr + r0 * nb * 16;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+/* The K-quants with a scale per 16 values: Q6_K, Q2_K, Q3_K (kind K16_Q6, K16_Q2, K16_Q3). A
+ * 256-value block is a group of 16 lanes of 16 values: lane j the first 16 values of the block's
+ * 32-value vector j, lane 8 + j its last 16. Every value unsigned, so maddubs takes them as they
+ * are: Q6_K's as q + 32 (0-63) with each lane corrected by -32 X (corr >> 2, exactly), Q3_K's as
+ * q + 4 (0-7: low bits + 4 x the hmask bit) corrected by -4 X (corr >> 5), Q2_K's as they are
+ * (0-3) with its min, the generic path's float steps per lane (lanes256: scale, then the min).
+ * Scales (and mins) are moved into lane order (the even sub-blocks of 16, then the odd) before
+ * or after they become floats, unchanged. One row: a pair of vectors' pair sums add once in 16
+ * bits (4 products of at most 63 by 128, below 2^15) before madd widens them, then two
+ * hadd_epi32 and two permutes make the 16 lane sums. From 2 rows the 8 vectors are transposed
+ * once (vector c < 4: values 4c .. 4c + 3 of each, lanes 0-7; c >= 4: values 16 + 4(c - 4) ..,
+ * lanes 8-15), as x's transposed copy lies. */
+enum { K16_Q6, K16_Q2, K16_Q3 };
+/* 16 floats in sub-block order -> lanes 0-7 (odd = 0: the even ones) or 8-15 (odd = 1), unchanged. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256 evens_ps(const float *s, int odd) {
+    const __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
+    const __m256 e = odd ? _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)) : _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+/* 16 unsigned scale bytes (in lane order) times d -> lanes 0-7 in *lo, 8-15 in *hi. */
+__attribute__((target(AVX2_TARGET))) INLINE void scales_lanes(__m128i v, float d, __m256 *lo, __m256 *hi) {
+    const __m256 dv = _mm256_set1_ps(d);
+    *lo = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+    *hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+/* Block blk of a kind's row: its 8 vectors (values as above) and its lanes' scales and mins. */
+__attribute__((target(AVX2_TARGET))) INLINE void k16_block(const uint8_t *blk, int kind, __m256i *u, __m256 *ws,
+                                                           __m256 *wm) {
+    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
     const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    if (kind == K16_Q6) {
+        for (int h = 0; h < 2; h++) {   /* sub-block 4h + g: values 128h + 32g + l */
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? l1 : l0, 4) : (g & 1 ? l1 : l0), m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m3);
+                u[4 * h + g] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+            }
+        }
+        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), deint);
+        const __m256 d = _mm256_set1_ps(f16v(rd16(blk + 208)));
+        ws[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        ws[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    } else if (kind == K16_Q2) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * h));
+            for (int g = 0; g < 4; g++) u[4 * h + g] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), m3);
+        }
+        const __m128i sm = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), deint), low4 = _mm_set1_epi8(0x0F);
+        scales_lanes(_mm_and_si128(sm, low4), f16v(rd16(blk + 80)), &ws[0], &ws[1]);
+        scales_lanes(_mm_and_si128(_mm_srli_epi16(sm, 4), low4), f16v(rd16(blk + 82)), &wm[0], &wm[1]);
+    } else {
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk), one8 = _mm256_set1_epi8(1);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + g), one8);
+                u[4 * h + g] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * g), m3), _mm256_slli_epi16(hb, 2));
+            }
+        }
+        float sc[16];
+        scales_q3_k_v(blk, sc, NULL);
+        ws[0] = evens_ps(sc, 0);
+        ws[1] = evens_ps(sc, 1);
+    }
+}
+__attribute__((target(AVX2_TARGET))) INLINE void k16_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
+                                                              int m, int kind) {
+    const xlane_t *xl = jb->xl;
+    const int bytes = kind == K16_Q6 ? Q6_K_BYTES : kind == K16_Q2 ? Q2_K_BYTES : Q3_K_BYTES;
+    const int64_t nb = jb->k / 256, rb = nb * bytes, xrow = nb * 256;
+    const int8_t *xq = xl->xn + r0 * xrow;
+    const float *dx = xl->dx + r0 * nb * 16, *dxs = xl->dxs + r0 * nb * 16;
+    const int32_t *corr = xl->corr + r0 * nb * 16;
+    const int shift = kind == K16_Q6 ? 2 : 5;   /* corr >> shift: -32 X (Q6_K), -4 X (Q3_K) */
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[I8_DIRECT_ROWS][2];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ri = jb->w + n * rb;
         for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = ri + b * Q6_K_BYTES;
-            __builtin_prefetch(blk + I8_PREFETCH);
-            __builtin_prefetch(blk + I8_PREFETCH + 64);
-            __builtin_prefetch(blk + I8_PREFETCH + 128);
-            __builtin_prefetch(blk + I8_PREFETCH + Q6_K_BYTES - 1);
-            __m256i u[8];   /* sub-block 4h + g: values 128h + 32g + l */
-            for (int h = 0; h < 2; h++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                for (int g = 0; g < 4; g++) {
-                    const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? l1 : l0, 4) : (g & 1 ? l1 : l0), m4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m3);
-                    u[4 * h + g] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-                }
-            }
-            const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), deint);
-            const __m256 d = _mm256_set1_ps(f16v(rd16(blk + 208)));
-            const __m256 ws_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-            const __m256 ws_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+            const uint8_t *blk = ri + b * bytes;
+            for (int o = 0; o < bytes; o += 64) __builtin_prefetch(blk + I8_PREFETCH + o);
+            __builtin_prefetch(blk + I8_PREFETCH + bytes - 1);
+            __m256i u[8];
+            __m256 ws[2], wm[2];
+            k16_block(blk, kind, u, ws, wm);
             if (m > 1) transpose8(u);
             for (int t = 0; t < m; t++) {
                 __m256i lo, hi;
                 if (m == 1) {
-                    fold8_pairs(u, xq + b * Q6_K_QK, NULL, &lo, &hi);
+                    fold8_pairs(u, xq + b * 256, NULL, &lo, &hi);
                 } else {   /* 2 chunks a 16-bit sum (4 products) */
-                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q6_K_QK;
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * 256;
                     __m256i a[4];
                     for (int i = 0; i < 4; i++) {
                         const int c = 2 * (i & 1), o = 32 * (i >> 1);   /* lanes 0-7 from u[c], 8-15 from u[4 + c] */
@@ -2187,150 +2235,26 @@ __attribute__((target(AVX2_TARGET))) INLINE void q6k_rows_avx2(const i8job_t *jb
                     hi = _mm256_add_epi32(a[2], a[3]);
                 }
                 const int64_t lx = t * nb * 16 + 16 * b;
-                lo = _mm256_add_epi32(lo, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 2));
-                hi = _mm256_add_epi32(hi, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 2));
-                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
+                if (kind != K16_Q2) {
+                    lo = _mm256_add_epi32(lo, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), shift));
+                    hi = _mm256_add_epi32(hi, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), shift));
+                }
+                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws[0]), _mm256_loadu_ps(dx + lx), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws[1]), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
+                if (kind == K16_Q2) {
+                    acc[t][0] = _mm256_fnmadd_ps(wm[0], _mm256_loadu_ps(dxs + lx), acc[t][0]);
+                    acc[t][1] = _mm256_fnmadd_ps(wm[1], _mm256_loadu_ps(dxs + lx + 8), acc[t][1]);
+                }
             }
         }
         for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
     }
 }
-#define Q6K_CALL(A, B, R, M) q6k_rows_avx2(jb, A, B, R, M)
+#define Q6K_CALL(A, B, R, M) k16_rows_avx2(jb, A, B, R, M, K16_Q6)
+#define Q2K_CALL(A, B, R, M) k16_rows_avx2(jb, A, B, R, M, K16_Q2)
+#define Q3K_CALL(A, B, R, M) k16_rows_avx2(jb, A, B, R, M, K16_Q3)
 DEFINE_ROWS_AVX2(q6_k, Q6K_CALL)
-
-/* Q2_K, the lanes of Q6_K (lane j: the first 16 values of 32-value vector j, lane 8 + j: the
- * last 16; vector 4h + g is bits 2g of qs[32h ..]). Values 0-3, unsigned: maddubs takes them as
- * they are, no correction; each lane's float steps are the generic path's (lanes256: scale, then
- * the min). Scales and mins de-interleaved into lane order before they become floats, as Q6_K's. */
-__attribute__((target(AVX2_TARGET))) INLINE void q2k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
-                                                              int m) {
-    const xlane_t *xl = jb->xl;
-    const int64_t nb = jb->k / Q2_K_QK, rb = nb * Q2_K_BYTES, xrow = nb * Q2_K_QK;
-    const int8_t *xq = xl->xn + r0 * xrow;
-    const float *dx = xl->dx + r0 * nb * 16, *dxs = xl->dxs + r0 * nb * 16;
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-    const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), low4 = _mm_set1_epi8(0x0F);
-    __m256 acc[I8_DIRECT_ROWS][2];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *ri = jb->w + n * rb;
-        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = ri + b * Q2_K_BYTES;
-            __builtin_prefetch(blk + I8_PREFETCH);
-            __builtin_prefetch(blk + I8_PREFETCH + Q2_K_BYTES - 1);
-            __m256i u[8];
-            for (int h = 0; h < 2; h++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * h));
-                for (int g = 0; g < 4; g++) u[4 * h + g] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), m3);
-            }
-            const __m128i sm = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk), deint);
-            const __m128i sc = _mm_and_si128(sm, low4), mn = _mm_and_si128(_mm_srli_epi16(sm, 4), low4);
-            const __m256 d = _mm256_set1_ps(f16v(rd16(blk + 80))), dmin = _mm256_set1_ps(f16v(rd16(blk + 82)));
-            const __m256 ws_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
-            const __m256 ws_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8))));
-            const __m256 wm_lo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
-            const __m256 wm_hi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8))));
-            if (m > 1) transpose8(u);
-            for (int t = 0; t < m; t++) {
-                __m256i lo, hi;
-                if (m == 1) {
-                    fold8_pairs(u, xq + b * Q2_K_QK, NULL, &lo, &hi);
-                } else {   /* 2 chunks a 16-bit sum (4 products), as Q6_K's */
-                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q2_K_QK;
-                    __m256i a[4];
-                    for (int i = 0; i < 4; i++) {
-                        const int c = 2 * (i & 1), o = 32 * (i >> 1);
-                        a[i] = _mm256_madd_epi16(
-                            _mm256_add_epi16(
-                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c], _mm256_load_si256((const __m256i *)(xt + 64 * c + o))),
-                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c + 1], _mm256_load_si256((const __m256i *)(xt + 64 * c + 64 + o)))),
-                            ones);
-                    }
-                    lo = _mm256_add_epi32(a[0], a[1]);
-                    hi = _mm256_add_epi32(a[2], a[3]);
-                }
-                const int64_t lx = t * nb * 16 + 16 * b;
-                const __m256 a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
-                const __m256 a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
-                acc[t][0] = _mm256_fnmadd_ps(wm_lo, _mm256_loadu_ps(dxs + lx), a0);
-                acc[t][1] = _mm256_fnmadd_ps(wm_hi, _mm256_loadu_ps(dxs + lx + 8), a1);
-            }
-        }
-        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
-    }
-}
-#define Q2K_CALL(A, B, R, M) q2k_rows_avx2(jb, A, B, R, M)
 DEFINE_ROWS_AVX2(q2_k, Q2K_CALL)
-
-/* Q3_K, the lanes of Q2_K: vector j is bits 2 (j % 4) of qs[32 (j / 4) ..] and bit j of hmask,
- * taken as q + 4 (0-7, unsigned: low bits + 4 x the hmask bit) with each lane corrected by -4 X
- * (corr >> 5, exactly). Its scales (scales_q3_k_v's floats, in sub-block order) are moved into
- * lane order as they are. */
-__attribute__((target(AVX2_TARGET))) INLINE __m256 evens_ps(const float *s, int odd) {
-    const __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
-    const __m256 e = odd ? _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)) : _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
-}
-__attribute__((target(AVX2_TARGET))) INLINE void q3k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
-                                                              int m) {
-    const xlane_t *xl = jb->xl;
-    const int64_t nb = jb->k / Q3_K_QK, rb = nb * Q3_K_BYTES, xrow = nb * Q3_K_QK;
-    const int8_t *xq = xl->xn + r0 * xrow;
-    const float *dx = xl->dx + r0 * nb * 16;
-    const int32_t *corr = xl->corr + r0 * nb * 16;
-    const __m256i m3 = _mm256_set1_epi8(3), one8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-    __m256 acc[I8_DIRECT_ROWS][2];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *ri = jb->w + n * rb;
-        for (int t = 0; t < m; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = ri + b * Q3_K_BYTES;
-            __builtin_prefetch(blk + I8_PREFETCH);
-            __builtin_prefetch(blk + I8_PREFETCH + Q3_K_BYTES - 1);
-            const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
-            __m256i u[8];
-            for (int h = 0; h < 2; h++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
-                for (int g = 0; g < 4; g++) {
-                    const int j = 4 * h + g;
-                    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, j), one8);
-                    u[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * g), m3), _mm256_slli_epi16(hb, 2));
-                }
-            }
-            float sc[16];
-            scales_q3_k_v(blk, sc, NULL);
-            const __m256 ws_lo = evens_ps(sc, 0), ws_hi = evens_ps(sc, 1);
-            if (m > 1) transpose8(u);
-            for (int t = 0; t < m; t++) {
-                __m256i lo, hi;
-                if (m == 1) {
-                    fold8_pairs(u, xq + b * Q3_K_QK, NULL, &lo, &hi);
-                } else {   /* 2 chunks a 16-bit sum (4 products), as Q6_K's */
-                    const int8_t *xt = xl->q + (r0 + t) * xrow + b * Q3_K_QK;
-                    __m256i a[4];
-                    for (int i = 0; i < 4; i++) {
-                        const int c = 2 * (i & 1), o = 32 * (i >> 1);
-                        a[i] = _mm256_madd_epi16(
-                            _mm256_add_epi16(
-                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c], _mm256_load_si256((const __m256i *)(xt + 64 * c + o))),
-                                _mm256_maddubs_epi16(u[4 * (i >> 1) + c + 1], _mm256_load_si256((const __m256i *)(xt + 64 * c + 64 + o)))),
-                            ones);
-                    }
-                    lo = _mm256_add_epi32(a[0], a[1]);
-                    hi = _mm256_add_epi32(a[2], a[3]);
-                }
-                const int64_t lx = t * nb * 16 + 16 * b;
-                lo = _mm256_add_epi32(lo, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx)), 5));
-                hi = _mm256_add_epi32(hi, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + lx + 8)), 5));
-                acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), ws_lo), _mm256_loadu_ps(dx + lx), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), ws_hi), _mm256_loadu_ps(dx + lx + 8), acc[t][1]);
-            }
-        }
-        for (int t = 0; t < m; t++) jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(acc[t][0], acc[t][1]);
-    }
-}
-#define Q3K_CALL(A, B, R, M) q3k_rows_avx2(jb, A, B, R, M)
 DEFINE_ROWS_AVX2(q3_k, Q3K_CALL)
 
 /* IQ1_S, IQ2_XXS and IQ3_XXS (lanes as Q4_K's: a group is two blocks of 8 sub-blocks), 1 to
@@ -3793,7 +3717,8 @@ static int use_vbmi = 0;
  * 0.76-0.91x the panels' time for Q4_K at 12-32 rows, 0.80-0.82x for MXFP4 at 8-16 rows (even
  * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32), 0.67-0.72x for IQ1_S and IQ3_XXS at 4
  * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS and IQ1_M, the same
- * kind of kernel, by analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond). */
+ * kind of kernel, by analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond); Q2_K's and
+ * Q3_K's (Q6_K's lanes) 0.68-0.72x and 0.73-0.91x at 16-64 rows (2026-12-03, session 15). */
 static int own_avx2_below(int qtype, int direct_below) {
     return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
            : qtype == 14 || qtype == 10 || qtype == 11 ? 65 : direct_below;
