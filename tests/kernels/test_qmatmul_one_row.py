@@ -102,8 +102,8 @@ def test_q4_k_row_same_bits_on_every_path(k: int, n_out: int) -> None:
 AVX2_SHAPES = [(7168, 19), (2304, 9), (256, 5), (768, 3)]   # whole groups, partial last groups, none whole
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ1_S, T.IQ1_M,
-                                   T.IQ2_XXS, T.IQ3_XXS],
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_K, T.IQ1_S,
+                                   T.IQ1_M, T.IQ2_XXS, T.IQ3_XXS],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("k,n_out", AVX2_SHAPES, ids=lambda v: str(v))
 def test_avx2_own_kernels_same_bits_for_few_rows(qtype: T, k: int, n_out: int) -> None:

@@ -266,8 +266,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         if s.speculative is not None:
             d = s.speculative
-            print(f"speculative: {d['target_passes']} target passes, {d['draft_steps']} draft steps, "
-                  f"{d['plain_passes']} passes without a draft (drafting did not pay), "
+            plain = (f"{d['plain_passes']} passes without a draft (drafting did not pay), "
+                     if d['plain_passes'] else "")
+            print(f"speculative: {d['target_passes']} target passes, {d['draft_steps']} draft steps, {plain}"
                   f"{d['committed_per_pass']:.2f} tokens committed per pass, "
                   f"{d['verify_rows']} rows verified; "
                   f"accepted proposals per pass {d['acceptance_histogram']}; replay: "

@@ -1904,8 +1904,8 @@ DEFINE_I8(MXFP4, mxfp4)
  * The 256-bit direct path above is generic: per sub-block |q| . (x with q's sign) (abs, sign,
  * maddubs, madd), the lane sums folded by hadd_epi32, every scale and min stored to memory and
  * reloaded per group. For the types a K3 trunk and its experts are stored in (Q4_K, Q8_0,
- * MXFP4, the IQ1/IQ2/IQ3 expert types, Q2_K and Q3_K, the experts of "Q2" files, and Q6_K, the
- * LM head of Q4_K_M-style mixes) that is up to 3x the instructions the product needs. These kernels give the same
+ * MXFP4, the IQ1/IQ2/IQ3 expert types, Q2_K and Q3_K, the experts of "Q2" files, and Q5_K and
+ * Q6_K, the trunk and LM head of Q4_K_M-style mixes) that is up to 3x the instructions the product needs. These kernels give the same
  * integer sums and the same float steps per lane (so the same bits as every other path) with
  * fewer, for 1 to I8_DIRECT_ROWS rows of x (a block is decoded once for all of them). Q4_K's
  * values are unsigned, so maddubs takes them as they are; MXFP4's table values are looked up as
@@ -1928,11 +1928,22 @@ __attribute__((target(AVX2_TARGET))) INLINE __m256i fold8_epi16(const __m256i *p
 }
 
 
-/* Q4_K: a group (two blocks) is lanes 0-7 (its first block) and 8-15. */
+/* Q4_K and Q5_K (q5: the fifth bit from qh, values 0-31; the scales and mins are Q4_K's): a group
+ * (two blocks) is lanes 0-7 (its first block) and 8-15. Q5_K's values are twice as large, so 16
+ * products no longer fit 16 bits: one row folds 8 products in 16 bits and widens (madd) before the
+ * last step; from 2 rows two vectors' products add in 16 bits before madd. */
+__attribute__((target(AVX2_TARGET))) INLINE __m256i fold8_epi16_wide(const __m256i *p) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i a = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
+    const __m256i b = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7])), ones);
+    /* a: sub-blocks 0-3, b: 4-7; lane 0 over values 0-15, lane 1 over 16-31 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
 __attribute__((target(AVX2_TARGET))) INLINE void q4k_rows_avx2(const i8job_t *jb, int64_t n0, int64_t n1, int64_t r0,
-                                                              int m) {
+                                                              int m, int q5) {
     const xlane_t *xl = jb->xl;
-    const int64_t k = jb->k, nb = k / Q4_K_QK, rb = nb * Q4_K_BYTES, ng = xl->ngroups, xrow = ng * xl->gv;
+    const int bytes = q5 ? Q5_K_BYTES : Q4_K_BYTES, qs0 = q5 ? 48 : 16;
+    const int64_t k = jb->k, nb = k / Q4_K_QK, rb = nb * bytes, ng = xl->ngroups, xrow = ng * xl->gv;
     const int8_t *xq = xl->xn + r0 * xrow;
     const float *dx = xl->dx + r0 * ng * 16, *dxs = xl->dxs + r0 * ng * 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -1950,15 +1961,21 @@ __attribute__((target(AVX2_TARGET))) INLINE void q4k_rows_avx2(const i8job_t *jb
                 }
                 continue;
             }
-            const uint8_t *blk = ri + b * Q4_K_BYTES;
+            const uint8_t *blk = ri + b * bytes;
             __builtin_prefetch(blk + I8_PREFETCH);
             __builtin_prefetch(blk + I8_PREFETCH + 64);
-            __builtin_prefetch(blk + I8_PREFETCH + Q4_K_BYTES - 1);
+            if (q5) __builtin_prefetch(blk + I8_PREFETCH + 128);
+            __builtin_prefetch(blk + I8_PREFETCH + bytes - 1);
             __m256i v[8];
             for (int i = 0; i < 4; i++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * i));
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + qs0 + 32 * i));
                 v[2 * i] = _mm256_and_si256(q, m4);
                 v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            }
+            if (q5) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16)), one8 = _mm256_set1_epi8(1);
+                for (int j = 0; j < 8; j++)
+                    v[j] = _mm256_or_si256(v[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one8), 4));
             }
             __m256 ws, wm;
             scales_k4_r(blk, &ws, &wm);
@@ -1970,13 +1987,21 @@ __attribute__((target(AVX2_TARGET))) INLINE void q4k_rows_avx2(const i8job_t *jb
                     __m256i p[8];
                     for (int i = 0; i < 8; i++)
                         p[i] = _mm256_maddubs_epi16(v[i], _mm256_loadu_si256((const __m256i *)(xb + 32 * i)));
-                    s = fold8_epi16(p);
-                } else {   /* 16 products a 16-bit sum, below 2^15 */
+                    s = q5 ? fold8_epi16_wide(p) : fold8_epi16(p);
+                } else if (!q5) {   /* 16 products a 16-bit sum, below 2^15 */
                     const int8_t *xt = xl->q + (r0 + t) * xrow + (b >> 1) * xl->gv + 32 * h;
                     __m256i a16 = _mm256_maddubs_epi16(v[0], _mm256_load_si256((const __m256i *)xt));
                     for (int c = 1; c < 8; c++)
                         a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(v[c], _mm256_load_si256((const __m256i *)(xt + 64 * c))));
                     s = _mm256_madd_epi16(a16, ones);
+                } else {   /* 4 products of 31 by 128 a 16-bit sum */
+                    const int8_t *xt = xl->q + (r0 + t) * xrow + (b >> 1) * xl->gv + 32 * h;
+                    s = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c += 2)
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(v[c], _mm256_load_si256((const __m256i *)(xt + 64 * c))),
+                                             _mm256_maddubs_epi16(v[c + 1], _mm256_load_si256((const __m256i *)(xt + 64 * c + 64)))),
+                            ones));
                 }
                 const __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), ws),
                                                  _mm256_loadu_ps(dx + t * ng * 16 + lx), acc[t][h]);
@@ -2097,10 +2122,12 @@ __attribute__((target(AVX2_TARGET))) INLINE void row16_avx2(const i8job_t *jb, i
         if (m == 1) CALL(n0, n1, r0, 1);                                                           \
         else CALL(n0, n1, r0, m);                                                                  \
     }
-#define Q4K_CALL(A, B, R, M) q4k_rows_avx2(jb, A, B, R, M)
+#define Q4K_CALL(A, B, R, M) q4k_rows_avx2(jb, A, B, R, M, 0)
+#define Q5K_CALL(A, B, R, M) q4k_rows_avx2(jb, A, B, R, M, 1)
 #define Q80_CALL(A, B, R, M) row16_avx2(jb, A, B, R, M, 0)
 #define MX_CALL(A, B, R, M) row16_avx2(jb, A, B, R, M, 1)
 DEFINE_ROWS_AVX2(q4_k, Q4K_CALL)
+DEFINE_ROWS_AVX2(q5_k, Q5K_CALL)
 DEFINE_ROWS_AVX2(q8_0, Q80_CALL)
 DEFINE_ROWS_AVX2(mxfp4, MX_CALL)
 
@@ -3718,9 +3745,10 @@ static int use_vbmi = 0;
  * at 32), 0.81-0.93x for Q8_0 at 8-16 rows (1.03x at 32), 0.67-0.72x for IQ1_S and IQ3_XXS at 4
  * rows, 0.81x at 8 (1.05-1.31x from 10: a second pass over W; IQ2_XXS and IQ1_M, the same
  * kind of kernel, by analogy), 0.52-0.82x for Q6_K at 12-64 rows (not measured beyond); Q2_K's and
- * Q3_K's (Q6_K's lanes) 0.68-0.72x and 0.73-0.91x at 16-64 rows (2026-12-03, session 15). */
+ * Q3_K's (Q6_K's lanes) 0.68-0.72x and 0.73-0.91x at 16-64 rows, Q5_K's (Q4_K's) 0.83x at 16 rows
+ * and 1.02x at 32 (2026-12-03, session 15). */
 static int own_avx2_below(int qtype, int direct_below) {
-    return qtype == 12 ? 33 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
+    return qtype == 12 ? 33 : qtype == 13 ? 25 : qtype == 39 ? 32 : qtype == 8 ? 24 : qtype == 18 || qtype == 19 || qtype == 16 || qtype == 29 ? 9
            : qtype == 14 || qtype == 10 || qtype == 11 ? 65 : direct_below;
 }
 
@@ -3735,7 +3763,7 @@ static i8direct_fn own_direct_fn(const i8type_t *it, int qtype, i8direct_fn d0, 
                : qtype == 14 ? i8rows_q6_k_avx2 : qtype == 19 ? i8rows_iq1_s_avx2
                : qtype == 18 ? i8rows_iq3_xxs_avx2 : qtype == 16 ? i8rows_iq2_xxs_avx2
                : qtype == 29 ? i8rows_iq1_m_avx2 : qtype == 10 ? i8rows_q2_k_avx2
-               : qtype == 11 ? i8rows_q3_k_avx2 : d0;
+               : qtype == 11 ? i8rows_q3_k_avx2 : qtype == 13 ? i8rows_q5_k_avx2 : d0;
 #else
     (void)it;
     (void)qtype;
