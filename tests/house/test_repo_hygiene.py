@@ -9,7 +9,11 @@ a loaded target and drafter (`adapters.session.Session`) and is allowed; only a 
 A Python file over `MAX_PY_LINES` lines under src/, tests/ or benchmarks/ is a module holding more than
 one thing; split it by what it holds.
 
-Both checks list every offender in one failure, so one run shows all that is left to fix. They read
+A relative link in a tracked Markdown file (and a `figures/NAME.png` that benchmarks/RESULTS.md names)
+must lead to a tracked file, and a `#anchor` to a heading of that file: the docs point at one another
+and a moved or renamed page must not leave them pointing nowhere.
+
+The checks list every offender in one failure, so one run shows all that is left to fix. They read
 `git ls-files`, so an untracked scratch file never fails them; outside a git checkout (an sdist) they skip.
 """
 
@@ -110,3 +114,52 @@ def test_no_tracked_python_file_is_over_the_line_limit():
     if long:
         pytest.fail(f"{len(long)} Python file(s) over {MAX_PY_LINES} lines (split each by what it holds):\n"
                     + "\n".join(long), pytrace=False)
+
+
+LINK = re.compile(r"\]\(([^()\s]+)\)")
+FIGURE = re.compile(r"figures/[\w.-]+\.png")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_markdown_links_and_result_figures_resolve():
+    tracked = set(_tracked())
+    broken = []
+    for path in sorted(p for p in tracked if p.endswith(".md")):
+        text = _text(path)
+        if text is None:
+            continue
+        base = Path(path).parent
+        for number, line in enumerate(text.splitlines(), 1):
+            for m in LINK.finditer(line):
+                target = m.group(1)
+                if "://" in target or target.startswith("mailto:"):
+                    continue
+                file, _, anchor = target.partition("#")
+                dest = (base / file).as_posix() if file else path
+                dest = Path(dest).as_posix()
+                resolved = (ROOT / dest).resolve()
+                try:
+                    rel = resolved.relative_to(ROOT).as_posix()
+                except ValueError:
+                    rel = None
+                if rel is None or rel not in tracked:
+                    broken.append(f"{path}:{number}: {target} (no tracked file {dest})")
+                    continue
+                if anchor and rel.endswith(".md"):
+                    headings = {_anchor(h.lstrip("#")) for h in (_text(rel) or "").splitlines()
+                                if h.startswith("#")}
+                    if anchor not in headings:
+                        broken.append(f"{path}:{number}: {target} (no heading #{anchor} in {rel})")
+    results = "benchmarks/RESULTS.md"
+    if results in tracked:
+        for number, line in enumerate((_text(results) or "").splitlines(), 1):
+            for m in FIGURE.finditer(line):
+                if f"benchmarks/{m.group(0)}" not in tracked:
+                    broken.append(f"{results}:{number}: {m.group(0)} is not a tracked file")
+    if broken:
+        pytest.fail(f"{len(broken)} link(s) lead nowhere:\n" + "\n".join(broken), pytrace=False)
