@@ -54,10 +54,12 @@ def _tracked() -> list[str]:
 def _text(path: str) -> str | None:
     """The file as text, or None for a binary file (a NUL byte, or not UTF-8) or one missing on disk."""
     try:
-        raw = (ROOT / path).read_bytes()
+        with open(ROOT / path, "rb") as f:
+            head = f.read(8192)
+            if b"\0" in head:      # a GGUF, safetensors, PNG: not read further
+                return None
+            raw = head + f.read()
     except OSError:   # deleted in the work tree but still in the index
-        return None
-    if b"\0" in raw[:8192]:
         return None
     try:
         return raw.decode("utf-8")
