@@ -168,7 +168,7 @@ def test_tensor_bytes_match_the_source(converted, draft):
 
 
 def test_runtime_config_reads_back_the_same_draft(converted, draft):
-    """helper-4's DraftConfig from the GGUF metadata equals DraftConfig from config.json."""
+    """The runtime's DraftConfig from the GGUF metadata equals DraftConfig from config.json."""
     path, _ = converted
     f = GGUFFile.open(path)
     kv = {k: (list(v.value) if v.vtype == gguf.GGUFValueType.ARRAY and not isinstance(v.value, list)
