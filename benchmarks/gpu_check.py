@@ -50,13 +50,6 @@ def k3kit(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str
     return proc
 
 
-def generate(model: str | None, prompt: str, device: str, tokens: int, *extra: str) -> dict[str, Any]:
-    args = ["generate", *([model] if model else []), "--prompt", prompt, "--max-tokens", str(tokens),
-            "--device", device, "--json", *extra]
-    out: dict[str, Any] = json.loads(k3kit(*args).stdout.strip().splitlines()[-1])
-    return out
-
-
 def machine(device: str) -> dict[str, Any]:
     import torch
 
@@ -82,22 +75,61 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def run_model(path: Path, device: str, runs: list[tuple[str, bool]], tokens: int, prompt: str,
+              draft: Path | None = None, **options: Any) -> dict[str, dict[str, Any]]:
+    """One load of `path` on `device`, then each (name, with_draft) run: a warm-up of 8 tokens (CUDA
+    context, Triton's compilation) and the measured greedy run. Returns name -> result dict."""
+    import torch
+
+    from k3kit.adapters.session import open_session
+    from k3kit.commands.generate import decode_step
+    from k3kit.runtime.engine import generate as engine_generate
+    from k3kit.runtime.loader import LoadOptions
+    from k3kit.runtime.sampling import make_sampling
+
+    session = open_session(path, LoadOptions(device=device, **options), draft=draft)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        codec = session.codec
+        ids = codec.encode(prompt)
+        greedy = make_sampling(0.0, 1.0, 0, None)
+        flags = argparse.Namespace(verify_budget="auto", confidence_threshold=0.0, feature_ring="f16")
+        for name, with_draft in runs:
+            step = decode_step(flags, session.draft_model, codec.stop_ids()) if with_draft else None
+            with torch.no_grad():
+                engine_generate(session.model, ids, max_tokens=8, sampling=greedy, step=step)
+                r = engine_generate(session.model, ids, max_tokens=tokens, sampling=greedy,
+                                    stop_ids=codec.stop_ids(), step=step)
+            out[name] = r.to_dict()
+            if torch.cuda.is_available() and device.startswith("cuda"):
+                out[name]["vram_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                torch.cuda.reset_peak_memory_stats()
+        out["_memory"] = {"trunk": session.target.memory().trunk,
+                          "trunk_bytes": session.target.memory().trunk_bytes}
+    finally:
+        session.close()
+    return out
+
+
 def section_mini(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from k3kit.mini import paths
+    model, draft = Path(paths.shipped_gguf()), Path(paths.shipped_draft())
     rows = []
-    for prompt in PROMPTS:
-        ar = generate(None, prompt, args.device, args.tokens)
-        sd = generate(None, prompt, args.device, args.tokens, "--draft", "default")
-        cpu = generate(None, prompt, "cpu", args.tokens, "--arith", "float")
+    for prompt in PROMPTS[:args.prompts]:
+        gpu = run_model(model, args.device, [("ar", False), ("draft", True)], args.tokens, prompt,
+                        draft=draft)
+        cpu = run_model(model, "cpu", [("ar", False)], args.tokens, prompt, arith="float")
+        ar, sd, c = gpu["ar"], gpu["draft"], cpu["ar"]
         rows.append({
             "prompt": prompt.splitlines()[0],
             "ar_tok_s": round(ar["stats"]["decode_tok_s"], 1),
             "draft_tok_s": round(sd["stats"]["decode_tok_s"], 1),
             "draft_over_ar": round(sd["stats"]["decode_tok_s"] / max(ar["stats"]["decode_tok_s"], 1e-9), 2),
             "committed_per_pass": sd["stats"].get("committed_per_pass"),
-            "cpu_float_tok_s": round(cpu["stats"]["decode_tok_s"], 1),
+            "cpu_float_tok_s": round(c["stats"]["decode_tok_s"], 1),
             "draft_equals_ar": sd["token_ids"] == ar["token_ids"],
-            "gpu_equals_cpu": ar["token_ids"] == cpu["token_ids"],
-            "first_gpu_cpu_difference": first_difference(ar["token_ids"], cpu["token_ids"]),
+            "gpu_equals_cpu": ar["token_ids"] == c["token_ids"],
+            "first_gpu_cpu_difference": first_difference(ar["token_ids"], c["token_ids"]),
             "tokens": len(ar["token_ids"]),
         })
     return rows
@@ -120,7 +152,9 @@ def section_profile(args: argparse.Namespace) -> dict[str, Any]:
         with torch.no_grad():
             engine_generate(session.model, ids, max_tokens=8, sampling=greedy)       # warm-up
             n = 16
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+            acts = [ProfilerActivity.CPU]
+            if args.device.startswith("cuda"):
+                acts.append(ProfilerActivity.CUDA)
             with profile(activities=acts) as prof:
                 t0 = time.perf_counter()
                 res = engine_generate(session.model, ids, max_tokens=n, sampling=greedy)
@@ -163,44 +197,55 @@ def section_slice(args: argparse.Namespace) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="k3slice-", dir=args.scratch))
     path = make_slice(work)
     size = path.stat().st_size
-    rows = []
-    runs: list[tuple[str, str, list[str]]] = [
-        ("quantized trunk", args.device, []),
-        ("float trunk bf16", args.device, ["--trunk", "float", "--dtype", "bf16"]),
-        ("CPU, same box", "cpu", []),
+    rows: list[dict[str, Any]] = [{"run": f"file {size / 1e9:.2f} GB"}]
+    runs: list[tuple[str, str, dict[str, Any], dict[str, str]]] = [
+        ("quantized trunk", args.device, {}, {}),
+        ("quantized trunk, torch dequant", args.device, {}, {"K3KIT_GPU_KERNELS": "torch"}),
+        ("float trunk bf16", args.device, {"trunk": "float", "dtype": _bf16()}, {}),
+        ("CPU, same box", "cpu", {}, {}),
     ]
-    if os.environ.get("K3KIT_GPU_KERNELS") is None and args.device.startswith("cuda"):
-        runs.insert(1, ("quantized trunk, torch dequant", args.device, ["@torch"]))
     base: list[int] | None = None
-    for name, device, extra in runs:
-        env_torch = "@torch" in extra
-        extra = [e for e in extra if e != "@torch"]
-        if env_torch:
-            os.environ["K3KIT_GPU_KERNELS"] = "torch"
-        try:
-            t0 = time.perf_counter()
-            r = generate(str(path), "The quick brown fox", device, args.slice_tokens,
-                         "--expert-cache-mib", "8192", *extra)
-            took = time.perf_counter() - t0
-        finally:
-            os.environ.pop("K3KIT_GPU_KERNELS", None)
-        s = r["stats"]
-        base = base if base is not None else r["token_ids"]
-        rows.append({"run": name, "decode_tok_s": round(s["decode_tok_s"], 2),
-                     "prefill_tok_s": round(s["prefill_tok_s"], 1), "peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
-                     "trunk": s.get("trunk"), "same_tokens_as_first": r["token_ids"] == base,
-                     "seconds": round(took, 1)})
-    for f in work.glob("*"):
-        f.unlink()
-    work.rmdir()
-    return [{"file_gb": round(size / 1e9, 2)}, *rows]
+    try:
+        for name, device, options, env in runs:
+            if device == "cpu" and not args.slice_cpu:
+                continue
+            os.environ.update(env)
+            try:
+                t0 = time.perf_counter()
+                r = run_model(path, device, [("ar", False)], args.slice_tokens, "The quick brown fox",
+                              expert_cache_mib=8192.0, **options)
+                took = time.perf_counter() - t0
+            except Exception as e:       # one configuration failing is a figure; the others still run
+                rows.append({"run": name, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            finally:
+                for k in env:
+                    os.environ.pop(k, None)
+            s = r["ar"]["stats"]
+            base = base if base is not None else r["ar"]["token_ids"]
+            rows.append({"run": name, "decode_tok_s": round(s["decode_tok_s"], 2),
+                         "prefill_tok_s": round(s["prefill_tok_s"], 1),
+                         "process_peak_rss_gib": round(s["peak_rss_bytes"] / 2**30, 2),
+                         "vram_peak_gib": r["ar"].get("vram_peak_gib"),
+                         "trunk": r["_memory"]["trunk"],
+                         "same_tokens_as_first": r["ar"]["token_ids"] == base, "seconds": round(took, 1)})
+    finally:
+        for f in work.glob("*"):
+            f.unlink()
+        work.rmdir()
+    return rows
+
+
+def _bf16() -> Any:
+    import torch
+    return torch.bfloat16
 
 
 def section_serve(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for label, extra in (("AR", []), ("DSpark", ["--draft", "default"])):
-        out = k3kit("bench", "--device", args.device, "--concurrency", "1,16", "-p", "64", "-n", "32", "-r", "1",
-                    "-o", "json", "--no-progress", *extra, timeout=400)
+        out = k3kit("bench", "--device", args.device, "--concurrency", "1,16", "-p", "64", "-n", "32",
+                    "-r", "1", "-o", "json", "--no-progress", *extra, timeout=400)
         rows.append({"mode": label, "rows": json.loads(out.stdout)})
     return rows
 
@@ -209,13 +254,14 @@ def section_kernels(args: argparse.Namespace) -> Any:
     script = ROOT / "benchmarks" / "bench_gpu_qmatmul.py"
     if not script.exists():
         return "benchmarks/bench_gpu_qmatmul.py is not in this tree"
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run([sys.executable, str(script), *args.kernel_args.split()], capture_output=True,
+                          text=True, timeout=240, check=False)
     return {"exit": proc.returncode, "output": proc.stdout[-6000:] + proc.stderr[-2000:]}
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
-    "mini": section_mini, "profile": section_profile, "host": section_host, "slice": section_slice,
-    "serve": section_serve, "kernels": section_kernels,
+SECTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {   # in order of what matters most
+    "mini": section_mini, "profile": section_profile, "slice": section_slice, "kernels": section_kernels,
+    "host": section_host, "serve": section_serve,
 }
 
 
@@ -246,7 +292,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="mini tokens per run (64)")
     ap.add_argument("--slice-tokens", type=int, default=16, help="slice tokens per run (16)")
     ap.add_argument("--scratch", default=None, help="where the slice is written (a temp dir)")
+    ap.add_argument("--kernel-args", default="", help="arguments for bench_gpu_qmatmul.py")
+    ap.add_argument("--prompts", type=int, default=1, help="mini prompts (1)")
+    ap.add_argument("--slice-cpu", action="store_true", help="also decode the slice on the CPU")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="skip the sections that would start after this many seconds (420)")
     args = ap.parse_args()
+    from k3kit.cli import openmp_waits_passively
+    openmp_waits_passively()           # as `k3kit` does, before torch loads libgomp
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
@@ -254,8 +307,12 @@ def main() -> int:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": args.device,
                               "machine": machine(args.device), "sections": {}, "seconds": {}}
     print(json.dumps(report["machine"]), flush=True)
+    start = time.perf_counter()
     for name in args.sections.split(","):
         t0 = time.perf_counter()
+        if t0 - start > args.budget_s:
+            report["sections"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
+            continue
         try:
             value = SECTIONS[name](args)
         except Exception as e:          # a failing section is a figure too; the others still run
