@@ -1,0 +1,55 @@
+"""One request admitted to the batching scheduler (_Seq): its stream, output, sampler, sequence
+handle and prompt progress, plus what speculation has learnt about it.
+
+Admission creates it, pass building reads its next rows, the speculative widths read and update
+its drafting record, and retirement frees its state: a module of its own so that each of those
+(k3kit.serve.batch_admission, batch_passes, batch_widths, batch) imports it from one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3kit.runtime.sampling import Sampler
+from k3kit.serve.scheduler import Event, FinishEvent, RequestStream
+from k3kit.serve.sequence import SequenceOutput
+from k3kit.tokenizer.codec import TextCodec
+
+
+class _Seq:
+    """One admitted request: its stream, output, sampler, model handle and prompt progress."""
+
+    def __init__(self, stream: RequestStream, codec: TextCodec, stop_ids: frozenset[int]) -> None:
+        self.stream = stream
+        self.request = stream.request
+        self.cancelled = False
+        self.handle: int | None = None
+        self.dec: Any = None                      # its SpeculativeDecoder (with --draft)
+        self.survival: list[float] | None = None  # its drafts' prefix survival so far (running mean)
+        self.undrafted = 0                        # passes since it last drafted
+        self.block_survival: list[float] | None = None   # what the last block was expected to keep
+        self.prompt = list(self.request.prompt_ids)
+        self.fed = 0                              # prompt rows already run
+        self.sampler = Sampler(self.request.sampling)
+        self.finish: list[Event] = []             # the FinishEvent, held until the state is freed
+        self.out = SequenceOutput(self.request, codec, stop_ids, self._post)
+
+    def _post(self, ev: Event) -> None:
+        if isinstance(ev, FinishEvent):
+            self.finish.append(ev)
+        else:
+            self.stream.post(ev)
+
+    @property
+    def opened(self) -> int:
+        """Its sequence handle (it holds one from admission to retirement)."""
+        if self.handle is None:
+            raise ValueError(f"request {self.request.id} holds no sequence state")
+        return self.handle
+
+    @property
+    def decoding(self) -> bool:
+        return self.fed >= len(self.prompt)
+
+    def next_rows(self, chunk: int) -> list[int]:
+        return [self.out.last] if self.decoding else self.prompt[self.fed:self.fed + chunk]
