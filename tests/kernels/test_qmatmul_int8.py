@@ -1,6 +1,6 @@
 """The int8-activation products (ggml's own arithmetic, `matmul_q8`) and their row quantizers.
 
-Contract (see "int8 activations" in _qmatmul.c): rows of x are rounded to ggml's Q8_0 / Q8_K
+Contract (see "int8 activations" in native/qm_i8.h): rows of x are rounded to ggml's Q8_0 / Q8_K
 blocks bit for bit as ggml does (the reference quantizers and the x86 CPU backend's), and
 x @ W.T is then an integer dot product per scale's run of values; the result agrees with the
 float64 product of the dequantized W and the dequantized activation blocks to the float32

@@ -1,6 +1,6 @@
 """One row of x (a decode step) on the default int8 path, which has kernels of its own for it.
 
-Contract (_qmatmul.c, "int8 activations"): the default path's one-row result is bit for bit
+Contract (native/qm_i8.h, "int8 activations"): the default path's one-row result is bit for bit
 the result of every other path (the folding and transposed 512-bit direct paths, the 256-bit
 one, the panels), on every SIMD level and thread count, and within the float32 rounding bound
 of the float64 product. The one-row kernels of MXFP4 (AVX512-VBMI) and Q4_K (AVX512-VNNI)

@@ -26,7 +26,7 @@
  *   to float32 rounding, not bit for bit.
  * - A (sequence, head) is one unit of work done by one thread, whatever the other sequences are:
  *   a sequence's results are the same alone, batched with others, and for any thread count.
- *   Threads (OpenMP, resolving to the libgomp torch has loaded, as in _qmatmul.c) split the
+ *   Threads (OpenMP, resolving to the libgomp torch has loaded, as in native/qm_module.c) split the
  *   B * H units.
  */
 #define PY_SSIZE_T_CLEAN

@@ -1,4 +1,4 @@
-"""Types of the native extension built from _qmatmul.c (optional: it may not be built)."""
+"""Types of the native extension built from native/*.c (optional: it may not be built)."""
 
 from collections.abc import Sequence
 from typing import Any

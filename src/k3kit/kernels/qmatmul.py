@@ -3,7 +3,7 @@
 A routed expert is used by one row per decode step and a handful per verify pass, and a trunk
 matrix by one row per decode step and hundreds per prefill chunk. Turning a K3 expert's 11M
 values into a bf16 matrix for that costs 20-40 ms on a CPU core; multiplying the blocks directly
-(the `_qmatmul` extension, built from `_qmatmul.c` at install) costs about one pass over the
+(the `_qmatmul` extension, built from `native/*.c` at install) costs about one pass over the
 quantized bytes. So weights can stay as their file bytes (a quantized trunk, an expert cache of
 quantized bytes, 2-8x as many per MiB as bf16), and each use picks the cheaper way to multiply:
 
