@@ -1,7 +1,7 @@
 """K3 matrices on one CUDA GPU, per ggml type: the Triton kernels against torch's dequant + matmul.
 
     python benchmarks/bench_gpu_qmatmul.py [--types Q8_0,Q4_K,...] [--shapes 7168x2048,2048x7168]
-                                           [--rows 1,8,16,256] [--reps 20] [--budget-s 50] [--sweep]
+                                           [--rows 1,8,16,256] [--reps 20] [--budget-s 50] [--sweep TYPES]
 
 Shapes are ggml order, n_in x n_out (7168 x 2048 and 2048 x 7168: a K3 expert's projections;
 7168 x 18432: a trunk-sized matrix); random bytes with finite scales of a realistic size, made
@@ -9,13 +9,14 @@ on the GPU. First a correctness check per type and shape (before any timing): th
 dequantizer against k3kit.kernels.dequant's torch ops on the same device (bitwise), the GEMV
 (1 row) and the GEMM (--rows' largest) against float64 products of the dequantized matrix. Then
 per type, shape and row count, median of --reps timings with torch.cuda.Event (after warm-up):
-  triton     k3kit.kernels.gpu.matmul (GEMV up to GEMV_MAX_ROWS rows, tl.dot GEMM beyond), bf16 x
+  triton     k3kit.kernels.gpu.matmul (GEMV up to GEMV_MAX_ROWS rows, then gpu.PREFILL's way), bf16 x
   torch-deq  QuantizedLinear(mode="dequant"): W dequantized with torch ops per product (the path
              CUDA took before these kernels), then torch's bf16 GEMM
   bf16       torch's bf16 matmul on an already dequantized matrix (what a bf16 trunk costs)
 with GB/s = the weight bytes each reads (ggml bytes; bf16: 2 bytes a value) / time, and the
-ratios torch-deq / triton and bf16 / triton (> 1: triton is faster). --sweep adds GEMV tile
-sizes (output rows per program x warps) at 1 row, to choose kernels.GEMV_BN / GEMV_WARPS.
+ratios torch-deq / triton and bf16 / triton (> 1: triton is faster). --sweep Q4_K,... adds, for
+those types on the largest shape, GEMV tile sizes (output rows per program x warps) at 1 row, to
+choose kernels.GEMV_BN / GEMV_WARPS (each size is one more compile).
 Stops starting new cases after --budget-s seconds (compiling the kernels is part of it).
 """
 
@@ -80,10 +81,14 @@ def check(qtype: T, raw: torch.Tensor, n_in: int, n_out: int, rows: int) -> str:
     bad = int((got.view(torch.int32) != ref.view(torch.int32)).sum())
     if bad:
         return f"dequantize: {bad} values differ in their bits"
+    bf = dequantize(raw, qtype, (n_in, n_out), torch.bfloat16).view(torch.int16)
+    bad = int((gpu.dequantize(raw, qtype, (n_in, n_out), torch.bfloat16).view(torch.int16) != bf).sum())
+    if bad:
+        return f"dequantize to bf16: {bad} values differ in their bits"
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m in (1, rows):
         x = torch.randn(m, n_in, generator=gen, device="cuda").bfloat16()
-        y = gpu.matmul(x, raw, qtype, n_in, n_out, torch.bfloat16).double()
+        y = gpu.matmul(x, raw, qtype, n_in, n_out, torch.bfloat16, prefill="dot").double()
         wr = ref if m <= gpu.GEMV_MAX_ROWS else ref.bfloat16()      # the GEMM rounds W to bf16
         exact = x.double() @ wr.double().t()
         bound = (x.double().abs() @ ref.double().abs().t()) * (n_in + 8) * 2.0**-24
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,8,16,256")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=50.0)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", default="", help="types whose GEMV tile sizes to time")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu_qmatmul: no CUDA device: this benchmark times GPU kernels (nothing measured)",
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 gbs = raw.numel() / 1e6
                 print(f"{qtype.name:6} {n_in:>5}x{n_out:<5} {m:>4} | {tri:9.3f} {gbs / tri:6.0f} | {deq:9.3f} "
                       f"{gbs / deq:6.0f} | {bf:8.3f} {wb.numel() * 2e-6 / bf:6.0f} | {deq / tri:7.1f} {bf / tri:8.2f}")
-            if args.sweep and (n_in, n_out) == max(shapes, key=lambda s: s[0] * s[1]):
+            if qtype.name in args.sweep.split(",") and (n_in, n_out) == max(shapes, key=lambda s: s[0] * s[1]):
                 sweep(qtype, raw, n_in, n_out, args.reps)
             del wb, layer, raw
             torch.cuda.empty_cache()
@@ -153,24 +158,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep(qtype: T, raw: torch.Tensor, n_in: int, n_out: int, reps: int) -> None:
-    """GEMV at 1 row for other tile sizes (same kernel, same bits per row for a given size)."""
-    import triton
-
+    """Other kernel choices on one matrix, GB/s of weight bytes: the per-row GEMV's tile sizes
+    at 1 row; the one-program GEMV (`_gemv_rows`) against it at 1, 8 and 16 rows; the tl.dot GEMM
+    against the dequant + torch GEMM way at 256 rows (bf16)."""
+    from k3kit.kernels import gpu
     from k3kit.kernels.gpu import kernels as km
-    from k3kit.kernels.gpu.decode import GROUPS
 
-    x = torch.randn(1, n_in, device="cuda")
-    y = torch.empty(1, n_out, device="cuda")
-    g, s = GROUPS[int(qtype)]
+    gb = raw.numel() / 1e6
     out = []
-    for bn in (2, 4, 8, 16, 32):
-        for warps in (2, 4, 8):
-            def run(bn: int = bn, warps: int = warps) -> None:
-                km._gemv[(triton.cdiv(n_out, bn),)](x, raw, y, 1, n_out, n_in, raw.numel() // n_out,
-                                                     QT=int(qtype), BN=bn, G=g, S=s, num_warps=warps)
-            ms = cuda_ms(run, reps)
-            out.append(f"BN{bn}/w{warps} {raw.numel() / 1e6 / ms:.0f}")
-    print(f"  sweep {qtype.name} {n_in}x{n_out} 1 row, GB/s: " + ", ".join(out))
+    x1 = torch.randn(1, n_in, device="cuda")
+    for bn in (4, 8, 16, 32):
+        ms = cuda_ms(lambda bn=bn: km.gemv(x1, raw, int(qtype), n_in, n_out, rows_kernel=False, bn=bn), reps)
+        out.append(f"BN{bn} {gb / ms:.0f}")
+    print(f"  sweep {qtype.name} {n_in}x{n_out} per-row GEMV, 1 row, GB/s: " + ", ".join(out))
+    for m in (1, 8, 16):
+        x = torch.randn(m, n_in, device="cuda")
+        res = [f"per-row {gb / cuda_ms(lambda: km.gemv(x, raw, int(qtype), n_in, n_out, rows_kernel=False), reps):.0f}"]
+        for bn in (8, 16, 32):
+            ms = cuda_ms(lambda bn=bn: km.gemv(x, raw, int(qtype), n_in, n_out, rows_kernel=True, bn=bn), reps)
+            res.append(f"one-program BN{bn} {gb / ms:.0f}")
+        print(f"  sweep {qtype.name} {m} rows, GB/s: " + ", ".join(res))
+    x = torch.randn(256, n_in, device="cuda").bfloat16()
+    res = []
+    for how in ("dot", "dequant"):
+        ms = cuda_ms(lambda how=how: gpu.matmul(x, raw, qtype, n_in, n_out, torch.bfloat16, prefill=how), reps)
+        res.append(f"{how} {ms:.3f} ms")
+    print(f"  sweep {qtype.name} 256 rows bf16: " + ", ".join(res))
 
 
 if __name__ == "__main__":

@@ -64,47 +64,63 @@ def test_dequantize_is_bitwise_the_cpu_dequantizer(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_match_the_dequantized_weights(qtype):
-    """One-hot rows of x pick W's columns exactly (GEMV and GEMM); random rows are within the
-    float32 bound of a k-term dot product (GEMV), or of the compute dtype (GEMM)."""
+    """One-hot rows of x pick W's columns exactly (GEMV and both prefill ways); random rows are
+    within the float32 bound of a k-term dot product; with a 16-bit compute dtype the tl.dot
+    kernel is within that bound of the product of the rounded operands, and the dequant way is
+    bitwise torch's GEMM on the CPU dequantizer's weights."""
     n_in, n_out = _n_in(qtype), 19
     raw = _raw(qtype, n_in, n_out, seed=2)
     w = dequantize(raw, qtype, (n_in, n_out), torch.float32)           # [n_out, n_in]
     wd = raw.to(DEV)
     cols = torch.tensor([0, 5, n_in // 2 + 3, n_in - 1])
-    for m in (len(cols), gpu.GEMV_MAX_ROWS + 4):                        # GEMV, then GEMM
+    big = gpu.GEMV_MAX_ROWS + 4
+    for m, how in ((len(cols), ""), (big, "dot"), (big, "dequant")):
         x = torch.zeros(m, n_in)
         x[torch.arange(m), cols.repeat(m // len(cols) + 1)[:m]] = 1.0
-        y = gpu.matmul(x.to(DEV), wd, qtype, n_in, n_out).cpu()
+        y = gpu.matmul(x.to(DEV), wd, qtype, n_in, n_out, prefill=how).cpu()
         # equal values (a -0.0 weight comes out +0.0: the sum starts at +0.0)
-        assert torch.equal(y, w[:, cols.repeat(m // len(cols) + 1)[:m]].t()), m
+        assert torch.equal(y, w[:, cols.repeat(m // len(cols) + 1)[:m]].t()), (m, how)
     g = torch.Generator().manual_seed(3)
-    for m in (3, gpu.GEMV_MAX_ROWS + 1):
+    for m, how in ((3, ""), (big, "dot"), (big, "dequant")):
         x = torch.randn(m, n_in, generator=g)
-        y = gpu.matmul(x.to(DEV), wd, qtype, n_in, n_out).cpu().double()
+        y = gpu.matmul(x.to(DEV), wd, qtype, n_in, n_out, prefill=how).cpu().double()
         ref = x.double() @ w.double().t()
         bound = (x.double().abs() @ w.double().abs().t()) * (n_in + 8) * 2.0**-24
-        assert bool(((y - ref).abs() <= bound).all()), m
-    # a 16-bit compute dtype: x and each decoded tile rounded to it, float32 sums. The interpreter's
-    # bfloat16 is not usable (its casts truncate and its tl.dot reads the raw bits), so bfloat16
-    # is checked on a GPU only.
-    x = torch.randn(gpu.GEMV_MAX_ROWS + 2, n_in, generator=g)
+        assert bool(((y - ref).abs() <= bound).all()), (m, how)
+    # The interpreter's bfloat16 is not usable (its casts truncate and its tl.dot reads the raw
+    # bits), so bfloat16 is checked on a GPU only.
+    x = torch.randn(big, n_in, generator=g)
     for dt in (torch.float16, torch.bfloat16) if DEV.type == "cuda" else (torch.float16,):
-        y = gpu.matmul(x.to(DEV, dt), wd, qtype, n_in, n_out, dt).cpu().double()
+        y = gpu.matmul(x.to(DEV, dt), wd, qtype, n_in, n_out, dt, prefill="dot").cpu().double()
         ref = x.to(dt).double() @ w.to(dt).double().t()
         bound = (x.double().abs() @ w.double().abs().t()) * (n_in + 8) * 2.0**-24
         assert bool(((y - ref).abs() <= bound).all()), dt
+        y = gpu.matmul(x.to(DEV, dt), wd, qtype, n_in, n_out, dt, prefill="dequant")
+        wt = dequantize(raw, qtype, (n_in, n_out), dt).to(DEV)
+        assert y.dtype == dt and torch.equal(y, x.to(DEV, dt) @ wt.t()), dt
 
 
+@pytest.mark.parametrize("one_program", [False, True], ids=["per-row", "one-program"])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.MXFP4], ids=lambda t: t.name)
-def test_gemv_rows_do_not_depend_on_the_batch(qtype):
+def test_gemv_rows_do_not_depend_on_the_batch(qtype, one_program):
+    from k3kit.kernels.gpu import kernels
+
     n_in, n_out = 256, 10
     wd = _raw(qtype, n_in, n_out, seed=4).to(DEV)
     x = torch.randn(gpu.GEMV_MAX_ROWS, n_in, generator=torch.Generator().manual_seed(5)).to(DEV)
-    alone = torch.cat([gpu.matmul(x[i:i + 1], wd, qtype, n_in, n_out) for i in range(x.shape[0])])
+
+    def mm(rows):
+        return kernels.gemv(rows.contiguous(), wd, int(qtype), n_in, n_out, rows_kernel=one_program)
+
+    alone = torch.cat([mm(x[i:i + 1]) for i in range(x.shape[0])])
     for m in (3, gpu.GEMV_MAX_ROWS):
-        assert torch.equal(gpu.matmul(x[:m], wd, qtype, n_in, n_out), alone[:m]), m
+        assert torch.equal(mm(x[:m]), alone[:m]), m
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(6)).to(DEV)
-    assert torch.equal(gpu.matmul(x[perm], wd, qtype, n_in, n_out), alone[perm])
+    assert torch.equal(mm(x[perm]), alone[perm])
+    w = dequantize(wd.cpu(), qtype, (n_in, n_out), torch.float32)
+    ref = x.cpu().double() @ w.double().t()
+    bound = (x.cpu().double().abs() @ w.double().abs().t()) * (n_in + 8) * 2.0**-24
+    assert bool(((alone.cpu().double() - ref).abs() <= bound).all())
 
 
 def test_bad_bytes_are_one_line_errors():

@@ -28,9 +28,15 @@ T = GGMLQuantizationType
 # ggml types with a Triton decoder (kernels/gpu/decode.py)
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(
     {T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16})
-# Rows up to which `matmul` runs the row-invariant GEMV kernel (kept equal to matmul.GEMV_MAX_ROWS,
+# Rows up to which `matmul` runs the row-invariant GEMV kernel (kept equal to kernels.GEMV_MAX_ROWS,
 # here so that asking does not import triton).
 GEMV_MAX_ROWS = 16
+# How `matmul` multiplies more rows: "dequant" = W dequantized by the Triton kernel into chunks of
+# at most PREFILL_CHUNK_BYTES in the compute dtype, each multiplied by torch's GEMM; "dot" = the
+# tl.dot kernel on tiles decoded in registers (no chunk in memory). Measured on an H200 (7168 x
+# 18432, 256 rows, bf16): see benchmarks/RESULTS.md.
+PREFILL = "dequant"
+PREFILL_CHUNK_BYTES = 64 << 20
 
 _notified = False
 
@@ -90,16 +96,33 @@ def _block(qtype: int) -> tuple[int, int]:
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, n_in: int, n_out: int,
-           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x [M, n_in] @ W.T -> float32 [M, n_out], W the ggml [n_in, n_out] tensor whose bytes are
-    `raw` (on x's device). Up to GEMV_MAX_ROWS rows: float32 products and sums, each output row
-    independent of the others. More rows: the dequantized tile rounded to `dtype` (the compute
-    dtype, as a float trunk in that dtype would hold W) times x in `dtype`, float32 sums."""
+           dtype: torch.dtype = torch.float32, prefill: str = "") -> torch.Tensor:
+    """x [M, n_in] @ W.T, W the ggml [n_in, n_out] tensor whose bytes are `raw` (on x's device).
+    Up to GEMV_MAX_ROWS rows: float32 products and sums, each output row independent of the
+    others; float32 [M, n_out]. More rows (`prefill`, default PREFILL): W rounded to `dtype` (the
+    compute dtype, as a float trunk in that dtype would hold it) times x in `dtype`; float32 sums,
+    float32 result ("dot") or `dtype` ("dequant": torch's GEMM output)."""
     _check(raw, qtype, n_in, n_out)
     k = _kernels()
     if x.shape[0] <= GEMV_MAX_ROWS:
         return k.gemv(x.float().contiguous(), raw, int(qtype), n_in, n_out)
-    return k.gemm(x.to(dtype), raw, int(qtype), n_in, n_out)
+    how = prefill or PREFILL
+    if how == "dot":
+        return k.gemm(x.to(dtype), raw, int(qtype), n_in, n_out)
+    if how != "dequant":
+        raise ValueError(f"prefill {how!r}: expected 'dequant' or 'dot'")
+    xc = x.to(dtype)
+    rows = max(1, min(n_out, PREFILL_CHUNK_BYTES // (n_in * dtype.itemsize)))
+    if rows == n_out:
+        return xc @ k.dequantize(raw, int(qtype), n_in, n_out, dtype).t()
+    row_bytes = raw.numel() // n_out
+    y = torch.empty(x.shape[0], n_out, dtype=dtype, device=x.device)
+    for r0 in range(0, n_out, rows):
+        r1 = min(n_out, r0 + rows)
+        w = k.dequantize(raw[r0 * row_bytes:r1 * row_bytes], int(qtype), n_in, r1 - r0, dtype)
+        y[:, r0:r1] = xc @ w.t()
+        del w                        # freed before the next chunk is made
+    return y
 
 
 def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, int],
@@ -109,5 +132,4 @@ def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, int],
     one rounding to `dtype`)."""
     n_in, n_out = shape
     _check(raw, qtype, n_in, n_out)
-    out = _kernels().dequantize(raw, int(qtype), n_in, n_out)
-    return out if dtype == torch.float32 else out.to(dtype)
+    return _kernels().dequantize(raw, int(qtype), n_in, n_out, dtype)
