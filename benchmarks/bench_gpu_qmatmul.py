@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -121,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     types = [T[t.strip()] for t in args.types.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
+    largest = max(shapes, key=lambda s: s[0] * s[1])
     t0 = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}; median of {args.reps} (torch-deq: {max(3, args.reps // 5)})")
-    print(f"{'type':6} {'shape':>11} {'rows':>4} | {'triton ms':>9} {'GB/s':>6} | {'torch-deq':>9} {'GB/s':>6}"
-          f" | {'bf16 ms':>8} {'GB/s':>6} | {'deq/tri':>7} {'bf16/tri':>8}")
+    print(f"{'type':6} {'shape':>11} {'rows':>4} | {'triton ms':>9} {'GB/s':>6} | {'torch-deq':>9} "
+          f"{'GB/s':>6} | {'bf16 ms':>8} {'GB/s':>6} | {'deq/tri':>7} {'bf16/tri':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     failed = 0
     for qtype in types:
@@ -143,18 +145,27 @@ def main(argv: list[str] | None = None) -> int:
             layer = QuantizedLinear(GGMLWeight(raw, qtype, (n_in, n_out)), torch.bfloat16, mode="dequant")
             for m in rows:
                 x = torch.randn(m, n_in, generator=gen, device="cuda").bfloat16()
-                tri = cuda_ms(lambda: gpu.matmul(x, raw, qtype, n_in, n_out, torch.bfloat16), args.reps)
-                deq = cuda_ms(lambda: layer(x), max(3, args.reps // 5))
-                bf = cuda_ms(lambda: x @ wb.t(), args.reps)
-                gbs = raw.numel() / 1e6
-                print(f"{qtype.name:6} {n_in:>5}x{n_out:<5} {m:>4} | {tri:9.3f} {gbs / tri:6.0f} | {deq:9.3f} "
-                      f"{gbs / deq:6.0f} | {bf:8.3f} {wb.numel() * 2e-6 / bf:6.0f} | {deq / tri:7.1f} {bf / tri:8.2f}")
-            if qtype.name in args.sweep.split(",") and (n_in, n_out) == max(shapes, key=lambda s: s[0] * s[1]):
+                print(row_line(qtype, raw, wb, layer, x, args.reps))
+            if qtype.name in args.sweep.split(",") and (n_in, n_out) == largest:
                 sweep(qtype, raw, n_in, n_out, args.reps)
-            del wb, layer, raw
+            del wb, layer
             torch.cuda.empty_cache()
     print(f"total {time.perf_counter() - t0:.1f} s; {failed} check(s) failed")
     return 1 if failed else 0
+
+
+def row_line(qtype: T, raw: torch.Tensor, wb: torch.Tensor, layer: torch.nn.Module, x: torch.Tensor,
+             reps: int) -> str:
+    """One table line: x's rows times the matrix three ways."""
+    from k3kit.kernels import gpu
+
+    n_out, n_in = wb.shape
+    tri = cuda_ms(lambda: gpu.matmul(x, raw, qtype, n_in, n_out, torch.bfloat16), reps)
+    deq = cuda_ms(lambda: layer(x), max(3, reps // 5))
+    bf = cuda_ms(lambda: x @ wb.t(), reps)
+    gbs = raw.numel() / 1e6
+    return (f"{qtype.name:6} {n_in:>5}x{n_out:<5} {x.shape[0]:>4} | {tri:9.3f} {gbs / tri:6.0f} | {deq:9.3f} "
+            f"{gbs / deq:6.0f} | {bf:8.3f} {wb.numel() * 2e-6 / bf:6.0f} | {deq / tri:7.1f} {bf / tri:8.2f}")
 
 
 def sweep(qtype: T, raw: torch.Tensor, n_in: int, n_out: int, reps: int) -> None:
@@ -166,22 +177,23 @@ def sweep(qtype: T, raw: torch.Tensor, n_in: int, n_out: int, reps: int) -> None
 
     gb = raw.numel() / 1e6
     out = []
+    gemv = partial(km.gemv, w=raw, qtype=int(qtype), n_in=n_in, n_out=n_out)
     x1 = torch.randn(1, n_in, device="cuda")
     for bn in (4, 8, 16, 32):
-        ms = cuda_ms(lambda bn=bn: km.gemv(x1, raw, int(qtype), n_in, n_out, rows_kernel=False, bn=bn), reps)
+        ms = cuda_ms(partial(gemv, x1, rows_kernel=False, bn=bn), reps)
         out.append(f"BN{bn} {gb / ms:.0f}")
     print(f"  sweep {qtype.name} {n_in}x{n_out} per-row GEMV, 1 row, GB/s: " + ", ".join(out))
     for m in (1, 8, 16):
         x = torch.randn(m, n_in, device="cuda")
-        res = [f"per-row {gb / cuda_ms(lambda: km.gemv(x, raw, int(qtype), n_in, n_out, rows_kernel=False), reps):.0f}"]
+        res = [f"per-row {gb / cuda_ms(partial(gemv, x, rows_kernel=False), reps):.0f}"]
         for bn in (8, 16, 32):
-            ms = cuda_ms(lambda bn=bn: km.gemv(x, raw, int(qtype), n_in, n_out, rows_kernel=True, bn=bn), reps)
+            ms = cuda_ms(partial(gemv, x, rows_kernel=True, bn=bn), reps)
             res.append(f"one-program BN{bn} {gb / ms:.0f}")
         print(f"  sweep {qtype.name} {m} rows, GB/s: " + ", ".join(res))
-    x = torch.randn(256, n_in, device="cuda").bfloat16()
+    xb = torch.randn(256, n_in, device="cuda").bfloat16()
     res = []
     for how in ("dot", "dequant"):
-        ms = cuda_ms(lambda how=how: gpu.matmul(x, raw, qtype, n_in, n_out, torch.bfloat16, prefill=how), reps)
+        ms = cuda_ms(partial(gpu.matmul, xb, raw, qtype, n_in, n_out, torch.bfloat16, prefill=how), reps)
         res.append(f"{how} {ms:.3f} ms")
     print(f"  sweep {qtype.name} 256 rows bf16: " + ", ".join(res))
 

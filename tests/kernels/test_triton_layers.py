@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")    # before triton is imported (see test_triton_kernels)
 
 from k3kit.gguf import quants  # noqa: E402
 from k3kit.kernels import gpu  # noqa: E402
@@ -25,7 +25,8 @@ from k3kit.layers import quantized_linear as ql  # noqa: E402
 from k3kit.layers.quantized_linear import GGMLWeight, QuantizedEmbedding, QuantizedLinear  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_kernels = pytest.mark.skipif(not gpu.available(DEV), reason="no triton, or no CUDA and TRITON_INTERPRET=0")
+needs_kernels = pytest.mark.skipif(not gpu.available(DEV),
+                                   reason="no triton, or no CUDA and TRITON_INTERPRET=0")
 
 
 def _weight(qtype: T, n_in: int, n_out: int, seed: int = 0) -> GGMLWeight:

@@ -21,8 +21,9 @@ ggml tensor (a mapped file range or a buffer the loader filled) and compute from
 
 Row invariance (batched serving relies on it): up to `QuantizedLinear.invariant_rows` rows,
 each output row is bitwise the same whatever the other rows of the call are. The native kernel
-guarantees it for its types, the Triton GEMV up to its row limit; F32/F16/BF16 weights get it from one matrix-vector product per row
-(torch's GEMM is not row-invariant: M=1 and M=8 differ in the last bits).
+guarantees it for its types, the Triton GEMV (CUDA) up to its row limit; F32/F16/BF16 weights get
+it from one matrix-vector product per row (torch's GEMM is not row-invariant: M=1 and M=8 differ
+in the last bits).
 
 Corrupt files: a loader can give a layer a `check` (run once, before the first product: it
 scans the scale bytes, which the first product reads anyway) and an embedding a `corrupt_row`
