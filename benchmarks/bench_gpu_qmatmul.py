@@ -33,9 +33,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-TYPES = "Q8_0,Q4_K,MXFP4,Q6_K,Q5_K,F16,BF16"
+TYPES = "Q8_0,Q4_K,MXFP4,Q6_K,Q5_K,IQ4_XS,IQ4_NL,F16,BF16"
 SHAPES = "7168x2048,2048x7168,7168x18432"
-F16_AT = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+F16_AT = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 
 
 def random_raw(qtype: T, n_in: int, n_out: int, gen: torch.Generator) -> torch.Tensor:

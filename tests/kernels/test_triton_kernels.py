@@ -34,7 +34,7 @@ from k3kit.kernels import gpu  # noqa: E402
 from k3kit.kernels.dequant import dequantize  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TYPES = [T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16]
+TYPES = [T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16, T.IQ4_NL, T.IQ4_XS]
 if not gpu.available(DEV):
     pytest.skip("Triton kernels cannot run here (TRITON_INTERPRET=0 without CUDA)", allow_module_level=True)
 

@@ -27,7 +27,7 @@ T = GGMLQuantizationType
 
 # ggml types with a Triton decoder (kernels/gpu/decode.py)
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(
-    {T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16})
+    {T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16, T.IQ4_NL, T.IQ4_XS})
 # Rows up to which `matmul` runs the row-invariant GEMV kernel (kept equal to kernels.GEMV_MAX_ROWS,
 # here so that asking does not import triton).
 GEMV_MAX_ROWS = 16

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from k3kit.gguf.quants import gguf_py
+
 TILE_K = 256
 # ggml type ids (GGMLQuantizationType values): jit code reads globals only as constexprs
 F16 = tl.constexpr(1)
@@ -29,8 +31,22 @@ Q4_K = tl.constexpr(12)
 Q6_K = tl.constexpr(14)
 BF16 = tl.constexpr(30)
 MXFP4 = tl.constexpr(39)
+IQ4_NL = tl.constexpr(20)
+IQ4_XS = tl.constexpr(23)
 # (G, S) of each type's tile: G * S == TILE_K; S is the values that share one scale
-GROUPS = {1: (8, 32), 8: (8, 32), 12: (8, 32), 13: (8, 32), 14: (16, 16), 30: (8, 32), 39: (8, 32)}
+GROUPS = {1: (8, 32), 8: (8, 32), 12: (8, 32), 13: (8, 32), 14: (16, 16), 30: (8, 32), 39: (8, 32),
+          20: (8, 32), 23: (8, 32)}
+
+
+def _packed_kvalues() -> list[int]:
+    """kvalues_iq4nl + 128 as four little-endian words of 4 bytes (< 2^32: int64 constants, no
+    table argument for the kernels to carry)."""
+    kv = [int(v) + 128 for v in gguf_py.KVALUES_IQ4NL]
+    return [sum(kv[4 * w + i] << (8 * i) for i in range(4)) for w in range(4)]
+
+
+_W = _packed_kvalues()
+KV4_0, KV4_1, KV4_2, KV4_3 = (tl.constexpr(w) for w in _W)
 
 
 @triton.jit
@@ -149,6 +165,43 @@ def _half(row, t, nmask, K, BRAIN: tl.constexpr, G: tl.constexpr, S: tl.constexp
 
 
 @triton.jit
+def _kvalue(nib):
+    """kvalues_iq4nl[nib] as float32 (nib: int32 0..15)."""
+    q = nib >> 2
+    word = tl.where(q == 0, KV4_0, tl.where(q == 1, KV4_1, tl.where(q == 2, KV4_2, KV4_3))).to(tl.int64)
+    return (((word >> (8 * (nib & 3)).to(tl.int64)) & 0xFF).to(tl.int32) - 128).to(tl.float32)
+
+
+@triton.jit
+def _iq4_nl(row, t, nmask, K, G: tl.constexpr, S: tl.constexpr):
+    """8 blocks of f16 d, qs[16] (value j: low nibble of byte j, j + 16: its high nibble):
+    kvalues_iq4nl[nibble] * d."""
+    g, s, k = _columns(t, G, S)
+    blk = t * G + g
+    ok = nmask & (blk * 32 < K)
+    base = row + blk * 18
+    d = _f16(base, ok)
+    byte = _byte(base + 2 + (s % 16), ok)
+    return _kvalue(tl.where(s < 16, byte & 15, byte >> 4)) * d, k
+
+
+@triton.jit
+def _iq4_xs(row, t, nmask, G: tl.constexpr, S: tl.constexpr):
+    """f16 d, uint16 scales_h, scales_l[4], qs[128]: kvalues_iq4nl[nibble] * (d * (ls - 32)) per
+    32 values g, ls = nibble g % 2 of scales_l[g // 2] | bits 2g of scales_h << 4; value j of g:
+    low nibble of qs[16 g + j], j + 16: its high nibble."""
+    g, s, k = _columns(t, G, S)
+    base = row + t * 136
+    d = _f16(base, nmask)
+    sh = _byte(base + 2, nmask) | (_byte(base + 3, nmask) << 8)
+    sl = _byte(base + 4 + g // 2, nmask)
+    ls = ((sl >> (4 * (g % 2))) & 0xF) | (((sh >> (2 * g)) & 3) << 4)
+    dl = d * (ls - 32).to(tl.float32)
+    byte = _byte(base + 8 + 16 * g + (s % 16), nmask)
+    return _kvalue(tl.where(s < 16, byte & 15, byte >> 4)) * dl, k
+
+
+@triton.jit
 def tile(QT: tl.constexpr, row, t, nmask, K, G: tl.constexpr, S: tl.constexpr):
     """Tile t (values t*256 .. t*256 + 255) of the rows at `row` (uint8 pointers [BN, 1, 1]) of
     ggml type QT: (float32 [BN, G, S], row columns [1, G, S]). Rows outside `nmask` and values
@@ -165,6 +218,10 @@ def tile(QT: tl.constexpr, row, t, nmask, K, G: tl.constexpr, S: tl.constexpr):
         w, k = _q6_k(row, t, nmask, G, S)
     elif QT == F16:
         w, k = _half(row, t, nmask, K, False, G, S)
+    elif QT == IQ4_NL:
+        w, k = _iq4_nl(row, t, nmask, K, G, S)
+    elif QT == IQ4_XS:
+        w, k = _iq4_xs(row, t, nmask, G, S)
     else:
         tl.static_assert(QT == BF16, "no Triton decoder for this ggml type")
         w, k = _half(row, t, nmask, K, True, G, S)

@@ -35,8 +35,9 @@ from k3kit.kernels.gpu.decode import GROUPS, TILE_K, tile
 GEMV_MAX_ROWS = 16
 # Output rows per GEMV program by type, 4 warps: the best of 4-32 x 4-8 warps at 1 row of
 # 7168 x 18432 on an H200 (benchmarks/bench_gpu_qmatmul.py --sweep): Q8_0 8 (1.10 TB/s),
-# Q4_K 16 (0.59 TB/s), MXFP4 16 (0.33 TB/s). Not swept: Q6_K, Q5_K (as Q4_K), F16, BF16 (as Q8_0).
-GEMV_BN = {8: 8, 12: 16, 13: 16, 14: 16, 39: 16, 1: 8, 30: 8}
+# Q4_K 16 (0.59 TB/s), MXFP4 16 (0.33 TB/s). Not swept: Q6_K, Q5_K, IQ4_NL, IQ4_XS (as Q4_K), F16,
+# BF16 (as Q8_0).
+GEMV_BN = {8: 8, 12: 16, 13: 16, 14: 16, 39: 16, 1: 8, 30: 8, 20: 16, 23: 16}
 GEMV_WARPS = 4
 # Which GEMV kernel `gemv` runs: `_gemv_rows` (True: each weight tile decoded once for all rows)
 # or `_gemv` (False: one program per row of x, the tile decoded again for each row).
