@@ -9,7 +9,8 @@ ggml tensor (a mapped file range or a buffer the loader filled) and compute from
   which picks the native kernel for few rows (decode, verify; float32 sums) where the extension
   has the type, else dequantizes W for this call, a chunk of rows at a time, and runs torch's
   GEMM (prefill). On CUDA, for the types k3kit.kernels.gpu has Triton kernels for, those
-  kernels multiply from the bytes (a GEMV for few rows, a tiled GEMM for prefill). Elsewhere
+  kernels work from the bytes (a GEMV for few rows; for prefill W dequantized by a Triton
+  kernel in bounded chunks, each multiplied by torch's GEMM). Elsewhere
   (CUDA without triton or for other types), or with `mode="dequant"`, the bytes stay on the
   layer's device and each product dequantizes W there into a scratch of at most `chunk_bytes`
   of output rows, each chunk multiplied as it is made.
