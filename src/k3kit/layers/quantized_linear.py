@@ -8,9 +8,12 @@ ggml tensor (a mapped file range or a buffer the loader filled) and compute from
 * QuantizedLinear: `x @ W.T`. On the CPU through `k3kit.kernels.qmatmul.QuantizedMatrix.matmul`,
   which picks the native kernel for few rows (decode, verify; float32 sums) where the extension
   has the type, else dequantizes W for this call, a chunk of rows at a time, and runs torch's
-  GEMM (prefill). Elsewhere (CUDA), or with `mode="dequant"` on the CPU, the bytes stay on the
+  GEMM (prefill). On CUDA, for the types k3kit.kernels.gpu has Triton kernels for, those
+  kernels work from the bytes (a GEMV for few rows; for prefill W dequantized by a Triton
+  kernel in bounded chunks, each multiplied by torch's GEMM). Elsewhere
+  (CUDA without triton or for other types), or with `mode="dequant"`, the bytes stay on the
   layer's device and each product dequantizes W there into a scratch of at most `chunk_bytes`
-  of output rows, each chunk multiplied as it is made (a fused GPU kernel can come later).
+  of output rows, each chunk multiplied as it is made.
   F32/F16/BF16 weights are held as a typed view of their bytes (no copy, no widening):
   multiplied as they are when x has their dtype, else in float32. The output is in x's dtype,
   so `--dtype` sets activations only.
@@ -19,8 +22,9 @@ ggml tensor (a mapped file range or a buffer the loader filled) and compute from
 
 Row invariance (batched serving relies on it): up to `QuantizedLinear.invariant_rows` rows,
 each output row is bitwise the same whatever the other rows of the call are. The native kernel
-guarantees it for its types; F32/F16/BF16 weights get it from one matrix-vector product per row
-(torch's GEMM is not row-invariant: M=1 and M=8 differ in the last bits).
+guarantees it for its types, the Triton GEMV (CUDA) up to its row limit; F32/F16/BF16 weights get
+it from one matrix-vector product per row (torch's GEMM is not row-invariant: M=1 and M=8 differ
+in the last bits).
 
 Corrupt files: a loader can give a layer a `check` (run once, before the first product: it
 scans the scale bytes, which the first product reads anyway) and an embedding a `corrupt_row`
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
+from k3kit.kernels import gpu
 from k3kit.kernels.dequant import dequantize, nbytes_for
 from k3kit.kernels.qmatmul import QuantizedMatrix
 
@@ -57,7 +62,8 @@ DENSE_MAX_ROWS = 16
 # The most bytes of dequantized weight a `mode="dequant"` product holds at once: a chunk of W's
 # output rows in the compute dtype (bounded scratch on a GPU; 64 MiB is a few % of a 24 GB card).
 DEQUANT_CHUNK_BYTES = 64 << 20
-MODES = ("auto", "dequant")
+# "triton": the Triton kernels on any device they run on (the CPU under TRITON_INTERPRET=1: tests)
+MODES = ("auto", "dequant", "triton")
 
 
 @dataclass(frozen=True)
@@ -94,9 +100,10 @@ class QuantizedLinear(nn.Module):
     `dtype` is the dtype a quantized W is dequantized to when many rows make a GEMM cheaper
     than the native kernel, when the type has no native kernel, or on a GPU: the compute dtype,
     so a prefill pass computes what a float trunk in that dtype would.
-    `mode`: "auto" = native kernel / QuantizedMatrix on the CPU, per-product dequantization
-    elsewhere; "dequant" = per-product dequantization into at most `chunk_bytes` of W at a time
-    on any device (what CUDA runs; selectable on the CPU to test it).
+    `mode`: "auto" = native kernel / QuantizedMatrix on the CPU, the Triton kernels on CUDA
+    (per-product dequantization where they cannot run); "dequant" = per-product dequantization
+    into at most `chunk_bytes` of W at a time on any device (selectable on the CPU to test it);
+    "triton" = the Triton kernels (on the CPU only under TRITON_INTERPRET=1).
     """
 
     check: Callable[[], None] | None
@@ -135,6 +142,7 @@ class QuantizedLinear(nn.Module):
         # the CPU product (native kernel or chunked GEMM) reads the bytes through numpy
         cpu = raw.device.type == "cpu" and self.dense is None and self.mode == "auto"
         self.matrix = QuantizedMatrix(raw, self.qtype, shape, self.dtype, arith=self.arith) if cpu else None
+        self.triton = self.dense is None and _use_triton(self.mode, self.qtype, raw.device)
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` / `.cuda()` move the bytes too (a dtype argument leaves them uint8)."""
@@ -158,9 +166,11 @@ class QuantizedLinear(nn.Module):
         """Rows per call up to which each output row is bitwise independent of the other rows
         (0: no guarantee beyond one row): QuantizedMatrix's for a quantized W on the CPU (the
         native kernel's row limit; any count in ggml arithmetic), DENSE_MAX_ROWS for F32/F16/BF16,
-        0 for the per-product dequantization (torch's GEMM)."""
+        the Triton GEMV's row limit, 0 for the per-product dequantization (torch's GEMM)."""
         if self.dense is not None:
             return DENSE_MAX_ROWS
+        if self.triton:
+            return gpu.GEMV_MAX_ROWS
         if self.matrix is not None:
             return int(self.matrix.invariant_rows)
         return 0
@@ -179,6 +189,10 @@ class QuantizedLinear(nn.Module):
             y = self._dense_matmul(x2)
         elif self.matrix is not None:
             y = self.matrix.matmul(x2)
+        elif self.triton:
+            xd = x2.to(self.raw.device)
+            y = gpu.matmul(xd, self.raw, self.qtype, self.in_features, self.out_features, self.dtype)
+            y = y.to(x.device, x.dtype)
         else:
             y = self._dequant_matmul(x2)
         if self.bias is not None:
@@ -232,15 +246,35 @@ class QuantizedLinear(nn.Module):
         return y.to(x.device, x.dtype)
 
 
+def _use_triton(mode: str, qtype: GGMLQuantizationType, device: torch.device) -> bool:
+    """Do products on `device` run the Triton kernels? mode "triton" insists (an error if they
+    cannot run); "auto" takes them on CUDA where they can run and says once when they cannot."""
+    if mode == "triton":
+        if not gpu.supports(qtype) or not gpu.available(device):
+            raise ValueError(f"mode 'triton': no Triton kernel for {qtype.name} on {device} "
+                             "(needs triton, and CUDA or TRITON_INTERPRET=1)")
+        return True
+    if mode != "auto" or device.type != "cuda":
+        return False
+    if gpu.supports(qtype) and gpu.available(device):
+        return True
+    gpu.notify_fallback(qtype, device)
+    return False
+
+
 class QuantizedEmbedding(nn.Module):
     """Token embedding over a ggml [n_embd, n_vocab] tensor's bytes: only the looked-up rows
     are dequantized (to `dtype`, on the bytes' device), each bitwise as a whole-tensor
-    dequantization gives it."""
+    dequantization gives it. On CUDA (`mode` as QuantizedLinear's) the Triton dequantizer
+    decodes them, bitwise the CPU one's values for finite scales."""
 
     corrupt_row: Callable[[int], None] | None
 
-    def __init__(self, weight: GGMLWeight, dtype: torch.dtype = torch.float32):
+    def __init__(self, weight: GGMLWeight, dtype: torch.dtype = torch.float32, *, mode: str = "auto"):
         super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        self.mode = mode
         if len(weight.shape) != 2:
             raise ValueError(f"QuantizedEmbedding needs a 2-D ggml tensor, got shape {weight.shape}")
         self.embedding_dim, self.num_embeddings = int(weight.shape[0]), int(weight.shape[1])
@@ -251,6 +285,7 @@ class QuantizedEmbedding(nn.Module):
             raise ValueError(f"{self.qtype.name} embedding {weight.shape} needs "
                              f"{row * self.num_embeddings} uint8 bytes, got {weight.raw.numel()}")
         self.rows = weight.raw.reshape(self.num_embeddings, row)
+        self.triton = _use_triton(mode, self.qtype, self.rows.device)
         self.corrupt_row = None
 
     def _apply(self, fn, recurse=True):
@@ -259,6 +294,7 @@ class QuantizedEmbedding(nn.Module):
         dev = _target_device(fn, self.rows.device)
         if dev != self.rows.device:
             self.rows = self.rows.to(dev)
+            self.triton = _use_triton(self.mode, self.qtype, dev)
         return self
 
     @property
@@ -276,7 +312,11 @@ class QuantizedEmbedding(nn.Module):
         flat = ids.reshape(-1).to(self.rows.device, torch.long)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        out = dequantize(self.rows[flat], self.qtype, (self.embedding_dim, flat.numel()), self.dtype)
+        shape = (self.embedding_dim, flat.numel())
+        if self.triton:
+            out = gpu.dequantize(self.rows[flat].reshape(-1), self.qtype, shape, self.dtype)
+        else:
+            out = dequantize(self.rows[flat], self.qtype, shape, self.dtype)
         if self.corrupt_row is not None and flat.numel():
             bad = (~torch.isfinite(out)).any(dim=1)
             if bool(bad.any()):
