@@ -48,9 +48,10 @@ def interpreted() -> bool:
 
 def available(device: torch.device | str | None = None) -> bool:
     """Can the Triton kernels run on `device` (default: CUDA)? Needs triton importable, and
-    CUDA for a CUDA device, TRITON_INTERPRET=1 for the CPU."""
+    CUDA for a CUDA device, TRITON_INTERPRET=1 for the CPU. K3KIT_GPU_KERNELS=torch in the
+    environment turns them off (the torch dequantization then runs: for comparisons)."""
     dev = torch.device("cuda" if device is None else device)
-    if importlib.util.find_spec("triton") is None:
+    if os.environ.get("K3KIT_GPU_KERNELS") == "torch" or importlib.util.find_spec("triton") is None:
         return False
     if dev.type == "cuda":
         return torch.cuda.is_available()
