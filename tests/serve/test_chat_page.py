@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -61,6 +62,14 @@ def server():
     yield s
     code = s.stop()
     assert code in (0, -signal.SIGTERM) and "Traceback" not in s.stderr_text, s.stderr_text[-2000:]
+    # one access-log line per request on stderr; the page's replies among them, the stopped one too
+    log = s.stderr_text
+    if '"GET /" 200' in log:          # the browser tests ran
+        assert re.search(r'"POST /v1/chat/completions" 200 chatcmpl-req-\d+ prompt=\d+ completion=\d+ '
+                         r'ttft=\d+\.\d+s [\d.]+tok/s finish=(stop|length) ', log), log[-3000:]
+        assert re.search(r'"POST /v1/chat/completions" 200 chatcmpl-req-\d+ .*finish=cancelled', log), \
+            log[-3000:]
+        assert re.search(r'"GET /v1/k3kit/stats" 200 - \d+\.\d+s', log)
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +191,7 @@ def test_chat_page_in_chromium(browser, server, tmp_path):
         before = wait_idle(server.url, KEY)
         pg.settings(**{"max-tokens": "400"})
         pg.ask(long_q)
-        page.wait_for_function("document.querySelector('#messages .msg.assistant:last-child .content')"
-                               "?.textContent.length > 0")
+        page.wait_for_selector("#messages .msg.assistant:last-child .content:not(:empty)")
         page.click("#stop")
         pg.wait_reply("stopped")
         after = wait_idle(server.url, KEY)
@@ -208,7 +216,11 @@ def test_chat_page_in_chromium(browser, server, tmp_path):
         # the panel shows what /metrics exports (idle: nothing moves between the two reads)
         idle = time.time()
         m = wait_idle(server.url, KEY)
-        page.wait_for_function(f"Number(document.getElementById('updated').dataset.time) > {idle}")
+        # (the page's CSP forbids eval, so no wait_for_function: poll the attribute from here)
+        deadline = time.monotonic() + 30
+        while float(page.get_attribute("#updated", "data-time") or 0) <= idle:
+            assert time.monotonic() < deadline, "the panel did not refresh"
+            time.sleep(0.1)
         m = metrics(server.url, KEY)
         for element, series in (("s-hit-rate", "k3kit_expert_cache_hit_rate"),
                                 ("s-payload", "k3kit_expert_payload_bytes_per_token"),
@@ -293,6 +305,9 @@ def test_rendering_is_safe_and_shows_reasoning_and_tool_calls(browser, server):
         assert '{"city": "Paris"}' in call.inner_text()
         assert (pg.value("r-cached"), pg.value("r-prompt"), pg.value("r-completion")) == ("4", "9", "30")
         assert pg.value("r-finish") == "tool_calls"
+        out = REPO / "out"
+        out.mkdir(exist_ok=True)
+        page.screenshot(path=str(out / "chat-page-rendering.png"))
         pg.clean()
     finally:
         pg.close()

@@ -315,7 +315,8 @@
       var cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
       msg.stats = {
         ttft_ms: tFirst === null ? null : tFirst - t0,
-        tok_s: n > 1 && tLast > tFirst ? (n - 1) / ((tLast - tFirst) / 1000) : null,
+        // a reply that arrived in one burst (a proxy's buffering) has no decode speed to show
+        tok_s: n > 1 && tLast - tFirst > 20 ? (n - 1) / ((tLast - tFirst) / 1000) : null,
         prompt_tokens: usage ? usage.prompt_tokens : null,
         cached_tokens: cached || 0,
         completion_tokens: n,
