@@ -311,3 +311,25 @@ def test_rendering_is_safe_and_shows_reasoning_and_tool_calls(browser, server):
         pg.clean()
     finally:
         pg.close()
+
+
+def test_a_refused_key_is_asked_for_again(browser, server):
+    """A stored key the server refuses (401): the page forgets it, asks, and goes on with the new one."""
+    pg = Page(browser, server)
+    page = pg.page
+    try:
+        page.add_init_script("if (!sessionStorage.getItem('seeded')) { sessionStorage.setItem('seeded', 1);"
+                             " localStorage.setItem('k3kit.apiKey', 'wrong-key'); }")
+        page.goto(server.url + "/")
+        page.wait_for_selector("#key-overlay:not([hidden])")
+        assert "refused" in page.inner_text("#key-message")
+        assert page.evaluate("localStorage.getItem('k3kit.apiKey')") is None
+        page.fill("#key-input", KEY)
+        page.press("#key-input", "Enter")
+        page.wait_for_selector("#status-dot.ok")
+        assert page.evaluate("localStorage.getItem('k3kit.apiKey')") == KEY
+        # the browser reports the refused call itself as a failed resource load; nothing else may fail
+        pg.errors = [e for e in pg.errors if "401" not in e]
+        pg.clean()
+    finally:
+        pg.close()
