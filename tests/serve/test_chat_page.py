@@ -73,8 +73,8 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def browser(server):
-    sync_playwright, exe = _need_browser()
+def browser():
+    sync_playwright, exe = _need_browser()     # before the server starts: a skip costs nothing
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, headless=True,
                               args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
