@@ -3,7 +3,10 @@
 Routes: POST /v1/chat/completions, POST /v1/completions (both streamed as server-sent events
 ending with `data: [DONE]`, or one JSON object), GET /v1/models, GET /health (503 until the
 model is loaded), GET /metrics (Prometheus text), POST /tokenize and POST /detokenize
-(llama-server's shapes: {"content"} -> {"tokens"}, {"tokens"} -> {"content"}).
+(llama-server's shapes: {"content"} -> {"tokens"}, {"tokens"} -> {"content"}), GET / (the chat
+page, k3kit.serve.page), GET /v1/k3kit/stats (the figures /metrics exports, as JSON for the
+page: k3kit.serve.stats) and GET /openapi.json. FastAPI's /docs and /redoc are off: they load
+their scripts from a CDN, and the server fetches nothing from elsewhere.
 
 Every error is OpenAI's shape {"error": {"message", "type", "param", "code"}} and never takes the
 server down: malformed JSON, wrong types and bad values are 400 (FastAPI's 422 is remapped), an
@@ -11,10 +14,11 @@ unknown model 404, a missing or wrong API key 401, a prompt that does not fit 40
 context_length_exceeded, a full queue 429, a body over the limit 413, not loaded yet 503.
 
 Two pure ASGI layers sit in front of the routes, so they run before any body is parsed: the API
-key check (every route but /health) and the body size limit (the body is read up to the limit
-and replayed to the app). The route handlers are `async` and run on the event loop thread, which
-is the only thread that tokenizes and renders chat templates (the tokenizer is not thread-safe);
-the model runs on the scheduler's thread(s).
+key check (every route but /health and the page's files) and the body size limit (the body is
+read up to the limit and replayed to the app); the access log (k3kit.serve.access) wraps both.
+The route handlers are `async` and run on the event loop thread, which is the only thread that
+tokenizes and renders chat templates (the tokenizer is not thread-safe); the model runs on the
+scheduler's thread(s).
 
 A client that disconnects cancels its request: streamed responses are cancelled by Starlette
 when the disconnect arrives, non-streamed ones watch for it while they wait.
@@ -38,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3kit.errors import K3Error
+from k3kit.serve.access import AccessLog, AccessRecord, record_of
 from k3kit.serve.api import (
     APIError,
     ChatRequest,
@@ -50,6 +55,7 @@ from k3kit.serve.api import (
     completion_prompt,
     generation_request,
 )
+from k3kit.serve.page import STATIC_PREFIX, Page, is_public
 from k3kit.serve.scheduler import (
     FinishEvent,
     GenerationRequest,
@@ -57,9 +63,11 @@ from k3kit.serve.scheduler import (
     RequestStream,
     Scheduler,
     SchedulerClosed,
+    SchedulerStats,
     TokenEvent,
     TokenLogprob,
 )
+from k3kit.serve.stats import History, stats_body
 from k3kit.tokenizer.codec import TextCodec
 
 PUBLIC_PATHS = frozenset({"/health"})
@@ -78,11 +86,21 @@ class ServerState:
     codec: TextCodec | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: Callable[[], tuple[bytes, str]] | None = None     # -> (body, content type)
+    # the snapshot /metrics renders (None: the scheduler's own stats()); GET /v1/k3kit/stats reads it too
+    stats: Callable[[], SchedulerStats | None] | None = None
+    draft: bool = False                   # the scheduler may speculate (the page offers DSpark on/off)
+    access_log: Callable[[str], None] | None = None           # one line per request (None: no log)
+    history: History = field(default_factory=History)
 
-    def ready(self, scheduler: Scheduler, codec: TextCodec, context_length: int) -> None:
+    def ready(self, scheduler: Scheduler, codec: TextCodec, context_length: int, draft: bool = False) -> None:
         """Called once the model is loaded (from any thread): the routes start serving."""
-        self.codec, self.context_length = codec, context_length
+        self.codec, self.context_length, self.draft = codec, context_length, draft
         self.scheduler = scheduler
+
+    def snapshot(self) -> SchedulerStats | None:
+        if self.stats is not None:
+            return self.stats()
+        return self.scheduler.stats() if self.scheduler is not None else None
 
     @property
     def loaded(self) -> bool:
@@ -115,7 +133,8 @@ class Gate:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = self.state.api_key
-        if key is not None and scope.get("path") not in PUBLIC_PATHS:
+        path = str(scope.get("path", ""))
+        if key is not None and path not in PUBLIC_PATHS and not is_public(path):
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -240,7 +259,8 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
 
 def build_app(state: ServerState) -> ASGIApp:
     """The routes behind the Gate (API key, body limit); serve it with uvicorn."""
-    app = FastAPI(title="k3kit", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="k3kit", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    page = Page(auth_required=state.api_key is not None)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -282,6 +302,19 @@ def build_app(state: ServerState) -> ASGIApp:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                             "owned_by": "k3kit"}]}
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return page.response("index.html")
+
+    @app.get(STATIC_PREFIX + "{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        return page.response(name)
+
+    @app.get("/v1/k3kit/stats")
+    async def live_stats() -> JSONResponse:
+        snapshot = state.snapshot() if state.loaded else None
+        return JSONResponse(stats_body(snapshot, state.history, model_id=state.model_id, draft=state.draft))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -343,10 +376,13 @@ def build_app(state: ServerState) -> ASGIApp:
         except SchedulerClosed as e:
             raise APIError(503, str(e), type="unavailable_error", code="shutting_down") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
+        rec = record_of(request.scope)
+        if rec is not None:
+            rec.request_id = rid
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if stream:
-            return StreamingResponse(_stream(events, codec, rid, created, chat, include_usage),
+            return StreamingResponse(_stream(events, codec, rid, created, chat, include_usage, rec),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: scheduler.cancel(gen.id)))
@@ -358,8 +394,12 @@ def build_app(state: ServerState) -> ASGIApp:
                 if isinstance(ev, TokenEvent):
                     text.append(ev.text)
                     lps.extend(ev.logprobs or ())
+                    if rec is not None and ev.tokens:
+                        rec.token()
                 else:
                     finish = ev
+                    if rec is not None:
+                        rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens)
         finally:
             watcher.cancel()
             with suppress(asyncio.CancelledError):
@@ -384,9 +424,10 @@ def build_app(state: ServerState) -> ASGIApp:
                              "choices": [choice], "usage": _usage(finish)})
 
     async def _stream(events: RequestStream, codec: TextCodec, rid: str, created: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, rec: AccessRecord | None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         offset = 0
+        seen = 0             # tokens streamed, for the access log of a stream the client left
 
         def chunk(choice: dict[str, Any]) -> dict[str, Any]:
             c = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
@@ -400,6 +441,9 @@ def build_app(state: ServerState) -> ASGIApp:
                                   "finish_reason": None}))
             async for ev in events:
                 if isinstance(ev, TokenEvent):
+                    if rec is not None and ev.tokens:
+                        rec.token()
+                        seen += len(ev.tokens)
                     if not ev.text and not ev.logprobs:
                         continue
                     logprobs: Any = None
@@ -410,6 +454,8 @@ def build_app(state: ServerState) -> ASGIApp:
                     body: dict[str, Any] = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
                     yield _sse(chunk({"index": 0, **body, "logprobs": logprobs, "finish_reason": None}))
                     continue
+                if rec is not None:
+                    rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens)
                 if ev.reason in ("error", "cancelled"):
                     err = APIError(500 if ev.reason == "error" else 503,
                                    f"generation failed: {ev.error}" if ev.reason == "error"
@@ -424,6 +470,9 @@ def build_app(state: ServerState) -> ASGIApp:
                                 "choices": [], "usage": _usage(ev)})
             yield _sse("[DONE]")
         finally:
+            if rec is not None and rec.finish_reason is None:     # the client went away first
+                rec.finished("cancelled", len(events.request.prompt_ids), seen)
             await events.aclose()      # a client that went away: the scheduler drops the sequence
 
-    return Gate(app, state)
+    gate = Gate(app, state)
+    return AccessLog(gate, state.access_log) if state.access_log is not None else gate

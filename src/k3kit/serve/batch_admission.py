@@ -71,7 +71,7 @@ class Admission(SpeculativeWidths):
             seq.handle = self.model.open_sequence()
             self._active.append(seq)
             if self.step_factory is not None and self.spec_model is not None \
-                    and seq.request.logprobs is None:
+                    and seq.request.may_draft:
                 if self._speculates(seq, coming):
                     target = self.spec_model.sequence_target(seq.handle)
                     seq.dec = self.step_factory(target, seq.sampler)

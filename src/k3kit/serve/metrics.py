@@ -3,6 +3,7 @@
 Every figure is read from one `Scheduler.stats()` snapshot when the page is scraped (a custom
 collector on a registry of its own, so several servers in one process never share series).
 Counters are totals since start (`rate()` them); gauges are now or the last request's figure.
+The ratios come from k3kit.serve.stats.ratios, which GET /v1/k3kit/stats serves as well.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from k3kit.serve.scheduler import SchedulerStats
+from k3kit.serve.stats import ratios
 
 PREFIX = "k3kit"
 
@@ -52,12 +54,13 @@ class SchedulerCollector(Collector):
         yield gauge("batch_sequences", "sequences in the last target pass",
                     s.batch_sequences)
         yield gauge("batch_rows_max", "rows per target pass at most (--max-batch)", s.max_batch)
-        looked = s.expert_hits + s.expert_misses
+        derived = ratios(s)
         yield counter("expert_cache_hits", "routed-expert lookups served by the cache", s.expert_hits)
         yield counter("expert_cache_misses", "routed-expert lookups read from the file", s.expert_misses)
-        yield gauge("expert_cache_hit_rate", "hits / lookups since start",
-                    s.expert_hits / looked if looked else 0)
+        yield gauge("expert_cache_hit_rate", "hits / lookups since start", derived["expert_cache_hit_rate"])
         yield counter("expert_payload_bytes", "expert bytes read from the model file", s.expert_payload_bytes)
+        yield gauge("expert_payload_bytes_per_token", "expert bytes read per token run (prompt and "
+                    "generated) since start", derived["expert_payload_bytes_per_token"])
         yield counter("speculative_passes", "target passes verifying a draft block", s.spec_passes)
         yield counter("speculative_committed_tokens", "tokens those passes committed", s.spec_committed)
         yield counter("speculative_proposals", "draft proposals verified", s.spec_proposed)
@@ -68,9 +71,9 @@ class SchedulerCollector(Collector):
         yield counter("speculative_plain_sequences", "greedy requests served without the draft, where it "
                       "could not pay", s.plain_sequences)
         yield gauge("speculative_committed_per_pass", "tokens committed per target pass since start",
-                    s.spec_committed / s.spec_passes if s.spec_passes else 0)
+                    derived["speculative_committed_per_pass"])
         yield gauge("speculative_acceptance", "accepted / verified draft proposals since start",
-                    s.spec_accepted / s.spec_proposed if s.spec_proposed else 0)
+                    derived["speculative_acceptance"])
 
 
 def metrics_page(stats: Callable[[], SchedulerStats | None]) -> Callable[[], tuple[bytes, str]]:

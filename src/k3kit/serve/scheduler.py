@@ -44,6 +44,14 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()            # stop strings (the file's eos / end-of-turn always stop)
     logprobs: int | None = None           # None: none; k >= 0: the chosen token's + the k best
     id: str = field(default_factory=next_request_id)
+    draft: bool = True                    # False: never speculate, even where the server has a draft
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether the server's draft may serve this request: not when the client turned it off, nor
+        when it asks for logprobs (the speculative decoder does not expose the distributions it
+        samples from)."""
+        return self.draft and self.logprobs is None
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ Each request runs as `k3kit generate` runs it (k3kit.runtime.engine.generate): r
 prefill the prompt in chunks of `prefill_chunk` rows, sample the first token from the last
 prefill row, then decode one pass at a time, each request sampling with its own Sampler (its own
 seeded generator). With a draft, the pass is the step `step_factory` builds (the same
-SpeculativeDecoder `generate --draft` builds), except for requests that ask for logprobs: the
-decoder does not expose the distributions it samples from, so those run plain AR passes (greedy
-output is the same token for token; sampled output has the same distribution).
+SpeculativeDecoder `generate --draft` builds), except for requests that ask for logprobs (the
+decoder does not expose the distributions it samples from) or send `draft: false`: those run plain
+AR passes (greedy output is the same token for token; sampled output has the same distribution).
 
 Cancellation (a client that went away, or shutdown) is checked before every pass; the sequence
 then ends, the model is reset and the request's decoder, ring and sampler are dropped, so its
@@ -194,7 +194,7 @@ class SerialScheduler:
         prompt = list(req.prompt_ids)
         sampler = Sampler(req.sampling)
         model.reset()
-        use_step = self.step_factory is not None and req.logprobs is None
+        use_step = self.step_factory is not None and req.may_draft
         step = self.step_factory(model, sampler) if use_step and self.step_factory is not None else None
         prefill: Callable[[Sequence[int]], Tensor] = getattr(step, "prefill", None) or model.forward
 

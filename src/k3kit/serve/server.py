@@ -3,7 +3,8 @@
 The socket is bound first, so a busy port is an immediate one-line error. Uvicorn then serves
 at once (GET /health answers 503 while the model loads) and the model is loaded on a thread;
 when both are ready, exactly one line goes to stdout: `k3kit: serving MODEL_ID on http://HOST:PORT`
-(the real port when --port 0 asked the OS for one). A model that fails to load stops the server
+(the real port when --port 0 asked the OS for one). Each request then writes one access-log line
+to stderr (k3kit.serve.access). A model that fails to load stops the server
 and the error reaches the CLI (exit 2). On SIGINT/SIGTERM uvicorn stops accepting, open streams
 get a few seconds, then the scheduler cancels what is left and the model is closed.
 """
@@ -98,6 +99,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def access_line(line: str) -> None:
+    """The access log goes to stderr: stdout carries only the ready line, for scripts to read."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -120,6 +126,8 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
         return sched.stats() if sched is not None else None
 
     state.metrics = metrics_page(stats)
+    state.stats = stats            # GET /v1/k3kit/stats reads the same snapshot /metrics renders
+    state.access_log = access_line
     uv = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False,
                                        timeout_graceful_shutdown=max(1, int(config.graceful_seconds)),
                                        lifespan="off"))
@@ -135,7 +143,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
                 ctx = config.ctx
             sched = scheduler_for(session, step, config)
             holder["scheduler"] = sched
-            state.ready(sched, session.codec, ctx)
+            state.ready(sched, session.codec, ctx, draft=getattr(sched, "step_factory", None) is not None)
         except BaseException as e:     # reported by the main thread once uvicorn has stopped
             holder["error"] = e
             uv.should_exit = True
