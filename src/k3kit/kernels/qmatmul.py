@@ -288,7 +288,7 @@ class QuantizedMatrix:
 
     def _matmul_q8(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T in ggml's arithmetic (int8 activation blocks, integer dot products)."""
-        xf = x.detach()
+        xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
@@ -387,7 +387,7 @@ class QuantizedHeads:
             raise ValueError(f"matmul: x {tuple(x.shape)} does not fit {heads} heads of [{n_out}, {n_in}]")
         if not (self.native and x.device.type == "cpu"):
             return torch.bmm(x.to(self.dtype), self.dequantize().to(x.device).transpose(1, 2)).to(x.dtype)
-        xf = x.detach()
+        xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.to(torch.float32).contiguous()
         m = x.shape[1]

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -174,7 +175,8 @@ class QuantizedLinear(nn.Module):
             self.check()          # raises on a corrupt tensor; kept until it has passed once
             self.check = None
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        # a 2-D x is used as it is, and a 2-D y returned as it is: no view ops for nothing
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.dense is not None:
             y = self._dense_matmul(x2)
         elif self.matrix is not None:
@@ -183,7 +185,7 @@ class QuantizedLinear(nn.Module):
             y = self._dequant_matmul(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.view(*lead, self.out_features)
+        return y if x.dim() == 2 else y.view(*lead, self.out_features)
 
     def _dense_matmul(self, x: Tensor) -> Tensor:
         w = self.dense
@@ -274,13 +276,24 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1).to(self.rows.device, torch.long)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        # On the CPU the checks read the ids and rows through numpy: no aten op, and no host read
+        # that would be a sync on a device (where the one combined read below runs instead).
+        host = flat.numpy() if flat.device.type == "cpu" else None
+        if flat.numel():
+            lo, hi = ((int(host.min()), int(host.max())) if host is not None
+                      else torch.stack(torch.aminmax(flat)).tolist())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
         out = dequantize(self.rows[flat], self.qtype, (self.embedding_dim, flat.numel()), self.dtype)
         if self.corrupt_row is not None and flat.numel():
-            bad = (~torch.isfinite(out)).any(dim=1)
-            if bool(bad.any()):
-                self.corrupt_row(int(flat[int(bad.nonzero()[0, 0])]))
+            if host is not None and out.dtype == torch.float32:
+                bad_np = ~np.isfinite(out.numpy()).all(axis=1)
+                if bad_np.any():
+                    self.corrupt_row(int(host[int(bad_np.argmax())]))
+            else:
+                bad = (~torch.isfinite(out)).any(dim=1)
+                if bool(bad.any()):
+                    self.corrupt_row(int(flat[int(bad.nonzero()[0, 0])]))
         return out.view(*ids.shape, self.embedding_dim).to(ids.device)
 
 
