@@ -23,7 +23,9 @@ machine:
   inside a counting run, where the dispatch mode's own overhead sits outside the timed call).
   What is left is Python, the dispatcher and the elementwise / view / copy ops, which on a decode
   row are dispatcher-bound; it is measured in runs without the dispatch mode, so the counter's
-  overhead is not in it.
+  overhead is not in it. With one torch thread every time is the calling thread's CPU time
+  (`time.thread_time`: the kernels run on that thread, and a busy machine's waits are not
+  counted); with more, wall time (`time.perf_counter`).
 
 `profile(fn, ...)` runs a step callable under both; `Recorder` wraps the named phases of a
 longer loop (an AR step, a DSpark draft step, a verify pass) so that one generation measures all
@@ -47,6 +49,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 COMPUTE_OPS = frozenset({"mm", "bmm", "mv", "addmm", "addmv", "baddbmm", "addbmm", "dot", "vdot",
                          "_weight_int8pack_mm", "convolution", "_int_mm"})
 SYNC_OPS = frozenset({"_local_scalar_dense", "item"})
+
+
+def clock() -> Callable[[], float]:
+    """The clock of a measurement: the thread's CPU time with one torch thread, else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 COPY_OPS = frozenset({"_to_copy", "copy_", "to"})
 
 
@@ -74,6 +81,7 @@ class OpCounter(TorchDispatchMode):
         self.compute_seconds = 0.0
         self.where = where
         self.sites: Counter[str] = Counter()
+        self.clock = clock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -84,9 +92,9 @@ class OpCounter(TorchDispatchMode):
         if self.where is not None and (self.where == "*" or name == self.where):
             self.sites[_caller()] += 1
         if name in COMPUTE_OPS:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = func(*args, **kwargs)
-            self.compute_seconds += time.perf_counter() - t0
+            self.compute_seconds += self.clock() - t0
             return out
         out = func(*args, **kwargs)
         if name in COPY_OPS:
@@ -120,15 +128,16 @@ class _TimedModule:
         attr = getattr(self._mod, name)
         if not callable(attr):
             return attr
-        clock = self._clock
+        acc = self._clock
+        now = acc.now
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = now()
             try:
                 return attr(*args, **kwargs)
             finally:
-                clock.seconds += time.perf_counter() - t0
-                clock.calls += 1
+                acc.seconds += now() - t0
+                acc.calls += 1
         return timed
 
 
@@ -136,19 +145,20 @@ class _TimedModule:
 class _Clock:
     seconds: float = 0.0
     calls: int = 0
+    now: Callable[[], float] = time.perf_counter
 
 
 @contextmanager
 def native_clock() -> Iterator[_Clock]:
     """Time every call into the native kernels (`_qmatmul`, `_kda`) while inside."""
     from k3kit.kernels import kda_step, qmatmul
-    clock = _Clock()
+    acc = _Clock(now=clock())
     saved = [(m, m.__dict__.get(attr), attr) for m, attr in ((qmatmul, "_qmatmul"), (kda_step, "_kda"))]
     try:
         for m, ext, attr in saved:
             if ext is not None:
-                setattr(m, attr, _TimedModule(ext, clock))
-        yield clock
+                setattr(m, attr, _TimedModule(ext, acc))
+        yield acc
     finally:
         for m, ext, attr in saved:
             setattr(m, attr, ext)
@@ -252,9 +262,10 @@ class Recorder:
             self.sites.update(c.sites)
             return out
         with native_clock() as nc:
-            t0 = time.perf_counter()
+            now = nc.now
+            t0 = now()
             out = fn(*args, **kwargs)
-            wall = time.perf_counter() - t0
+            wall = now() - t0
         self._timed[name] += 1
         p.wall_us += wall * 1e6
         p.native_us += nc.seconds * 1e6

@@ -59,6 +59,9 @@ DENSE_MAX_ROWS = 16
 # output rows in the compute dtype (bounded scratch on a GPU; 64 MiB is a few % of a 24 GB card).
 DEQUANT_CHUNK_BYTES = 64 << 20
 MODES = ("auto", "dequant")
+# Looked-up rows up to which an embedding dequantizes row by row natively (a verify block, a few
+# decoding sequences); beyond (prefill chunks), one torch dequantization of all of them.
+NATIVE_LOOKUP_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,7 @@ class QuantizedEmbedding(nn.Module):
                              f"{row * self.num_embeddings} uint8 bytes, got {weight.raw.numel()}")
         self.rows = weight.raw.reshape(self.num_embeddings, row)
         self.corrupt_row = None
+        self._matrix: QuantizedMatrix | None | bool = False     # _native_matrix's, made at first use
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` moves the bytes too (they stay uint8)."""
@@ -261,7 +265,21 @@ class QuantizedEmbedding(nn.Module):
         dev = _target_device(fn, self.rows.device)
         if dev != self.rows.device:
             self.rows = self.rows.to(dev)
+            self._matrix = False
         return self
+
+    def _native_matrix(self) -> QuantizedMatrix | None:
+        """The table as a QuantizedMatrix whose rows the native extension dequantizes (CPU bytes, a
+        type it has, float32 / bfloat16): one call per looked-up row and no torch ops, where the
+        torch dequantizers run a dozen ops and read a value on the host (the f16 NaN check)."""
+        if self._matrix is False:
+            m = None
+            if self.rows.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+                shape = (self.embedding_dim, self.num_embeddings)
+                q = QuantizedMatrix(self.rows.reshape(-1), self.qtype, shape, self.dtype)
+                m = q if q.native else None
+            self._matrix = m
+        return self._matrix if isinstance(self._matrix, QuantizedMatrix) else None
 
     @property
     def nbytes(self) -> int:
@@ -284,7 +302,16 @@ class QuantizedEmbedding(nn.Module):
                       else torch.stack(torch.aminmax(flat)).tolist())
             if lo < 0 or hi >= self.num_embeddings:
                 raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        out = dequantize(self.rows[flat], self.qtype, (self.embedding_dim, flat.numel()), self.dtype)
+        native = self._native_matrix() if host is not None else None
+        if native is not None and host is not None and host.size == 1:
+            r = int(host[0])
+            out = native._dequantize_rows(r, r + 1)
+        elif native is not None and host is not None and host.size <= NATIVE_LOOKUP_ROWS:
+            out = torch.empty(host.size, self.embedding_dim, dtype=self.dtype)
+            for i, r in enumerate(host.tolist()):
+                native._dequantize_rows(r, r + 1, out=out[i:i + 1])
+        else:
+            out = dequantize(self.rows[flat], self.qtype, (self.embedding_dim, flat.numel()), self.dtype)
         if self.corrupt_row is not None and flat.numel():
             if host is not None and out.dtype == torch.float32:
                 bad_np = ~np.isfinite(out.numpy()).all(axis=1)
