@@ -302,9 +302,10 @@ def _whole_vectors(x: Tensor) -> bool:
 
 def _sum_slots(slots: Tensor) -> Tensor:
     """[N, k, d] -> [N, d], the k slots added one after another as ggml adds them."""
-    y = slots[:, 0]
-    for j in range(1, slots.shape[1]):
-        y = y + slots[:, j]
+    parts = slots.unbind(1)          # one op for all k views (k selects otherwise)
+    y = parts[0]
+    for p in parts[1:]:
+        y = y + p
     return y
 
 

@@ -329,6 +329,17 @@ class KDA(nn.Module):
         # with a state (decode, prefill, speculative) the step loop runs either way
         self.chunked = False
         self._taps: tuple[tuple[int, ...], list[Tensor]] | None = None   # conv_taps' cache
+        self._rate: tuple[tuple[int, int], Tensor] | None = None         # decay_rate's cache
+
+    def decay_rate(self) -> Tensor:
+        """-exp(A_log) per head, [H, 1] (what the converter stores as ssm_a); without a gradient made
+        once, and again only when A_log changes (its version counter): three ops a step fewer."""
+        if torch.is_grad_enabled():
+            return (-torch.exp(self.A_log)).view(self.cfg.num_heads, 1)
+        key = (self.A_log._version, self.A_log.data_ptr())
+        if self._rate is None or self._rate[0] != key:
+            self._rate = (key, (-torch.exp(self.A_log)).view(self.cfg.num_heads, 1))
+        return self._rate[1]
 
     def conv_taps(self) -> list[Tensor]:
         """The q/k/v conv weights per tap j, [3, 1, C] each (what `short_convs` multiplies by):
@@ -355,7 +366,7 @@ class KDA(nn.Module):
         B, T, _ = x.shape
         u = self.f_b_proj(self.f_a_proj(x)) + self.dt_bias
         u = u.view(B, T, cfg.num_heads, cfg.kda_head_dim)
-        A = (-torch.exp(self.A_log)).view(cfg.num_heads, 1)   # what the converter stores as ssm_a
+        A = self.decay_rate()
         if cfg.gate_lower_bound is not None:
             return torch.sigmoid(-(u * A)) * cfg.gate_lower_bound
         return F.softplus(u) * A
