@@ -428,7 +428,7 @@ def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor
         raise ValueError("experts_matmul_q8: needs `per` native ggml-arithmetic matrices of one type "
                          "and shape per segment")
     first = flat[0]
-    xf = x.detach()
+    xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
     if xf.dtype != torch.float32 or not xf.is_contiguous():
         xf = xf.to(torch.float32).contiguous()
     if xf.dim() != 2 or xf.shape[1] != first.in_features or xf.shape[0] != sum(counts):
