@@ -178,6 +178,10 @@ class QuantizedLinear(nn.Module):
             self.check()          # raises on a corrupt tensor; kept until it has passed once
             self.check = None
         lead = x.shape[:-1]
+        m = self.matrix
+        if m is not None and m.arith == "ggml" and m.native and x.dim() > 2:   # any leading shape
+            y = m.matmul(x)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y
         # a 2-D x is used as it is, and a 2-D y returned as it is: no view ops for nothing
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.dense is not None:
