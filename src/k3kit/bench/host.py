@@ -34,6 +34,7 @@ three (`host_profile`, what `k3kit bench --host-profile` prints).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -148,12 +149,17 @@ class _Clock:
     now: Callable[[], float] = time.perf_counter
 
 
+# (module, attribute) pairs: where the native extensions are called from
+_NATIVE_CALLERS = (("k3kit.kernels.qmatmul", "_qmatmul"), ("k3kit.kernels.kda_step", "_kda"))
+
+
 @contextmanager
 def native_clock() -> Iterator[_Clock]:
-    """Time every call into the native kernels (`_qmatmul`, `_kda`) while inside."""
-    from k3kit.kernels import kda_step, qmatmul
+    """Time every call into the native kernels (`_qmatmul`, `_kda`) while inside. The modules that
+    call them are found among those loaded (a model has loaded them; bench never imports kernels)."""
     acc = _Clock(now=clock())
-    saved = [(m, m.__dict__.get(attr), attr) for m, attr in ((qmatmul, "_qmatmul"), (kda_step, "_kda"))]
+    callers = ((sys.modules.get(name), attr) for name, attr in _NATIVE_CALLERS)
+    saved = [(m, m.__dict__.get(attr), attr) for m, attr in callers if m is not None]
     try:
         for m, ext, attr in saved:
             if ext is not None:
