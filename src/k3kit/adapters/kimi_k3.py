@@ -216,33 +216,42 @@ class K3Adapter:
         self.tap_layers, self.capture_mode = tuple(int(i) for i in layers), mode
 
     # -- running ------------------------------------------------------------------------------
-    def _ids(self, ids: Sequence[int] | Tensor) -> Tensor:
-        t = torch.as_tensor(list(ids) if not isinstance(ids, Tensor) else ids, dtype=torch.long)
-        if t.numel() == 0:
+    def _id_list(self, ids: Sequence[int] | Tensor) -> list[int]:
+        """The ids as Python ints, checked: a list is checked where it is (no tensor, no host
+        read of one); a tensor is read once."""
+        vals = ids.reshape(-1).tolist() if isinstance(ids, Tensor) else [int(i) for i in ids]
+        if not vals:
             raise ValueError("no token ids")
-        if int(t.min()) < 0 or int(t.max()) >= self.vocab_size:
+        if min(vals) < 0 or max(vals) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        return t.reshape(1, -1).to(self.layer_dev[0])
+        return vals
+
+    def _ids(self, ids: Sequence[int] | Tensor) -> Tensor:
+        return self._id_tensor(self._id_list(ids))
+
+    def _id_tensor(self, vals: list[int]) -> Tensor:
+        return torch.tensor(vals, dtype=torch.long).reshape(1, -1).to(self.layer_dev[0])
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int] | Tensor, all_logits: bool = False) -> Tensor:
         """Run and commit `ids`; float32 logits [n, V] (all rows) or [1, V] (the last)."""
         self._pending = None
-        t = self._ids(ids)
-        out = self.model(t, self.state, experts=self.experts, logits="all" if all_logits else "last")
-        self.history += t[0].tolist()
+        vals = self._id_list(ids)
+        out = self.model(self._id_tensor(vals), self.state, experts=self.experts,
+                         logits="all" if all_logits else "last")
+        self.history += vals
         return out.logits[0].float()
 
     @torch.no_grad()
     def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
         """Run rows after the committed state without committing (see module doc)."""
         taps = self.tap_layers if capture else ()
-        t = self._ids(ids)
-        out = self.model(t, self.state, experts=self.experts, capture_layers=taps,
+        vals = self._id_list(ids)
+        out = self.model(self._id_tensor(vals), self.state, experts=self.experts, capture_layers=taps,
                          capture_mode=self.capture_mode, speculative=True,
                          logits="all" if all_logits else "last")
         assert out.captured is not None
-        self._pending = _Pending(out.captured, out.captured.n_rows, t[0].tolist())
+        self._pending = _Pending(out.captured, out.captured.n_rows, vals)
         feats = None
         if capture:
             if taps:
@@ -379,7 +388,8 @@ class K3Adapter:
         segments, spec, cap, ids_of = [], [], [], []
         for sid, ids in rows:
             state = self._state_of(sid)
-            t = self._ids(ids)[0]
+            vals = self._id_list(ids)
+            t = self._id_tensor(vals)[0]
             if state.pos + t.numel() > self.context_length:
                 raise ValueError(f"sequence {sid}: {state.pos + t.numel()} positions exceed the context "
                                  f"({self.context_length})")
@@ -387,7 +397,7 @@ class K3Adapter:
             segments.append((t, state))
             spec.append(sid in verify and t.numel() > 1)
             cap.append(sid in capture)
-            ids_of.append(t.tolist())
+            ids_of.append(vals)
         outs = self.model.forward_segments(segments, experts=self.experts, speculative=spec, capture=cap,
                                            capture_layers=self.tap_layers, capture_mode=self.capture_mode)
         result = []

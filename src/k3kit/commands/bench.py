@@ -44,6 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                         help="prompt rows per pass (llama-bench's n_batch; 512)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="instead of the pp/tg rows: per phase (AR decode step; with --draft also the "
+                        "DSpark draft step and the verify pass) the aten ops and host microseconds per "
+                        "layer and the host syncs per call. Host time = the step's wall time minus the "
+                        "time inside matrix products (the native kernels' calls and aten mm/bmm/mv...): "
+                        "Python, the dispatcher and the small elementwise ops. Syncs = .item()/bool()/"
+                        "int() of a tensor (aten._local_scalar_dense) and .tolist() calls (free on the "
+                        "CPU, each a stall on a GPU); d2h = device->host copies. -n tokens are timed, "
+                        "then as many counted (under a TorchDispatchMode); the prompt is the first "
+                        "workload prompt cut to -p tokens")
     add_model_arguments(parser)
     add_draft_arguments(parser)
 
@@ -91,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     base = Config(expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
                   threads=args.threads, block_size=args.block_size, verify_budget=args.verify_budget,
                   confidence_threshold=args.confidence_threshold)
+    if args.host_profile:
+        return run_host_profile(args, model, draft)
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise K3Error(f"{out_dir}: --out must be a directory")
@@ -109,4 +121,32 @@ def run(args: argparse.Namespace) -> int:
         written = write_outputs(result, out_dir)
         print(f"k3kit: wrote {', '.join(p.name for p in written)} to {out_dir}", file=sys.stderr)
     sys.stdout.write(render(result, args.output))
+    return 0
+
+
+def run_host_profile(args: argparse.Namespace, model: Path, draft: Path | None) -> int:
+    """`--host-profile`: k3kit.bench.host's phases for this model (and draft), printed."""
+    import torch
+
+    from k3kit.adapters.session import open_session
+    from k3kit.bench import workloads
+    from k3kit.bench.host import host_profile, render
+    from k3kit.runtime.loader import DTYPES, LoadOptions
+
+    if args.n_gen < 1:
+        raise K3Error(f"-n {args.n_gen}: --host-profile needs at least one decoded token")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
+                          expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+                          trunk=args.trunk,
+                          expert_prefetch=args.expert_prefetch, arith=args.arith)
+    with open_session(model, options, draft=draft, block_size=args.block_size,
+                      draft_device=getattr(args, "draft_device", None)) as session:
+        w = workloads.resolve(args.workload, stdlib_docs)
+        ids = workloads.fit(session.codec, w, args.n_prompt, 1, max_tokens=512)[0]
+        with torch.no_grad():
+            phases, _ = host_profile(session, ids, args.n_gen)
+    out = "json" if args.output in ("json", "jsonl") else "md"
+    sys.stdout.write(render(phases, out if args.output != "jsonl" else "jsonl"))
     return 0

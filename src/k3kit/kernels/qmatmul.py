@@ -271,13 +271,17 @@ class QuantizedMatrix:
         return w if out is None else out.copy_(w)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, n_in] -> x @ W.T [m, n_out], in x's dtype."""
-        if x.dim() != 2 or x.shape[1] != self.in_features:
+        """x [m, n_in] -> x @ W.T [m, n_out], in x's dtype. In the ggml arithmetic on the CPU x may
+        have any leading shape ([..., n_in] -> [..., n_out]: rows are rows, and no view op is
+        spent on flattening them)."""
+        if x.dim() < 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"matmul: x {tuple(x.shape)} does not fit a [{self.out_features}, "
                              f"{self.in_features}] weight")
-        m = x.shape[0]
         if self.arith == "ggml" and self.native and x.device.type == "cpu":
             return self._matmul_q8(x)
+        if x.dim() != 2:
+            raise ValueError(f"matmul: x {tuple(x.shape)} must be 2-D outside the ggml arithmetic")
+        m = x.shape[0]
         if 0 < m <= native_max_rows(self.qtype, self.dtype) and x.device.type == "cpu":
             xf = x.detach().to(torch.float32).contiguous()
             y = torch.empty(m, self.out_features, dtype=torch.float32)
@@ -288,12 +292,13 @@ class QuantizedMatrix:
 
     def _matmul_q8(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T in ggml's arithmetic (int8 activation blocks, integer dot products)."""
-        xf = x.detach()
+        xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.to(torch.float32).contiguous()
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
         _qmatmul.matmul_q8(self._qtype_id, self._raw_np, xf.numpy(), y.numpy(), self.out_features,
-                           self.in_features, x.shape[0], -1, torch.get_num_threads(), 1, I8_PATH)
+                           self.in_features, x.numel() // self.in_features, -1, torch.get_num_threads(), 1,
+                           I8_PATH)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -387,7 +392,7 @@ class QuantizedHeads:
             raise ValueError(f"matmul: x {tuple(x.shape)} does not fit {heads} heads of [{n_out}, {n_in}]")
         if not (self.native and x.device.type == "cpu"):
             return torch.bmm(x.to(self.dtype), self.dequantize().to(x.device).transpose(1, 2)).to(x.dtype)
-        xf = x.detach()
+        xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.to(torch.float32).contiguous()
         m = x.shape[1]
@@ -428,7 +433,7 @@ def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor
         raise ValueError("experts_matmul_q8: needs `per` native ggml-arithmetic matrices of one type "
                          "and shape per segment")
     first = flat[0]
-    xf = x.detach()
+    xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
     if xf.dtype != torch.float32 or not xf.is_contiguous():
         xf = xf.to(torch.float32).contiguous()
     if xf.dim() != 2 or xf.shape[1] != first.in_features or xf.shape[0] != sum(counts):

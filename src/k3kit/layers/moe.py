@@ -108,7 +108,10 @@ def group_routes(ids: Tensor) -> RouteGroups:
     order = torch.argsort(flat, stable=True)
     sorted_ids = flat[order]
     uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    return RouteGroups(order, sorted_ids, order // k, order % k, uniq.tolist(), counts.tolist())
+    # the one host read of a routing (the store needs the expert ids on the host): one copy
+    host = torch.cat((uniq, counts)).tolist()
+    n = uniq.numel()
+    return RouteGroups(order, sorted_ids, order // k, order % k, host[:n], host[n:])
 
 
 class ModuleExperts:
@@ -252,11 +255,14 @@ class RoutedMoE(nn.Module):
         gu = experts_matmul_q8([[g, u] for g, u in zip(qg, qu, strict=True)], xs, counts)
         if x.dtype != torch.float32:
             gu = gu.to(x.dtype)
-        h = torch.empty(xs.shape[0], gu.shape[-1], dtype=x.dtype)
-        start = 0
-        for c in counts:       # per expert: an elementwise kernel's bits may depend on its length
-            h[start:start + c] = self.act(gu[0, start:start + c], gu[1, start:start + c])
-            start += c
+        if _whole_vectors(gu[0]):
+            h = self.act(gu[0], gu[1])          # one call for all experts: the same bits, fewer ops
+        else:
+            h = torch.empty(xs.shape[0], gu.shape[-1], dtype=x.dtype)
+            start = 0
+            for c in counts:   # per expert: an elementwise kernel's bits may depend on its length
+                h[start:start + c] = self.act(gu[0, start:start + c], gu[1, start:start + c])
+                start += c
         y = experts_matmul_q8([[d] for d in qd], h, counts)[0]
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -279,11 +285,27 @@ class RoutedMoE(nn.Module):
         return _sum_slots(slots.view(N, k, d))
 
 
+# torch's elementwise CPU loops run 2 SIMD vectors per iteration (32 float32 with AVX-512) and the
+# tail past the last whole pair in scalar code, whose transcendental functions (tanh, sigmoid) round
+# differently; below this many elements a tensor is never split between threads (at::GRAIN_SIZE).
+_VECTOR_ELEMS = 64
+_GRAIN = 32768
+
+
+def _whole_vectors(x: Tensor) -> bool:
+    """Whether an elementwise op over the contiguous rows `x` [n, w] gives every row the bits it
+    gets alone: w a multiple of the widest vector pair (no row has a scalar tail) and one chunk
+    of work (no thread split inside a row)."""
+    return (x.is_contiguous() and x.shape[-1] % _VECTOR_ELEMS == 0
+            and (x.numel() < _GRAIN or torch.get_num_threads() == 1))
+
+
 def _sum_slots(slots: Tensor) -> Tensor:
     """[N, k, d] -> [N, d], the k slots added one after another as ggml adds them."""
-    y = slots[:, 0]
-    for j in range(1, slots.shape[1]):
-        y = y + slots[:, j]
+    parts = slots.unbind(1)          # one op for all k views (k selects otherwise)
+    y = parts[0]
+    for p in parts[1:]:
+        y = y + p
     return y
 
 

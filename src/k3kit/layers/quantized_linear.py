@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -64,6 +65,9 @@ DENSE_MAX_ROWS = 16
 DEQUANT_CHUNK_BYTES = 64 << 20
 # "triton": the Triton kernels on any device they run on (the CPU under TRITON_INTERPRET=1: tests)
 MODES = ("auto", "dequant", "triton")
+# Looked-up rows up to which an embedding dequantizes row by row natively (a verify block, a few
+# decoding sequences); beyond (prefill chunks), one torch dequantization of all of them.
+NATIVE_LOOKUP_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,12 @@ class QuantizedLinear(nn.Module):
             self.check()          # raises on a corrupt tensor; kept until it has passed once
             self.check = None
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        m = self.matrix
+        if m is not None and m.arith == "ggml" and m.native and x.dim() > 2:   # any leading shape
+            y = m.matmul(x)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y
+        # a 2-D x is used as it is, and a 2-D y returned as it is: no view ops for nothing
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.dense is not None:
             y = self._dense_matmul(x2)
         elif self.matrix is not None:
@@ -197,7 +206,7 @@ class QuantizedLinear(nn.Module):
             y = self._dequant_matmul(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.view(*lead, self.out_features)
+        return y if x.dim() == 2 else y.view(*lead, self.out_features)
 
     def _dense_matmul(self, x: Tensor) -> Tensor:
         w = self.dense
@@ -287,6 +296,7 @@ class QuantizedEmbedding(nn.Module):
         self.rows = weight.raw.reshape(self.num_embeddings, row)
         self.triton = _use_triton(mode, self.qtype, self.rows.device)
         self.corrupt_row = None
+        self._matrix: QuantizedMatrix | None | bool = False     # _native_matrix's, made at first use
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` moves the bytes too (they stay uint8)."""
@@ -295,7 +305,21 @@ class QuantizedEmbedding(nn.Module):
         if dev != self.rows.device:
             self.rows = self.rows.to(dev)
             self.triton = _use_triton(self.mode, self.qtype, dev)
+            self._matrix = False
         return self
+
+    def _native_matrix(self) -> QuantizedMatrix | None:
+        """The table as a QuantizedMatrix whose rows the native extension dequantizes (CPU bytes, a
+        type it has, float32 / bfloat16): one call per looked-up row and no torch ops, where the
+        torch dequantizers run a dozen ops and read a value on the host (the f16 NaN check)."""
+        if self._matrix is False:
+            m = None
+            if self.rows.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+                shape = (self.embedding_dim, self.num_embeddings)
+                q = QuantizedMatrix(self.rows.reshape(-1), self.qtype, shape, self.dtype)
+                m = q if q.native else None
+            self._matrix = m
+        return self._matrix if isinstance(self._matrix, QuantizedMatrix) else None
 
     @property
     def nbytes(self) -> int:
@@ -310,17 +334,36 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1).to(self.rows.device, torch.long)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        shape = (self.embedding_dim, flat.numel())
-        if self.triton:
-            out = gpu.dequantize(self.rows[flat].reshape(-1), self.qtype, shape, self.dtype)
+        # On the CPU the checks read the ids and rows through numpy: no aten op, and no host read
+        # that would be a sync on a device (where the one combined read below runs instead).
+        host = flat.numpy() if flat.device.type == "cpu" else None
+        if flat.numel():
+            lo, hi = ((int(host.min()), int(host.max())) if host is not None
+                      else torch.stack(torch.aminmax(flat)).tolist())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        native = self._native_matrix() if host is not None else None
+        if native is not None and host is not None and host.size == 1:
+            r = int(host[0])
+            out = native._dequantize_rows(r, r + 1)
+        elif native is not None and host is not None and host.size <= NATIVE_LOOKUP_ROWS:
+            out = torch.empty(host.size, self.embedding_dim, dtype=self.dtype)
+            for i, r in enumerate(host.tolist()):
+                native._dequantize_rows(r, r + 1, out=out[i:i + 1])
+        elif self.triton:
+            out = gpu.dequantize(self.rows[flat].reshape(-1), self.qtype, (self.embedding_dim, flat.numel()),
+                                 self.dtype)
         else:
-            out = dequantize(self.rows[flat], self.qtype, shape, self.dtype)
+            out = dequantize(self.rows[flat], self.qtype, (self.embedding_dim, flat.numel()), self.dtype)
         if self.corrupt_row is not None and flat.numel():
-            bad = (~torch.isfinite(out)).any(dim=1)
-            if bool(bad.any()):
-                self.corrupt_row(int(flat[int(bad.nonzero()[0, 0])]))
+            if host is not None and out.dtype == torch.float32:
+                bad_np = ~np.isfinite(out.numpy()).all(axis=1)
+                if bad_np.any():
+                    self.corrupt_row(int(host[int(bad_np.argmax())]))
+            else:
+                bad = (~torch.isfinite(out)).any(dim=1)
+                if bool(bad.any()):
+                    self.corrupt_row(int(flat[int(bad.nonzero()[0, 0])]))
         return out.view(*ids.shape, self.embedding_dim).to(ids.device)
 
 

@@ -29,4 +29,4 @@ def l2_norm(x: Tensor, eps: float) -> Tensor:
     llama.cpp builds it as rms_norm(x, eps/n) / sqrt(n) (build_gdn_l2_norm), which is this
     with eps inside the root; the eps is the model's RMS eps, not a separate constant.
     """
-    return x * (1.0 / torch.sqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps))
+    return x * torch.sqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps).reciprocal()   # = 1.0 / sqrt

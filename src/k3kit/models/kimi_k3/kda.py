@@ -264,6 +264,48 @@ def causal_conv(window: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor, Tens
     return out, xx[:, T:]
 
 
+# see short_convs: silu over q, k and v at once only when every row is whole SIMD vector pairs
+# (no scalar tail, whose floats differ) and the work is one chunk (no thread split in a row)
+_VECTOR_ELEMS = 64
+_GRAIN = 32768
+
+
+def detached(t: Tensor) -> Tensor:
+    """t without its autograd history; t itself when it has none (detach is an op of its own)."""
+    return t.detach() if t.requires_grad else t
+
+
+def short_convs(kda: KDA, window: Tensor, conv_in: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The q, k and v short convs and SiLU of `causal_conv`, in one pass over the three when the
+    result has the same bits: window [B, 3, K-1, C], conv_in [B, T, 3, C] -> (q, k, v [B, T, H, d]
+    after SiLU, before the L2 norms; the new window [B, 3, K-1, C], contiguous).
+
+    The three convs as one [B, 3, K-1+T, C] tensor run the same products and sums, in the same
+    order, per element (mul and add round alike in any layout); SiLU over all three is one call
+    instead of three when `_VECTOR_ELEMS` divides C and the work is one chunk. Otherwise (and with
+    a gradient) each conv runs on its own, as before."""
+    cfg = kda.cfg
+    B, T = conv_in.shape[:2]
+    H, D, C = cfg.num_heads, cfg.kda_head_dim, cfg.kda_dim
+    convs = (kda.q_conv, kda.k_conv, kda.v_conv)
+    split = 3 * B * T * C >= _GRAIN and torch.get_num_threads() > 1
+    if torch.is_grad_enabled() or C % _VECTOR_ELEMS or split:
+        outs, windows = [], []
+        for i, w in enumerate(convs):
+            y, win = causal_conv(window[:, i], conv_in[:, :, i], w)
+            outs.append(F.silu(y).view(B, T, H, D))
+            windows.append(win)
+        return outs[0], outs[1], outs[2], torch.stack(windows, dim=1)
+    taps = kda.conv_taps()
+    xx = torch.cat((window, conv_in.transpose(1, 2)), dim=2)        # [B, 3, K-1+T, C]
+    y = xx[:, :, 0:T] * taps[0]
+    for j in range(1, len(taps)):
+        y = y + xx[:, :, j:j + T] * taps[j]
+    s = F.silu(y).transpose(1, 2)                                   # [B, T, 3, C]
+    q, k, v = (s[:, :, i].view(B, T, H, D) for i in range(3))
+    return q, k, v, xx[:, :, T:].contiguous()
+
+
 class KDA(nn.Module):
     def __init__(self, cfg: K3ModelConfig):
         super().__init__()
@@ -286,6 +328,30 @@ class KDA(nn.Module):
         # stateless forwards (training, scoring) take delta_rule_wy when the gate is bounded;
         # with a state (decode, prefill, speculative) the step loop runs either way
         self.chunked = False
+        self._taps: tuple[tuple[int, ...], list[Tensor]] | None = None   # conv_taps' cache
+        self._rate: tuple[tuple[int, int], Tensor] | None = None         # decay_rate's cache
+
+    def decay_rate(self) -> Tensor:
+        """-exp(A_log) per head, [H, 1] (what the converter stores as ssm_a); without a gradient made
+        once, and again only when A_log changes (its version counter): three ops a step fewer."""
+        if torch.is_grad_enabled():
+            return (-torch.exp(self.A_log)).view(self.cfg.num_heads, 1)
+        key = (self.A_log._version, self.A_log.data_ptr())
+        if self._rate is None or self._rate[0] != key:
+            self._rate = (key, (-torch.exp(self.A_log)).view(self.cfg.num_heads, 1))
+        return self._rate[1]
+
+    def conv_taps(self) -> list[Tensor]:
+        """The q/k/v conv weights per tap j, [3, 1, C] each (what `short_convs` multiplies by):
+        made once, and again only when a conv weight changes (its version counter)."""
+        key = tuple(w._version for w in (self.q_conv, self.k_conv, self.v_conv)) + (
+            self.q_conv.data_ptr(), self.q_conv.device.index or 0)
+        if self._taps is None or self._taps[0] != key:
+            with torch.no_grad():
+                w = torch.stack((self.q_conv, self.k_conv, self.v_conv))       # [3, C, K]
+                taps = [w[:, None, :, j].contiguous() for j in range(w.shape[-1])]
+            self._taps = (key, taps)
+        return self._taps[1]
 
     def empty_state(self, batch: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32) -> KDAState:
@@ -300,7 +366,7 @@ class KDA(nn.Module):
         B, T, _ = x.shape
         u = self.f_b_proj(self.f_a_proj(x)) + self.dt_bias
         u = u.view(B, T, cfg.num_heads, cfg.kda_head_dim)
-        A = (-torch.exp(self.A_log)).view(cfg.num_heads, 1)   # what the converter stores as ssm_a
+        A = self.decay_rate()
         if cfg.gate_lower_bound is not None:
             return torch.sigmoid(-(u * A)) * cfg.gate_lower_bound
         return F.softplus(u) * A
@@ -325,15 +391,9 @@ class KDA(nn.Module):
             keep = True
 
         conv_in = torch.stack((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=2)  # [B,T,3,C]
-        convs = (self.q_conv, self.k_conv, self.v_conv)
-        outs, windows = [], []
-        for i in range(3):
-            y, w = causal_conv(state.conv[:, i], conv_in[:, :, i], convs[i])
-            outs.append(F.silu(y).view(B, T, H, D))
-            windows.append(w)
-        q = l2_norm(outs[0], cfg.rms_norm_eps)
-        k = l2_norm(outs[1], cfg.rms_norm_eps)
-        v = outs[2]
+        q, k, v, window = short_convs(self, state.conv, conv_in)
+        q = l2_norm(q, cfg.rms_norm_eps)
+        k = l2_norm(k, cfg.rms_norm_eps)
         g = self.decay(x)
         beta = torch.sigmoid(self.b_proj(x))
 
@@ -351,11 +411,11 @@ class KDA(nn.Module):
 
         rows = None
         if keep and commit:
-            state.S = S.detach()
-            state.conv = torch.stack(windows, dim=1).detach()
+            state.S = detached(S)
+            state.conv = detached(window)
         elif keep:
-            final = S.detach() if recur is delta_rule else None     # the replay's exact steps only
-            rows = KDARows(conv_in.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), final)
+            final = detached(S) if recur is delta_rule else None     # the replay's exact steps only
+            rows = KDARows(detached(conv_in), detached(k), detached(v), detached(g), detached(beta), final)
 
         gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, D)
         o = rms_norm(o, self.o_norm, cfg.rms_norm_eps) * gate
@@ -389,18 +449,12 @@ def recur_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta: Tens
     state's B sequences (one row each when B > 1: a decode pass); advances `state`; o [B, T, H, d].
     `inplace`: state.S is updated in place (nothing else may hold it)."""
     cfg = kda.cfg
-    B, T = conv_in.shape[:2]
-    H, D = cfg.num_heads, cfg.kda_head_dim
-    outs, windows = [], []
-    for i, w in enumerate((kda.q_conv, kda.k_conv, kda.v_conv)):
-        y, win = causal_conv(state.conv[:, i], conv_in[:, :, i], w)
-        outs.append(F.silu(y).view(B, T, H, D))
-        windows.append(win)
-    q = l2_norm(outs[0], cfg.rms_norm_eps)
-    k = l2_norm(outs[1], cfg.rms_norm_eps)
-    o, S = delta_rule(state.S, q, k, outs[2], g, beta, inplace=inplace)
-    state.S = S.detach()
-    state.conv = torch.stack(windows, dim=1).detach()
+    q, k, v, window = short_convs(kda, state.conv, conv_in)
+    q = l2_norm(q, cfg.rms_norm_eps)
+    k = l2_norm(k, cfg.rms_norm_eps)
+    o, S = delta_rule(state.S, q, k, v, g, beta, inplace=inplace)
+    state.S = detached(S)
+    state.conv = detached(window)
     return o
 
 

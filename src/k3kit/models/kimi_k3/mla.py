@@ -110,9 +110,10 @@ class MLA(nn.Module):
         K = torch.cat((c_all, pe_all), dim=-1)                   # [B, S, L + pe]
         scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + pe_dim))
         S = K.shape[1]
-        rows = offset + torch.arange(T, device=x.device)
-        allowed = torch.arange(S, device=x.device)[None, :] <= rows[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        if T > 1:           # one row sees every cached row: its mask is all true
+            rows = offset + torch.arange(T, device=x.device)
+            allowed = torch.arange(S, device=x.device)[None, :] <= rows[:, None]
+            scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         lat = torch.einsum("bhts,bsl->bthl", probs, c_all)       # [B, T, H, L]
         out = value_heads(self, lat)                             # [B, T, H * v]
@@ -249,9 +250,11 @@ def attend_latent(mla: MLA, cache: MLACache, q_abs: Tensor, q_pe: Tensor, c: Ten
     K = torch.cat((c_all, pe_all), dim=-1)
     scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     scores = torch.einsum("bthc,bsc->bhts", Q, K) * scale
-    rows = offset + torch.arange(T, device=q_abs.device)
-    allowed = torch.arange(K.shape[1], device=q_abs.device)[None, :] <= rows[:, None]
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    if T > 1:               # one row sees every cached row: its mask is all true
+        rows = offset + torch.arange(T, device=q_abs.device)
+        allowed = torch.arange(K.shape[1], device=q_abs.device)[None, :] <= rows[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bhts,bsl->bthl", probs, c_all)
 
 

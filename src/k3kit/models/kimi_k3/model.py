@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -29,7 +28,7 @@ from k3kit.layers.quantized_linear import QuantizedLinear
 from .activations import l2_norm
 from .attn_res import res_mix
 from .config import K3ModelConfig
-from .kda import KDA, KDARows, causal_conv, delta_rule
+from .kda import KDA, KDARows, delta_rule, detached, short_convs
 from .kda import commit_rows as kda_commit_rows
 from .kda import output_rows as kda_output_rows
 from .kda import project_rows as kda_project_rows
@@ -389,16 +388,11 @@ def _kda_verify_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta
     are the floats a committed segment of those rows gets), plus the per-row inputs that
     kda.commit_rows replays for the accepted prefix."""
     cfg = kda.cfg
-    B, T = conv_in.shape[:2]
-    H, D = cfg.num_heads, cfg.kda_head_dim
-    outs = []
-    for i, w in enumerate((kda.q_conv, kda.k_conv, kda.v_conv)):
-        y, _ = causal_conv(state.conv[:, i], conv_in[:, :, i], w)
-        outs.append(F.silu(y).view(B, T, H, D))
-    q = l2_norm(outs[0], cfg.rms_norm_eps)
-    k = l2_norm(outs[1], cfg.rms_norm_eps)
-    o, S = delta_rule(state.S, q, k, outs[2], g, beta)
-    return o, KDARows(conv_in.detach(), k.detach(), outs[2].detach(), g.detach(), beta.detach(), S.detach())
+    q, k, v, _ = short_convs(kda, state.conv, conv_in)
+    q = l2_norm(q, cfg.rms_norm_eps)
+    k = l2_norm(k, cfg.rms_norm_eps)
+    o, S = delta_rule(state.S, q, k, v, g, beta)
+    return o, KDARows(*(detached(t) for t in (conv_in, k, v, g, beta, S)))
 
 
 def _mla_rows(mla: MLA, h: Tensor, caches: list[MLACache], bounds: list[int]) -> Tensor:

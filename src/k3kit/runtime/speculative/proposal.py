@@ -34,22 +34,26 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
     block = draft.draft_block(anchor, position)
     n = block.logits.shape[0]
     rows, qs, w1s, tokens = [], [], [], []
-    prev = anchor
+    picked: list[Tensor] = []       # greedy: the chain's tokens stay where the logits are
+    prev: int | Tensor = anchor
     for k in range(n):
         logits_k = block.logits[k]
         if draft.has_markov:
-            w1 = draft.markov_embed(torch.tensor([prev]))
+            w1 = draft.markov_embed(prev if isinstance(prev, Tensor) else torch.tensor([prev]))
             w1s.append(w1)
             logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
         if sampling.greedy:
-            tok = int(torch.argmax(logits_k).item())
+            prev = torch.argmax(logits_k, dim=-1, keepdim=True)      # [1]: no host read per row
+            picked.append(prev)
         else:
             q_k = probs(logits_k, sampling)
             tok = sample(q_k, gen)
             qs.append(q_k)
+            tokens.append(tok)
+            prev = tok
         rows.append(logits_k)
-        tokens.append(tok)
-        prev = tok
+    if picked:
+        tokens = torch.cat(picked).tolist()     # one host read for the whole block
     confidence = None
     if draft.has_confidence and n:      # all rows at once: c_k depends on the chain only via W1[x_{k-1}]
         w1_all = torch.cat(w1s) if w1s else None
