@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import statistics
@@ -70,97 +69,25 @@ from typing import Any
 
 from k3kit.bench.llama_cpp import model_params, repack_choice
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ooc_disk import (  # noqa: E402
+    GIB,
+    cpu_times,
+    disk_read_bytes,
+    drop_cache,
+    mem_total,
+    quick_limit,
+    quick_seq,
+    status,
+    step_seq,
+)
+from ooc_report import fmt_rate, report_ab  # noqa: E402
+
 LOCK = "/tmp/k3bench.lock"
-MIB, GIB = 1 << 20, 1 << 30
 PROMPT = "The fox"   # 4 tokens: a long prompt would read most experts of every layer in prefill
-CHUNK = 16 * MIB
-
-
-# ---------------------------------------------------------------- shared helpers
-
-def mem_total() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
-
-
-def status(field: str, pid: str = "self") -> int:
-    """A kB field of /proc/PID/status in bytes (0 if absent)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def cpu_times() -> tuple[float, float]:
-    """(user, system) CPU seconds of this process so far, all threads: what a read path costs
-    the cores the products need (O_DIRECT: the device writes the buffer; buffered: the kernel
-    allocates page-cache pages, copies them out, and drops them)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
-
-
-def disk_read_bytes(path: Path) -> int:
-    """Bytes read so far by the block device holding `path` (/proc/diskstats, sectors of 512).
-    For a partition the whole disk's line is used if the partition's is missing."""
-    st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    with open("/proc/diskstats", encoding="ascii") as f:
-        for line in f:
-            p = line.split()
-            if int(p[0]) == major and int(p[1]) == minor:
-                return int(p[5]) * 512
-    raise RuntimeError(f"{path}: device {major}:{minor} not in /proc/diskstats")
-
-
-def drop_cache(path: Path) -> None:
-    """Evict the file's clean pages from the page cache (what a cold start sees)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def expert_region(path: Path) -> tuple[int, int]:
-    """(first byte, bytes) of the file's routed-expert tensors."""
-    from k3kit.gguf.reader import GGUFFile
-    ts = [t for t in GGUFFile.open(path).tensors if "_exps." in t.name]
-    lo = min(t.offset for t in ts)
-    return lo, max(t.offset + t.nbytes for t in ts) - lo
 
 
 # ---------------------------------------------------------------- steps (run under the lock)
-
-def step_seq(path: Path, gib: float) -> dict[str, Any]:
-    lo, n = expert_region(path)
-    want = min(int(gib * GIB), n // 3) // CHUNK * CHUNK
-    out = {}
-    buf = mmap.mmap(-1, CHUNK)
-    for name, flags, start in (("direct", os.O_DIRECT, lo), ("buffered", 0, lo + want)):
-        start = start // 4096 * 4096
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            for off in range(start, start + want, CHUNK):
-                os.preadv(fd, [buf], off)
-            dt = time.perf_counter() - t0
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        out[name] = want / dt
-    # four sequential streams at once (O_DIRECT): a virtual disk may give more to several requests
-    out["direct_x4"] = parallel_direct(path, (lo + 2 * want) // 4096 * 4096, want, 4)
-    return {"bytes": want, "direct_Bps": out["direct"], "buffered_Bps": out["buffered"],
-            "direct_x4_Bps": out["direct_x4"], "seq_Bps": max(out.values())}
-
 
 def step_check(path: Path, n: int) -> dict[str, Any]:
     """What the scale check adds to a miss: `n` experts of layer 1 read on the caller's thread
@@ -194,58 +121,6 @@ def step_check(path: Path, n: int) -> dict[str, Any]:
                      "expert_bytes": sum(model.tensors[x].nbytes // model.tensors[x].shape[2] for x in names)}
     model.close()
     return out
-
-
-def quick_seq(path: Path, k: int, n: int = 512 * MIB) -> float:
-    """O_DIRECT sequential bytes/s over `n` bytes of the expert region (the k-th such piece from
-    its end): the limit right before a run. This disk is a virtual one whose bandwidth changes
-    over minutes (bursts of ~700 MB/s, ~100 MB/s when throttled), so each run gets its own."""
-    lo, size = expert_region(path)
-    n = min(n, size // 16) // CHUNK * CHUNK or CHUNK
-    start = max(lo, lo + size - (k + 1) * n - CHUNK) // 4096 * 4096
-    buf = mmap.mmap(-1, CHUNK)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        t0 = time.perf_counter()
-        for off in range(start, start + n, CHUNK):
-            os.preadv(fd, [buf], off)
-        return n / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-
-
-def quick_limit(path: Path, k: int, n: int = 256 * MIB, streams: int = 4) -> tuple[float, float]:
-    """(one stream, `streams` streams) O_DIRECT sequential bytes/s, each over `n` bytes of the
-    expert region not read before in this process (pieces k and 200 + k from its end: a virtual
-    disk may cache what it served recently). The background readers keep several reads in
-    flight, and on this disk several streams get more than one, so the larger is the limit."""
-    one = quick_seq(path, 2 * k, n)
-    lo, size = expert_region(path)
-    start = max(lo, lo + size - (200 + k + 1) * n - CHUNK) // 4096 * 4096
-    return one, parallel_direct(path, start, n, streams)
-
-
-def parallel_direct(path: Path, start: int, n: int, streams: int) -> float:
-    """O_DIRECT bytes/s of `streams` threads each reading its own sequential part of the `n`
-    bytes from `start` (4096-aligned) at once."""
-    part = n // streams // CHUNK * CHUNK or CHUNK
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-
-    def stream(i: int) -> None:
-        b = mmap.mmap(-1, CHUNK)
-        for off in range(start + i * part, start + (i + 1) * part, CHUNK):
-            os.preadv(fd, [b], off)
-
-    try:
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return streams * part / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
 
 
 def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: int, trunk: str,
@@ -426,15 +301,6 @@ def step_io(path: Path, modes: list[str], pairs: int, batches: int, cache_mib: f
     return {"runs": runs}
 
 
-def valid_run(run: dict[str, Any], spread: float = 1.5) -> bool:
-    """The rule for keeping a run of `ab`: the disk's limit measured right before and right after
-    it agree within `spread` (the disk did not switch between burst and throttle across the run),
-    and the run's own decode-phase disk rate is not above the larger of the two by more than
-    10% (else neither measurement described the run)."""
-    lo, hi = sorted((run["seq_before"], run["seq_after"]))
-    return hi <= spread * lo and run["decode_disk_Bps"] <= 1.1 * hi
-
-
 def step_llama(path: Path, variant: str, prompt: list[int], tokens: int, threads: int,
                anon_limit: int) -> dict[str, Any]:
     """One greedy run; the result is printed by the caller's subprocess as JSON."""
@@ -529,48 +395,6 @@ def ensure_file(args: argparse.Namespace) -> Path:
         print("synthesizing", path, flush=True)
         subprocess.run(cmd, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
     return path
-
-
-def report_ab(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Print `ab` runs one per line, then per mode the medians over the runs `valid_run` keeps,
-    and each valid pair's ratio to the first mode (the peer measured minutes apart, alternated)."""
-    print(f"\n{'pair':>4} {'mode':<16} {'limit before/after MB/s':>23} {'disk MB/s':>9} {'tok/s':>6} "
-          f"{'payload MB/s':>12} {'of limit':>8} {'sys s':>6} {'RSS GiB':>7} {'load':>5} valid")
-    for r in runs:
-        r["limit"] = (r["seq_before"] + r["seq_after"]) / 2
-        r["payload_Bps"] = r["payload_per_token"] * r["decode_tok_s"]
-        r["valid"] = valid_run(r)
-        print(f"{r['pair']:>4} {r['mode']:<16} {r['seq_before'] / 1e6:11.0f}/{r['seq_after'] / 1e6:<11.0f} "
-              f"{r['decode_disk_Bps'] / 1e6:9.0f} {r['decode_tok_s']:6.3f} {r['payload_Bps'] / 1e6:12.0f} "
-              f"{r['payload_Bps'] / r['limit']:8.2f} {r['cpu_sys_s']:6.1f} {r['peak_rss'] / GIB:7.2f} "
-              f"{r.get('load_avg_1min', 0):5.1f} {'yes' if r['valid'] else 'NO'}")
-    modes = list(dict.fromkeys(r["mode"] for r in runs))
-    summary: dict[str, Any] = {}
-    for m in modes:
-        ok = [r for r in runs if r["mode"] == m and r["valid"]]
-        if ok:
-            summary[m] = {k: statistics.median(r[k] for r in ok) for k in ("payload_Bps", "decode_tok_s")}
-            summary[m]["frac"] = statistics.median(r["payload_Bps"] / r["limit"] for r in ok)
-            summary[m]["valid"] = len(ok)
-            print(f"{m:<16} {len(ok)} valid runs: median payload {summary[m]['payload_Bps'] / 1e6:.0f} MB/s, "
-                  f"{summary[m]['frac']:.2f} of the limit, {summary[m]['decode_tok_s']:.3f} tok/s")
-    same = len({tuple(r["tokens"]) for r in runs}) == 1
-    print(f"tokens identical in all {len(runs)} runs: {same}")
-    for m in modes[1:]:
-        ratios = []
-        for pair in sorted({r["pair"] for r in runs}):
-            a = [r for r in runs if r["pair"] == pair and r["mode"] == modes[0] and r["valid"]]
-            b = [r for r in runs if r["pair"] == pair and r["mode"] == m and r["valid"]]
-            if a and b:
-                ratios.append(b[0]["payload_Bps"] / a[0]["payload_Bps"])
-        if ratios:
-            print(f"ratio {m} / {modes[0]} payload MB/s over {len(ratios)} valid pairs: "
-                  f"median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
-    return {"summary": summary, "tokens_identical": same}
-
-
-def fmt_rate(bps: float) -> str:
-    return f"{bps / 1e6:7.0f}"
 
 
 def llama_variants_for(asked: str | None) -> tuple[list[str], str]:
