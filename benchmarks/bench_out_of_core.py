@@ -8,7 +8,9 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
   seq      the disk's sequential read bandwidth on the file itself: --seq-gib of its expert region
            read in 16 MiB requests with O_DIRECT, and buffered after POSIX_FADV_DONTNEED (the
            larger is "the physical limit" below)
-  k3kit    one process per read mode (`page`: through the page cache; `cold`: what `k3kit
+  k3kit    one process per read mode (`default`: what `k3kit generate` does with no flags, always
+           run first: `--expert-io auto` and the expert cache it sizes from the RAM left, prefetch
+           as the loader decides; `page`: through the page cache; `cold`: what `k3kit
            generate --cold` does, O_DIRECT reads straight into the cache's buffers; `fadvise`:
            the previous --cold, pread with fadvise around every read), the model loaded once, then greedy
            runs of --tokens tokens with a --cache-mib expert cache, prefetch off and on
@@ -32,7 +34,9 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
            no products, per mode, alternated: whether a mode is slower at the disk or on the CPU.
 
 
-Per run: peak RSS (VmHWM), decode tok/s, expert payload bytes per token (k3kit's ledger),
+Per run: the bytes this process read from storage during decode (/proc/self/io) over the store's
+ledger (io_bytes) for the same tokens: 1.00 when every byte read went through the ledger; peak
+RSS (VmHWM), decode tok/s, expert payload bytes per token (k3kit's ledger),
 bytes the disk delivered per decoded token and the decode-phase disk MB/s (from /proc/diskstats
 of the file's device, between the first and the last generated token), and that rate as a
 fraction of the disk's sequential bandwidth measured right before that run (512 MiB, O_DIRECT:
@@ -76,6 +80,7 @@ from ooc_disk import (  # noqa: E402
     disk_read_bytes,
     drop_cache,
     mem_total,
+    proc_read_bytes,
     quick_limit,
     quick_seq,
     status,
@@ -136,7 +141,15 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     torch.set_num_threads(threads)
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     t0 = time.perf_counter()
-    cold = {"cold": True, "fadvise": "fadvise", "page": False}[mode]
+    io: dict[str, Any] = {}
+    if mode == "default":       # what `k3kit generate MODEL` does with no flags: --expert-io auto
+        from k3kit.plan.expert_io import for_model
+        choice = for_model(path, "auto", None)
+        cold: bool | str = choice.cold
+        cache_mib, prefetch, io = choice.cache_mib, ["auto"], choice.to_dict()
+        print(choice.line(), file=sys.stderr, flush=True)
+    else:
+        cold = {"cold": True, "fadvise": "fadvise", "page": False}[mode]
     lm = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=cold, trunk=trunk, dtype=dt))
     load_s = time.perf_counter() - t0
     adapter = lm.model
@@ -145,14 +158,18 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     try:
         for _ in range(repeats):
             for pf in prefetch:
-                set_expert_prefetch(adapter.model.modules(), pf == "on")
+                if pf != "auto":        # auto: the loader's choice (--expert-prefetch auto)
+                    set_expert_prefetch(adapter.model.modules(), pf == "on")
                 lm.reset_expert_cache(cache_mib)
                 drop_cache(path)
                 seq = quick_seq(path, len(runs))
-                marks: list[tuple[float, int]] = []
+                marks: list[tuple[float, int, int, int]] = []
+                store = adapter.store
 
-                def on_token(_: int, marks: list[tuple[float, int]] = marks) -> None:
-                    marks.append((time.perf_counter(), disk_read_bytes(path)))
+                def on_token(_: int, marks: list[tuple[float, int, int, int]] = marks,
+                             store: Any = store) -> None:
+                    marks.append((time.perf_counter(), disk_read_bytes(path), proc_read_bytes(),
+                                  store.stats().io_bytes))
 
                 d0 = disk_read_bytes(path)
                 r = generate(adapter, prompt, max_tokens=tokens, sampling=make_sampling(0.0, seed=0),
@@ -160,8 +177,9 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
                 d1 = disk_read_bytes(path)
                 s = r.stats
                 es = adapter.store.stats()
-                (ta, da), (tb, db) = marks[0], marks[-1]
+                (ta, da, pa, la), (tb, db, pb, lb) = marks[0], marks[-1]
                 runs.append({
+                    "direct": store.direct_io, "ledger_io_bytes": lb - la, "proc_read_bytes": pb - pa,
                     "prefetch": pf, "tokens": r.token_ids, "decode_tok_s": s.decode_tok_s,
                     "prefill_tok_s": s.prefill_tok_s, "prompt_tokens": s.prompt_tokens,
                     "payload_per_token": s.payload_bytes_per_token, "hit_rate": s.expert_cache_hit_rate,
@@ -175,7 +193,7 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     finally:
         lm.close()
     return {"mode": mode, "load_s": load_s, "peak_rss": status("VmHWM"), "runs": runs,
-            "trunk": trunk, "dtype": dtype, "prompt_ids": prompt}
+            "trunk": trunk, "dtype": dtype, "prompt_ids": prompt, "cache_mib": cache_mib, "expert_io": io}
 
 
 def step_ab(path: Path, modes: list[str], pairs: int, tokens: int, cache_mib: float, threads: int,
@@ -418,7 +436,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trunk", default="quantized", choices=["quantized", "float"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, fadvise, page")
+    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, fadvise, page (the "
+                    "default run, `k3kit generate` with no flags, is always measured too, first)")
     ap.add_argument("--prefetch", default="off,on", help="prefetch settings, alternated")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--ab", help="only the read-mode A/B in one process, e.g. cold,fadvise (see `ab`)")
@@ -498,7 +517,8 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     k3 = {}
-    for mode in [m for m in args.modes.split(",") if m]:
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in ["default", *[m for m in modes if m != "default"]]:
         r = locked(["--step", f"k3kit-{mode}", *common, "--cache-mib", str(args.cache_mib), "--trunk",
                     args.trunk, "--dtype", args.dtype, "--repeats", str(args.repeats), "--prefetch",
                     args.prefetch], args.timeout)
@@ -506,10 +526,14 @@ def main() -> None:
         if not r.get("runs"):
             rows.append({"name": f"k3kit {mode}", "error": r.get("error")})
             continue
-        for pf in args.prefetch.split(","):
+        for pf in dict.fromkeys(x["prefetch"] for x in r["runs"]):
             rs = [x for x in r["runs"] if x["prefetch"] == pf]
             tps = [x["decode_tok_s"] for x in rs]
-            rows.append({"name": f"k3kit {mode} prefetch {pf}", "peak_rss": r["peak_rss"],
+            name = (f"k3kit {mode} prefetch {pf}" if mode != "default"
+                    else f"k3kit default ({r['expert_io'].get('mode')}, {r['cache_mib']:.0f} MiB)")
+            rows.append({"name": name, "peak_rss": r["peak_rss"],
+                         "ledger_vs_proc": sum(x["proc_read_bytes"] for x in rs)
+                         / max(sum(x["ledger_io_bytes"] for x in rs), 1),
                          "tok_s": statistics.median(tps), "tok_s_all": tps,
                          "payload": statistics.median(x["payload_per_token"] for x in rs),
                          "disk_per_token": statistics.median(x["decode_disk_per_token"] for x in rs),
@@ -542,18 +566,20 @@ def main() -> None:
     results["llama"] = llama
     results["rows"] = rows
 
-    print(f"\n{'run':<28} {'peak RSS GiB':>12} {'tok/s':>7} {'payload MB/tok':>14} {'disk MB/tok':>11} "
+    print(f"\n{'run':<34} {'peak RSS GiB':>12} {'tok/s':>7} {'payload MB/tok':>14} {'disk MB/tok':>11} "
           f"{'disk MB/s':>9} {'limit MB/s':>10} {'of limit':>8} {'payload MB/s':>11} {'of limit':>8}")
     for row in rows:
         if "tok_s" not in row:
-            print(f"{row['name']:<28} {row.get('peak_rss', 0) / GIB:12.2f}  FAILED: {row.get('error')}")
+            print(f"{row['name']:<34} {row.get('peak_rss', 0) / GIB:12.2f}  FAILED: {row.get('error')}")
             continue
         payload = f"{row['payload'] / 1e6:14.0f}" if "payload" in row else f"{'-':>14}"
         rate = f"{row['payload'] * row['tok_s'] / 1e6:11.0f}" if "payload" in row else f"{'-':>11}"
         pfrac = f"{row['payload_frac']:8.2f}" if "payload" in row else f"{'-':>8}"
         hits = (f"  prefetch reads used {row['prefetch_used']}/{row['prefetched_all']}, guesses right "
                 f"{row['guesses_right']}/{row['guesses']}" if row.get("guesses") else "")
-        print(f"{row['name']:<28} {row['peak_rss'] / GIB:12.2f} {row['tok_s']:7.3f} {payload} "
+        if "ledger_vs_proc" in row:     # /proc/self/io read_bytes over the store's io_bytes, decode phase
+            hits += f"  process reads / ledger {row['ledger_vs_proc']:.3f}"
+        print(f"{row['name']:<34} {row['peak_rss'] / GIB:12.2f} {row['tok_s']:7.3f} {payload} "
               f"{row['disk_per_token'] / 1e6:11.0f} {fmt_rate(row['disk_Bps']):>9} "
               f"{fmt_rate(row['seq_Bps']):>10} {row['frac']:8.2f} {rate} {pfrac}{hits}")
     ok_llama = [r for r in rows if r["name"].startswith("llama") and "tok_s" in r]

@@ -162,3 +162,16 @@ def valid_run(run: dict[str, Any], spread: float = 1.5) -> bool:
     10% (else neither measurement described the run)."""
     lo, hi = sorted((run["seq_before"], run["seq_after"]))
     return hi <= spread * lo and run["decode_disk_Bps"] <= 1.1 * hi
+
+
+def proc_read_bytes() -> int:
+    """Bytes this process caused to be read from storage so far (/proc/self/io `read_bytes`: all its
+    threads, O_DIRECT and page-cache misses alike, never page-cache hits); 0 where there is none."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
