@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kernels ({part}): " + "; ".join(f"{t} {k}" for t, k in by_type.items()), file=sys.stderr)
         print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {memory.trunk_bytes / mib:.1f} MiB "
               f"{memory.trunk}, "
-              f"expert cache {memory.expert_cache_bytes / mib:.1f} of {io.cache_mib:.0f} MiB, {io.mode})",
+              f"expert cache {memory.expert_cache_bytes / mib:.1f} of {io.cache_mib:g} MiB, {io.mode})",
               file=sys.stderr)
         if s.speculative is not None:
             d = s.speculative
