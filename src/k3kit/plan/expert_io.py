@@ -77,9 +77,9 @@ class ExpertIO:
             return "RAM unknown here: the page cache"
         fits = "fit" if self.mode == "page" else "do not fit"
         left = fmt_bytes(max(self.ram_left, 0))
-        return (f"routed experts {fmt_bytes(self.routed_bytes)} {fits} the {left} "
-                f"of RAM left after the trunk {fmt_bytes(self.trunk_bytes)} and "
-                f"{fmt_bytes(self.available - self.trunk_bytes - max(self.ram_left, 0))} of headroom")
+        return (f"routed experts {fmt_bytes(self.routed_bytes)} {fits} the {left} of RAM left: "
+                f"{fmt_bytes(self.available)} available - trunk {fmt_bytes(self.trunk_bytes)} - "
+                f"headroom {fmt_bytes(headroom(self.available))}")
 
     def line(self) -> str:
         """The one line a command prints (stderr) or logs when it loads a model."""
