@@ -22,6 +22,14 @@ cache gets nothing of the experts; with `page` what the page cache does not need
 expert, at least the old fixed 256 MiB. On a GPU the cache holds dequantized experts in VRAM, so
 its default stays 256 MiB there.
 
+The price of a large cache is its growth: until it is full every miss gets a fresh buffer, and
+fresh pages cost the kernel ~1 s of system CPU per GB here (5.6 GB of planned O_DIRECT misses on
+the 52.4 GB K3 file: 5.9-6.2 s of system time with a 15 GiB cache, 0.6-1.2 s with a 1 GiB one
+whose evicted buffers are reused). On a 2-core machine that is taken from the products: an 8-token
+run decoded at 0.21 tok/s with the sized cache against 0.40 with 1 GiB. A long run (a server) pays
+it once, and then the cache serves what it holds (a third of that file's experts, so with uniform
+routing a third of the picks) without a read; `--expert-cache-mib` picks the other side.
+
 Header reads only (numpy, no torch): deciding costs milliseconds before the model loads.
 """
 
