@@ -8,7 +8,9 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
   seq      the disk's sequential read bandwidth on the file itself: --seq-gib of its expert region
            read in 16 MiB requests with O_DIRECT, and buffered after POSIX_FADV_DONTNEED (the
            larger is "the physical limit" below)
-  k3kit    one process per read mode (`page`: through the page cache; `cold`: what `k3kit
+  k3kit    one process per read mode (`default`: what `k3kit generate` does with no flags, always
+           run first: `--expert-io auto` and the expert cache it sizes from the RAM left, prefetch
+           as the loader decides; `page`: through the page cache; `cold`: what `k3kit
            generate --cold` does, O_DIRECT reads straight into the cache's buffers; `fadvise`:
            the previous --cold, pread with fadvise around every read), the model loaded once, then greedy
            runs of --tokens tokens with a --cache-mib expert cache, prefetch off and on
@@ -32,7 +34,9 @@ Steps, each a subprocess under `flock /tmp/k3bench.lock` (each well under 10 min
            no products, per mode, alternated: whether a mode is slower at the disk or on the CPU.
 
 
-Per run: peak RSS (VmHWM), decode tok/s, expert payload bytes per token (k3kit's ledger),
+Per run: the bytes this process read from storage during decode (/proc/self/io) over the store's
+ledger (io_bytes) for the same tokens: 1.00 when every byte read went through the ledger; peak
+RSS (VmHWM), decode tok/s, expert payload bytes per token (k3kit's ledger),
 bytes the disk delivered per decoded token and the decode-phase disk MB/s (from /proc/diskstats
 of the file's device, between the first and the last generated token), and that rate as a
 fraction of the disk's sequential bandwidth measured right before that run (512 MiB, O_DIRECT:
@@ -57,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import statistics
@@ -70,97 +73,26 @@ from typing import Any
 
 from k3kit.bench.llama_cpp import model_params, repack_choice
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ooc_disk import (  # noqa: E402
+    GIB,
+    cpu_times,
+    disk_read_bytes,
+    drop_cache,
+    mem_total,
+    proc_read_bytes,
+    quick_limit,
+    quick_seq,
+    status,
+    step_seq,
+)
+from ooc_report import fmt_rate, report_ab  # noqa: E402
+
 LOCK = "/tmp/k3bench.lock"
-MIB, GIB = 1 << 20, 1 << 30
 PROMPT = "The fox"   # 4 tokens: a long prompt would read most experts of every layer in prefill
-CHUNK = 16 * MIB
-
-
-# ---------------------------------------------------------------- shared helpers
-
-def mem_total() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
-
-
-def status(field: str, pid: str = "self") -> int:
-    """A kB field of /proc/PID/status in bytes (0 if absent)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def cpu_times() -> tuple[float, float]:
-    """(user, system) CPU seconds of this process so far, all threads: what a read path costs
-    the cores the products need (O_DIRECT: the device writes the buffer; buffered: the kernel
-    allocates page-cache pages, copies them out, and drops them)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
-
-
-def disk_read_bytes(path: Path) -> int:
-    """Bytes read so far by the block device holding `path` (/proc/diskstats, sectors of 512).
-    For a partition the whole disk's line is used if the partition's is missing."""
-    st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    with open("/proc/diskstats", encoding="ascii") as f:
-        for line in f:
-            p = line.split()
-            if int(p[0]) == major and int(p[1]) == minor:
-                return int(p[5]) * 512
-    raise RuntimeError(f"{path}: device {major}:{minor} not in /proc/diskstats")
-
-
-def drop_cache(path: Path) -> None:
-    """Evict the file's clean pages from the page cache (what a cold start sees)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def expert_region(path: Path) -> tuple[int, int]:
-    """(first byte, bytes) of the file's routed-expert tensors."""
-    from k3kit.gguf.reader import GGUFFile
-    ts = [t for t in GGUFFile.open(path).tensors if "_exps." in t.name]
-    lo = min(t.offset for t in ts)
-    return lo, max(t.offset + t.nbytes for t in ts) - lo
 
 
 # ---------------------------------------------------------------- steps (run under the lock)
-
-def step_seq(path: Path, gib: float) -> dict[str, Any]:
-    lo, n = expert_region(path)
-    want = min(int(gib * GIB), n // 3) // CHUNK * CHUNK
-    out = {}
-    buf = mmap.mmap(-1, CHUNK)
-    for name, flags, start in (("direct", os.O_DIRECT, lo), ("buffered", 0, lo + want)):
-        start = start // 4096 * 4096
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            for off in range(start, start + want, CHUNK):
-                os.preadv(fd, [buf], off)
-            dt = time.perf_counter() - t0
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        out[name] = want / dt
-    # four sequential streams at once (O_DIRECT): a virtual disk may give more to several requests
-    out["direct_x4"] = parallel_direct(path, (lo + 2 * want) // 4096 * 4096, want, 4)
-    return {"bytes": want, "direct_Bps": out["direct"], "buffered_Bps": out["buffered"],
-            "direct_x4_Bps": out["direct_x4"], "seq_Bps": max(out.values())}
-
 
 def step_check(path: Path, n: int) -> dict[str, Any]:
     """What the scale check adds to a miss: `n` experts of layer 1 read on the caller's thread
@@ -196,58 +128,6 @@ def step_check(path: Path, n: int) -> dict[str, Any]:
     return out
 
 
-def quick_seq(path: Path, k: int, n: int = 512 * MIB) -> float:
-    """O_DIRECT sequential bytes/s over `n` bytes of the expert region (the k-th such piece from
-    its end): the limit right before a run. This disk is a virtual one whose bandwidth changes
-    over minutes (bursts of ~700 MB/s, ~100 MB/s when throttled), so each run gets its own."""
-    lo, size = expert_region(path)
-    n = min(n, size // 16) // CHUNK * CHUNK or CHUNK
-    start = max(lo, lo + size - (k + 1) * n - CHUNK) // 4096 * 4096
-    buf = mmap.mmap(-1, CHUNK)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        t0 = time.perf_counter()
-        for off in range(start, start + n, CHUNK):
-            os.preadv(fd, [buf], off)
-        return n / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-
-
-def quick_limit(path: Path, k: int, n: int = 256 * MIB, streams: int = 4) -> tuple[float, float]:
-    """(one stream, `streams` streams) O_DIRECT sequential bytes/s, each over `n` bytes of the
-    expert region not read before in this process (pieces k and 200 + k from its end: a virtual
-    disk may cache what it served recently). The background readers keep several reads in
-    flight, and on this disk several streams get more than one, so the larger is the limit."""
-    one = quick_seq(path, 2 * k, n)
-    lo, size = expert_region(path)
-    start = max(lo, lo + size - (200 + k + 1) * n - CHUNK) // 4096 * 4096
-    return one, parallel_direct(path, start, n, streams)
-
-
-def parallel_direct(path: Path, start: int, n: int, streams: int) -> float:
-    """O_DIRECT bytes/s of `streams` threads each reading its own sequential part of the `n`
-    bytes from `start` (4096-aligned) at once."""
-    part = n // streams // CHUNK * CHUNK or CHUNK
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-
-    def stream(i: int) -> None:
-        b = mmap.mmap(-1, CHUNK)
-        for off in range(start + i * part, start + (i + 1) * part, CHUNK):
-            os.preadv(fd, [b], off)
-
-    try:
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return streams * part / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-
-
 def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: int, trunk: str,
                dtype: str, repeats: int, prefetch: list[str]) -> dict[str, Any]:
     import torch
@@ -261,7 +141,15 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     torch.set_num_threads(threads)
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     t0 = time.perf_counter()
-    cold = {"cold": True, "fadvise": "fadvise", "page": False}[mode]
+    io: dict[str, Any] = {}
+    if mode == "default":       # what `k3kit generate MODEL` does with no flags: --expert-io auto
+        from k3kit.plan.expert_io import for_model
+        choice = for_model(path, "auto", None)
+        cold: bool | str = choice.cold
+        cache_mib, prefetch, io = choice.cache_mib, ["auto"], choice.to_dict()
+        print(choice.line(), file=sys.stderr, flush=True)
+    else:
+        cold = {"cold": True, "fadvise": "fadvise", "page": False}[mode]
     lm = load_model(path, LoadOptions(expert_cache_mib=cache_mib, cold=cold, trunk=trunk, dtype=dt))
     load_s = time.perf_counter() - t0
     adapter = lm.model
@@ -270,14 +158,18 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     try:
         for _ in range(repeats):
             for pf in prefetch:
-                set_expert_prefetch(adapter.model.modules(), pf == "on")
+                if pf != "auto":        # auto: the loader's choice (--expert-prefetch auto)
+                    set_expert_prefetch(adapter.model.modules(), pf == "on")
                 lm.reset_expert_cache(cache_mib)
                 drop_cache(path)
                 seq = quick_seq(path, len(runs))
-                marks: list[tuple[float, int]] = []
+                marks: list[tuple[float, int, int, int]] = []
+                store = adapter.store
 
-                def on_token(_: int, marks: list[tuple[float, int]] = marks) -> None:
-                    marks.append((time.perf_counter(), disk_read_bytes(path)))
+                def on_token(_: int, marks: list[tuple[float, int, int, int]] = marks,
+                             store: Any = store) -> None:
+                    marks.append((time.perf_counter(), disk_read_bytes(path), proc_read_bytes(),
+                                  store.stats().io_bytes))
 
                 d0 = disk_read_bytes(path)
                 r = generate(adapter, prompt, max_tokens=tokens, sampling=make_sampling(0.0, seed=0),
@@ -285,8 +177,9 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
                 d1 = disk_read_bytes(path)
                 s = r.stats
                 es = adapter.store.stats()
-                (ta, da), (tb, db) = marks[0], marks[-1]
+                (ta, da, pa, la), (tb, db, pb, lb) = marks[0], marks[-1]
                 runs.append({
+                    "direct": store.direct_io, "ledger_io_bytes": lb - la, "proc_read_bytes": pb - pa,
                     "prefetch": pf, "tokens": r.token_ids, "decode_tok_s": s.decode_tok_s,
                     "prefill_tok_s": s.prefill_tok_s, "prompt_tokens": s.prompt_tokens,
                     "payload_per_token": s.payload_bytes_per_token, "hit_rate": s.expert_cache_hit_rate,
@@ -300,7 +193,7 @@ def step_k3kit(path: Path, mode: str, tokens: int, cache_mib: float, threads: in
     finally:
         lm.close()
     return {"mode": mode, "load_s": load_s, "peak_rss": status("VmHWM"), "runs": runs,
-            "trunk": trunk, "dtype": dtype, "prompt_ids": prompt}
+            "trunk": trunk, "dtype": dtype, "prompt_ids": prompt, "cache_mib": cache_mib, "expert_io": io}
 
 
 def step_ab(path: Path, modes: list[str], pairs: int, tokens: int, cache_mib: float, threads: int,
@@ -426,15 +319,6 @@ def step_io(path: Path, modes: list[str], pairs: int, batches: int, cache_mib: f
     return {"runs": runs}
 
 
-def valid_run(run: dict[str, Any], spread: float = 1.5) -> bool:
-    """The rule for keeping a run of `ab`: the disk's limit measured right before and right after
-    it agree within `spread` (the disk did not switch between burst and throttle across the run),
-    and the run's own decode-phase disk rate is not above the larger of the two by more than
-    10% (else neither measurement described the run)."""
-    lo, hi = sorted((run["seq_before"], run["seq_after"]))
-    return hi <= spread * lo and run["decode_disk_Bps"] <= 1.1 * hi
-
-
 def step_llama(path: Path, variant: str, prompt: list[int], tokens: int, threads: int,
                anon_limit: int) -> dict[str, Any]:
     """One greedy run; the result is printed by the caller's subprocess as JSON."""
@@ -531,48 +415,6 @@ def ensure_file(args: argparse.Namespace) -> Path:
     return path
 
 
-def report_ab(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Print `ab` runs one per line, then per mode the medians over the runs `valid_run` keeps,
-    and each valid pair's ratio to the first mode (the peer measured minutes apart, alternated)."""
-    print(f"\n{'pair':>4} {'mode':<16} {'limit before/after MB/s':>23} {'disk MB/s':>9} {'tok/s':>6} "
-          f"{'payload MB/s':>12} {'of limit':>8} {'sys s':>6} {'RSS GiB':>7} {'load':>5} valid")
-    for r in runs:
-        r["limit"] = (r["seq_before"] + r["seq_after"]) / 2
-        r["payload_Bps"] = r["payload_per_token"] * r["decode_tok_s"]
-        r["valid"] = valid_run(r)
-        print(f"{r['pair']:>4} {r['mode']:<16} {r['seq_before'] / 1e6:11.0f}/{r['seq_after'] / 1e6:<11.0f} "
-              f"{r['decode_disk_Bps'] / 1e6:9.0f} {r['decode_tok_s']:6.3f} {r['payload_Bps'] / 1e6:12.0f} "
-              f"{r['payload_Bps'] / r['limit']:8.2f} {r['cpu_sys_s']:6.1f} {r['peak_rss'] / GIB:7.2f} "
-              f"{r.get('load_avg_1min', 0):5.1f} {'yes' if r['valid'] else 'NO'}")
-    modes = list(dict.fromkeys(r["mode"] for r in runs))
-    summary: dict[str, Any] = {}
-    for m in modes:
-        ok = [r for r in runs if r["mode"] == m and r["valid"]]
-        if ok:
-            summary[m] = {k: statistics.median(r[k] for r in ok) for k in ("payload_Bps", "decode_tok_s")}
-            summary[m]["frac"] = statistics.median(r["payload_Bps"] / r["limit"] for r in ok)
-            summary[m]["valid"] = len(ok)
-            print(f"{m:<16} {len(ok)} valid runs: median payload {summary[m]['payload_Bps'] / 1e6:.0f} MB/s, "
-                  f"{summary[m]['frac']:.2f} of the limit, {summary[m]['decode_tok_s']:.3f} tok/s")
-    same = len({tuple(r["tokens"]) for r in runs}) == 1
-    print(f"tokens identical in all {len(runs)} runs: {same}")
-    for m in modes[1:]:
-        ratios = []
-        for pair in sorted({r["pair"] for r in runs}):
-            a = [r for r in runs if r["pair"] == pair and r["mode"] == modes[0] and r["valid"]]
-            b = [r for r in runs if r["pair"] == pair and r["mode"] == m and r["valid"]]
-            if a and b:
-                ratios.append(b[0]["payload_Bps"] / a[0]["payload_Bps"])
-        if ratios:
-            print(f"ratio {m} / {modes[0]} payload MB/s over {len(ratios)} valid pairs: "
-                  f"median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
-    return {"summary": summary, "tokens_identical": same}
-
-
-def fmt_rate(bps: float) -> str:
-    return f"{bps / 1e6:7.0f}"
-
-
 def llama_variants_for(asked: str | None) -> tuple[list[str], str]:
     """The llama.cpp variants to run and what to say about repacking: --llama as given, else
     `default` (repacking on) and `norepack`, without `default` where repack_choice turns it off."""
@@ -594,7 +436,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trunk", default="quantized", choices=["quantized", "float"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, fadvise, page")
+    ap.add_argument("--modes", default="cold,page", help="k3kit read modes: cold, fadvise, page (the "
+                    "default run, `k3kit generate` with no flags, is always measured too, first)")
     ap.add_argument("--prefetch", default="off,on", help="prefetch settings, alternated")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--ab", help="only the read-mode A/B in one process, e.g. cold,fadvise (see `ab`)")
@@ -674,7 +517,8 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     k3 = {}
-    for mode in [m for m in args.modes.split(",") if m]:
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in ["default", *[m for m in modes if m != "default"]]:
         r = locked(["--step", f"k3kit-{mode}", *common, "--cache-mib", str(args.cache_mib), "--trunk",
                     args.trunk, "--dtype", args.dtype, "--repeats", str(args.repeats), "--prefetch",
                     args.prefetch], args.timeout)
@@ -682,10 +526,14 @@ def main() -> None:
         if not r.get("runs"):
             rows.append({"name": f"k3kit {mode}", "error": r.get("error")})
             continue
-        for pf in args.prefetch.split(","):
+        for pf in dict.fromkeys(x["prefetch"] for x in r["runs"]):
             rs = [x for x in r["runs"] if x["prefetch"] == pf]
             tps = [x["decode_tok_s"] for x in rs]
-            rows.append({"name": f"k3kit {mode} prefetch {pf}", "peak_rss": r["peak_rss"],
+            name = (f"k3kit {mode} prefetch {pf}" if mode != "default"
+                    else f"k3kit default ({r['expert_io'].get('mode')}, {r['cache_mib']:.0f} MiB)")
+            rows.append({"name": name, "peak_rss": r["peak_rss"],
+                         "ledger_vs_proc": sum(x["proc_read_bytes"] for x in rs)
+                         / max(sum(x["ledger_io_bytes"] for x in rs), 1),
                          "tok_s": statistics.median(tps), "tok_s_all": tps,
                          "payload": statistics.median(x["payload_per_token"] for x in rs),
                          "disk_per_token": statistics.median(x["decode_disk_per_token"] for x in rs),
@@ -718,18 +566,20 @@ def main() -> None:
     results["llama"] = llama
     results["rows"] = rows
 
-    print(f"\n{'run':<28} {'peak RSS GiB':>12} {'tok/s':>7} {'payload MB/tok':>14} {'disk MB/tok':>11} "
+    print(f"\n{'run':<34} {'peak RSS GiB':>12} {'tok/s':>7} {'payload MB/tok':>14} {'disk MB/tok':>11} "
           f"{'disk MB/s':>9} {'limit MB/s':>10} {'of limit':>8} {'payload MB/s':>11} {'of limit':>8}")
     for row in rows:
         if "tok_s" not in row:
-            print(f"{row['name']:<28} {row.get('peak_rss', 0) / GIB:12.2f}  FAILED: {row.get('error')}")
+            print(f"{row['name']:<34} {row.get('peak_rss', 0) / GIB:12.2f}  FAILED: {row.get('error')}")
             continue
         payload = f"{row['payload'] / 1e6:14.0f}" if "payload" in row else f"{'-':>14}"
         rate = f"{row['payload'] * row['tok_s'] / 1e6:11.0f}" if "payload" in row else f"{'-':>11}"
         pfrac = f"{row['payload_frac']:8.2f}" if "payload" in row else f"{'-':>8}"
         hits = (f"  prefetch reads used {row['prefetch_used']}/{row['prefetched_all']}, guesses right "
                 f"{row['guesses_right']}/{row['guesses']}" if row.get("guesses") else "")
-        print(f"{row['name']:<28} {row['peak_rss'] / GIB:12.2f} {row['tok_s']:7.3f} {payload} "
+        if "ledger_vs_proc" in row:     # /proc/self/io read_bytes over the store's io_bytes, decode phase
+            hits += f"  process reads / ledger {row['ledger_vs_proc']:.3f}"
+        print(f"{row['name']:<34} {row['peak_rss'] / GIB:12.2f} {row['tok_s']:7.3f} {payload} "
               f"{row['disk_per_token'] / 1e6:11.0f} {fmt_rate(row['disk_Bps']):>9} "
               f"{fmt_rate(row['seq_Bps']):>10} {row['frac']:8.2f} {rate} {pfrac}{hits}")
     ok_llama = [r for r in rows if r["name"].startswith("llama") and "tok_s" in r]

@@ -66,8 +66,11 @@ def stdlib_docs() -> list[str]:
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     """The model and draft flags for the `k3kit serve` child of --concurrency."""
-    out = ["--expert-cache-mib", str(args.expert_cache_mib), "--expert-kernel", args.expert_kernel,
+    out = ["--expert-kernel", args.expert_kernel,
            "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.expert_cache_mib is not None:
+        out = ["--expert-cache-mib", str(args.expert_cache_mib), *out]
+    out += ["--expert-io", getattr(args, "expert_io", "auto")]
     if getattr(args, "trunk", None):
         out += ["--trunk", args.trunk]
     out += ["--expert-prefetch", getattr(args, "expert_prefetch", "auto"), "--arith", args.arith]
@@ -87,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
     from k3kit.bench.config import Config, parse_concurrency
     from k3kit.bench.report import render, write_outputs
     from k3kit.bench.run import BenchOptions, run_bench
-    from k3kit.commands.generate import check_draft_args, default_model, draft_path
+    from k3kit.commands.generate import check_draft_args, default_model, draft_path, expert_io
 
     check_draft_args(args)
-    if args.expert_cache_mib < 0:
+    if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
     if args.threads < 0:
         raise K3Error(f"--threads {args.threads}: must be >= 0")
@@ -98,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
     draft = draft_path(args)
     from k3kit.runtime.speculative import parse_budget
     parse_budget(args.verify_budget)
-    base = Config(expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+    io = expert_io(model, args)
+    if io.announce:
+        print(f"k3kit: {io.line()}", file=sys.stderr)
+    base = Config(expert_cache_mib=io.cache_mib, expert_kernel=args.expert_kernel,
                   threads=args.threads, block_size=args.block_size, verify_budget=args.verify_budget,
                   confidence_threshold=args.confidence_threshold)
     if args.host_profile:
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         llama_cpp=args.llama_cpp, profile_out=Path(args.profile_experts) if args.profile_experts else None,
         pin_profile=Path(args.pin_experts) if getattr(args, "pin_experts", None) else None,
         device=args.device, dtype_name=args.dtype, trunk=getattr(args, "trunk", None),
-        expert_prefetch=getattr(args, "expert_prefetch", "auto"), arith=args.arith,
+        expert_prefetch=getattr(args, "expert_prefetch", "auto"), arith=args.arith, cold=io.cold,
         prefill_chunk=args.prefill_chunk, feature_ring=args.feature_ring,
         draft_device=getattr(args, "draft_device", None), serve_args=serve_args(args),
         stdlib_docs=stdlib_docs, show_progress=not args.no_progress)

@@ -6,13 +6,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3kit.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3kit.plan.expert_io import ExpertIO
 
 NAME = "generate"
 HELP = "generate text with a GGUF model: trunk in memory, routed experts streamed from the file"
 
 SHIPPED_REL = Path("assets") / "mini-k3" / "mini-k3.gguf"
+EXPERT_IO = ("auto", "page", "direct")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as one user turn with the file's chat template "
                         "(the Kimi format when the file has none)")
-    parser.add_argument("--cold", action="store_true",
-                        help="read experts around the page cache (O_DIRECT; pread + fadvise where the "
-                        "filesystem refuses it), so payload = storage traffic")
     parser.add_argument("--stats", action="store_true", help="print speed, cache and memory figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     add_draft_arguments(parser)
@@ -41,8 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """How a model is placed and run: the flags `generate`, `serve` and `perplexity` share."""
-    parser.add_argument("--expert-cache-mib", type=float, default=256.0, metavar="M",
-                        help="LRU budget for routed experts, MiB of what is cached (256)")
+    parser.add_argument("--expert-cache-mib", type=float, default=None, metavar="M",
+                        help="LRU budget for routed experts, MiB of what is cached (default: sized from "
+                        "the RAM left after the trunk, see --expert-io; 256 on a GPU)")
+    parser.add_argument("--expert-io", default="auto", choices=EXPERT_IO,
+                        help="how routed experts are read: page (through the page cache, mapped), direct "
+                        "(O_DIRECT into k3kit's expert cache; pread + fadvise where the filesystem "
+                        "refuses it, so payload = storage traffic), or auto: direct when the experts do "
+                        "not fit the RAM left after the trunk and the cache, else page (auto)")
+    parser.add_argument("--cold", dest="expert_io", action="store_const", const="direct",
+                        help="the same as --expert-io direct")
     parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
                         help="native: cache experts as their quantized bytes and multiply them "
                         "directly (CPU); torch: dequantize each miss to the compute dtype; "
@@ -127,6 +137,19 @@ def pin_experts(target, probs, args: argparse.Namespace) -> None:
     pin(store, probs, str(args.pin_experts))
 
 
+def expert_io(path: Path, args: argparse.Namespace) -> ExpertIO:
+    """--expert-io and --expert-cache-mib resolved for MODEL on this machine (k3kit.plan.expert_io):
+    the read path and the cache budget a load uses. Headers only, before anything loads."""
+    from k3kit.plan.expert_io import for_model
+    return for_model(path, getattr(args, "expert_io", "auto"), args.expert_cache_mib,
+                     device=getattr(args, "device", "cpu"))
+
+
+def check_cache_mib(args: argparse.Namespace) -> None:
+    if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
+        raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
@@ -140,8 +163,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 def check_args(args: argparse.Namespace) -> None:
     if args.max_tokens < 0:
         raise K3Error(f"--max-tokens {args.max_tokens}: must be >= 0")
-    if args.expert_cache_mib < 0:
-        raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
+    check_cache_mib(args)
     if args.threads < 0:
         raise K3Error(f"--threads {args.threads}: must be >= 0")
     if args.prefill_chunk < 1:
@@ -202,8 +224,11 @@ def run(args: argparse.Namespace) -> int:
     sampling = make_sampling(args.temperature, args.top_p, args.top_k, args.seed)
     text = read_prompt(args)
     path = Path(args.model) if args.model else default_model()
+    io = expert_io(path, args)
+    if args.stats or io.announce:
+        print(f"k3kit: {io.line()}", file=sys.stderr)
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
-                          expert_cache_mib=args.expert_cache_mib, cold=bool(args.cold),
+                          expert_cache_mib=io.cache_mib, cold=io.cold,
                           expert_kernel=args.expert_kernel, trunk=args.trunk,
                           expert_prefetch=args.expert_prefetch, arith=args.arith)
     if args.threads:
@@ -234,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
         session.target.check()
         memory, kernel = session.target.memory(), session.target.expert_kernel
         kernels = session.target.kernels
+        store = getattr(session.target.model, "store", None)
+        direct = bool(store is not None and store.direct_io)
     finally:
         session.close()
 
@@ -244,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         d["stats"] = {k: d["stats"][k] for k in keep} | {
             k: v for k, v in d["stats"].items() if k not in keep} | {
             "expert_kernel": kernel, "trunk": memory.trunk, "trunk_bytes": memory.trunk_bytes,
-            "kernels": kernels}
+            "kernels": kernels, "expert_io": io.mode, "direct_io": direct,
+            "expert_cache_budget_bytes": io.cache_bytes}
         print(json.dumps(d))
         return 0
     sys.stdout.write(stream.flush() + "\n")
@@ -262,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kernels ({part}): " + "; ".join(f"{t} {k}" for t, k in by_type.items()), file=sys.stderr)
         print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {memory.trunk_bytes / mib:.1f} MiB "
               f"{memory.trunk}, "
-              f"expert cache {memory.expert_cache_bytes / mib:.1f} of {args.expert_cache_mib:g} MiB)",
+              f"expert cache {memory.expert_cache_bytes / mib:.1f} of {io.cache_mib:g} MiB, {io.mode})",
               file=sys.stderr)
         if s.speculative is not None:
             d = s.speculative

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from k3kit.errors import K3Error
@@ -61,7 +62,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise K3Error(f"{flag} {value}: must be >= {low}")
     if args.threads < 0:
         raise K3Error(f"--threads {args.threads}: must be >= 0")
-    if args.expert_cache_mib < 0:
+    if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
 
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3kit.adapters import load_model
-    from k3kit.commands.generate import pin_experts, pin_profile
+    from k3kit.commands.generate import expert_io, pin_experts, pin_profile
     from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.runtime.perplexity import LlamaBase, evaluate, open_base, plan_chunks
     from k3kit.runtime.protocols import CausalModel
@@ -86,13 +87,16 @@ def run(args: argparse.Namespace) -> int:
                       "carries its own tokens)")
     if args.save_logits and args.kl_base and Path(args.save_logits).resolve() == Path(args.kl_base).resolve():
         raise K3Error(f"{args.save_logits}: --save-logits would overwrite --kl-base")
+    path = Path(args.model)
+    io = expert_io(path, args)
+    if io.announce:
+        print(f"k3kit: {io.line()}", file=sys.stderr)
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
-                          expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+                          expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, ggml_parity=bool(args.ggml_parity),
                           expert_prefetch=args.expert_prefetch, arith=args.arith)
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = Path(args.model)
     pins = pin_profile(path, args)
     loaded = load_model(path, options)
     try:

@@ -161,6 +161,15 @@ def render(r: dict[str, Any], out: Any = None) -> None:
     p(f"  experts: {len(e['gpu_layers'])} layers in VRAM ({fmt_bytes(e['gpu_bytes'])}), page cache "
       f"{fmt_bytes(e['ram_bytes'])} ({100 * e['resident_fraction']:.1f}% of the RAM-backed), storage "
       f"{fmt_bytes(e['storage_bytes'])}")
+    io = r.get("expert_io")
+    if io:
+        how = "O_DIRECT into k3kit's expert cache" if io["mode"] == "direct" else "the page cache (mapped)"
+        tok_s = io["decode_tok_s"]
+        p(f"  expert I/O (k3kit --expert-io auto): {io['mode']}, {how}: routed experts "
+          f"{fmt_bytes(io['routed_expert_bytes'])} vs {fmt_bytes(io['ram_left_bytes'])} of RAM left for "
+          "them; "
+          f"expert cache {fmt_bytes(io['cache_bytes'])}; predicted decode "
+          f"{f'{tok_s:.3g}' if tok_s else '?'} tok/s (AR, bandwidth bound)")
     p()
     p("FITS" if r["fits"] else "DOES NOT FIT")
     for prob in r["problems"]:

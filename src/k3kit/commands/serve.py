@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--ctx {args.ctx}: must be >= 1")
     if not args.max_body_mib > 0:
         raise K3Error(f"--max-body-mib {args.max_body_mib}: must be > 0")
-    if args.expert_cache_mib < 0:
+    if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
 
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         decode_step,
         default_model,
         draft_path,
+        expert_io,
         pin_experts,
         pin_profile,
     )
@@ -86,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     check_draft_args(args)
     path = Path(args.model) if args.model else default_model()
     draft = draft_path(args)
+    io = expert_io(path, args)
+    logging.getLogger("k3kit.serve").log(logging.WARNING if io.announce else logging.INFO, io.line())
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
-                          expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+                          expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, expert_prefetch=args.expert_prefetch,
                           arith=args.arith)
     if args.threads:

@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from k3kit.errors import K3Error
 from k3kit.gguf.requant.plan import TARGETS
-from k3kit.plan import recipes
+from k3kit.plan import expert_io, recipes
 from k3kit.plan.facts import DraftFacts, ModelFacts, open_model, read_draft, read_facts, requantized
 from k3kit.plan.hardware import Hardware
 from k3kit.plan.placement import Placement, place
@@ -116,6 +116,8 @@ def make_plan(model_path: str | Path, hw: Hardware, opts: PlanOptions) -> dict[s
         elif suggestions:
             problems.append("no trunk requant makes it fit: lower --ctx, drop the drafter, or add --nodes")
 
+    ram_backed = facts.routed_expert_bytes - pl.experts.gpu_bytes
+    io = expert_io.for_plan(ram_backed, facts.trunk_bytes, pl.ram.free + pl.experts.ram_bytes, hw.ram or 0)
     cmds = recipes.commands(facts, hw, pl, ctx=ctx, draft=draft, draft_path=opts.draft, verify=opts.verify,
                             gpu_reserve=opts.gpu_reserve)
     result: dict[str, Any] = {
@@ -142,6 +144,7 @@ def make_plan(model_path: str | Path, hw: Hardware, opts: PlanOptions) -> dict[s
                         "resident_fraction": pl.experts.resident_fraction},
         },
         "devices": [d.to_dict() for d in pl.devices],
+        "expert_io": io.to_dict() | {"decode_tok_s": ar["tok_s"]},
         "requant": suggestions,
         "decode_tok_s": {"ar": ar["tok_s"], "speculative": spec["tok_s"] if spec else None},
         "bound_by": {"ar": ar["bound_by"], "speculative": spec["bound_by"] if spec else None},
