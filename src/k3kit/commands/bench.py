@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from k3kit.errors import K3Error
+from k3kit.plan.expert_io import ExpertIO
 
 NAME = "bench"
 HELP = "measure prompt/decode tok/s, expert payload and acceptance (llama-bench's pp/tg rows)"
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                   threads=args.threads, block_size=args.block_size, verify_budget=args.verify_budget,
                   confidence_threshold=args.confidence_threshold)
     if args.host_profile:
-        return run_host_profile(args, model, draft)
+        return run_host_profile(args, model, draft, io)
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise K3Error(f"{out_dir}: --out must be a directory")
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_host_profile(args: argparse.Namespace, model: Path, draft: Path | None) -> int:
+def run_host_profile(args: argparse.Namespace, model: Path, draft: Path | None, io: ExpertIO) -> int:
     """`--host-profile`: k3kit.bench.host's phases for this model (and draft), printed."""
     import torch
 
@@ -144,7 +145,7 @@ def run_host_profile(args: argparse.Namespace, model: Path, draft: Path | None) 
     if args.threads:
         torch.set_num_threads(args.threads)
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
-                          expert_cache_mib=args.expert_cache_mib, expert_kernel=args.expert_kernel,
+                          expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk,
                           expert_prefetch=args.expert_prefetch, arith=args.arith)
     with open_session(model, options, draft=draft, block_size=args.block_size,
