@@ -95,11 +95,10 @@ class SpeculativeWidths:
     _accepted: float
     _survival: list[float] | None
     _proposals: int | None
-
-    def _batchable(self, decoders: list[Any]) -> bool:
-        """Whether these decoders' draft steps can run as one forward
-        (k3kit.runtime.speculative.decoder.batchable); BatchScheduler supplies it."""
-        raise NotImplementedError
+    # Whether these decoders' draft steps can run as one forward
+    # (k3kit.runtime.speculative.decoder.batchable): BatchScheduler's method, which looks the
+    # function up in serve.batch, where tests patch it.
+    _batchable: Callable[[list[Any]], bool]
 
     def _would_draft(self, n: int) -> bool:
         """Could greedy sequences draft in a pass of `n` (>= PLAIN_FROM) decoders, as things stand? Only
