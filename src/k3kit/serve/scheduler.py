@@ -45,6 +45,7 @@ class GenerationRequest:
     logprobs: int | None = None           # None: none; k >= 0: the chosen token's + the k best
     id: str = field(default_factory=next_request_id)
     draft: bool = True                    # False: never speculate, even where the server has a draft
+    cache_prompt: bool = True             # False: neither reuse nor keep this prompt's state (prompt cache)
 
     @property
     def may_draft(self) -> bool:
@@ -81,6 +82,7 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int                # tokens generated, an end-of-text/turn token included
     error: str | None = None
+    cached_tokens: int = 0                # prompt tokens restored from the prompt cache, not run
 
 
 Event = TokenEvent | FinishEvent

@@ -58,6 +58,7 @@ class SequenceOutput:
         self.post = post
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0   # prompt tokens the prompt cache restored (reported in the FinishEvent)
         self._stream = codec.streamer()
         self._held = ""          # decoded text not yet released (it could start a stop string)
 
@@ -100,7 +101,8 @@ class SequenceOutput:
         """End the sequence without flushing held text (the client is gone or the run failed)."""
         if not self.done:
             self.finish_reason = reason
-            self.post(FinishEvent(reason, len(self.request.prompt_ids), len(self.tokens), error))
+            self.post(FinishEvent(reason, len(self.request.prompt_ids), len(self.tokens), error,
+                                  self.cached_tokens))
 
     def _release(self, piece: str, final: bool = False) -> tuple[str, bool]:
         """The text that can go out now, and whether a stop string was found (text cut before it)."""
@@ -124,4 +126,5 @@ class SequenceOutput:
             if hit:
                 reason = "stop"
         self.finish_reason = reason
-        self.post(FinishEvent(reason, len(self.request.prompt_ids), len(self.tokens)))
+        self.post(FinishEvent(reason, len(self.request.prompt_ids), len(self.tokens),
+                              cached_tokens=self.cached_tokens))
