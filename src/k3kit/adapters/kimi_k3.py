@@ -37,6 +37,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
+from k3kit.adapters.kimi_k3_state import SequenceSnapshots
 from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
 from k3kit.layers.moe import ExpertWeights
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
@@ -145,7 +146,7 @@ class SequenceTarget:
         return self.adapter.counters()
 
 
-class K3Adapter:
+class K3Adapter(SequenceSnapshots):
     """One K3 sequence over GGUF weights. Not thread-safe; one state per adapter."""
 
     def __init__(self, source: GGUFSource, cfg: K3ModelConfig, model: K3Model, store: ExpertStore,

@@ -51,6 +51,8 @@ embedding and LM head, checks that the two fit and tells the target which layers
 BatchedModel — several sequence states per model and one pass over rows of many of them
 (see the class); the continuous-batching server (k3kit.serve.batch) needs only this.
 SpeculativeBatchedModel adds draft-block verification inside those passes, per sequence.
+SnapshotModel adds copying a sequence's state out and back in (`SequenceState`): what the
+server's prompt cache (k3kit.serve.prompt_cache) keeps between requests.
 
 LoadedModel — a model file opened by `k3kit.adapters.load_model`: its `architecture`, the
 `model` object (a CausalModel and Target for a target, a Draft for a draft), the text
@@ -141,6 +143,47 @@ class SpeculativeBatchedModel(BatchedModel, Protocol):
     def sequence_target(self, seq: int) -> Target: ...
 
     def cost(self, n_rows: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """A copy of one sequence's state after `pos` committed tokens, split by how it can be reused.
+
+    `recurrent`: fixed-size tensors that summarize every position (K3: each KDA layer's S and
+    conv window); valid only at exactly `pos`. `positional`: one tensor per position-indexed
+    cache, rows [0, pos) along dim 0 (K3: each MLA layer's latent kv and pe rows); row i depends
+    only on tokens [0, i], so the first p rows serve any sequence that shares those p tokens.
+    Empty when the copy was asked without them. Tensors live on the CPU."""
+
+    pos: int
+    recurrent: tuple[Tensor, ...]
+    positional: tuple[Tensor, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.recurrent, *self.positional))
+
+
+@runtime_checkable
+class SnapshotModel(BatchedModel, Protocol):
+    """A BatchedModel whose sequence states can be copied out and restored (a prompt cache).
+
+    `sequence_state(h, positional)` copies sequence h's committed state (pending verify rows
+    excluded); `load_sequence_state(h, recurrent, positional, pos)` replaces h's state with the
+    one at `pos`: the recurrent tensors taken at `pos` and the first `pos` rows of each
+    positional tensor. Shapes and dtypes that do not fit raise ValueError and leave h as it was.
+    `positional_row_bytes` is the bytes one position adds; `recurrent_bytes` one recurrent copy."""
+
+    def sequence_state(self, seq: int, positional: bool = True) -> SequenceState: ...
+
+    def load_sequence_state(self, seq: int, recurrent: Sequence[Tensor], positional: Sequence[Tensor],
+                            pos: int) -> None: ...
+
+    @property
+    def positional_row_bytes(self) -> int: ...
+
+    @property
+    def recurrent_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)

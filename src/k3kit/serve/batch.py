@@ -48,6 +48,7 @@ from k3kit.serve.batch_sequence import _Seq
 from k3kit.serve.batch_timing import PassTiming
 from k3kit.serve.batch_widths import COST_REFRESH as COST_REFRESH
 from k3kit.serve.batch_widths import REDRAFT_AFTER as REDRAFT_AFTER
+from k3kit.serve.prompt_cache import PromptCache
 from k3kit.serve.scheduler import (
     FinishEvent,
     GenerationRequest,
@@ -71,7 +72,7 @@ class BatchScheduler(Admission, PassBuilder):
                  invariant_rows: int | None = None, step_factory: StepFactory | None = None,
                  max_sequences: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  guard: DraftGuard | None = None, admit_settle: float = ADMIT_SETTLE,
-                 admit_max: float = ADMIT_MAX) -> None:
+                 admit_max: float = ADMIT_MAX, prompt_cache: PromptCache | None = None) -> None:
         """`max_batch`: rows per pass at most. `max_sequences`: sequences holding state at once
         (default max_batch).
         `prefill_chunk`: prompt rows per chunk (default max_batch; never more).
@@ -82,7 +83,9 @@ class BatchScheduler(Admission, PassBuilder):
         `clock`: seconds, what passes are timed with (tests give their own).
         `guard`: what decides where greedy sequences may draft (default: a DraftGuard).
         `admit_settle`, `admit_max`: seconds; the admission window of a worker woken from idle
-        (see k3kit.serve.batch_admission; 0 = start at once)."""
+        (see k3kit.serve.batch_admission; 0 = start at once).
+        `prompt_cache`: states kept between requests (k3kit.serve.prompt_cache; used when the
+        model is a SnapshotModel; see k3kit.serve.batch_cache)."""
         if max_batch < 1 or max_queue < 0 or (max_sequences is not None and max_sequences < 1):
             raise ValueError("max_batch and max_sequences must be >= 1 and max_queue >= 0")
         self.model, self.codec, self.loaded = model, codec, loaded
@@ -92,6 +95,7 @@ class BatchScheduler(Admission, PassBuilder):
             log.warning("this model cannot verify draft blocks in a shared pass: serving without the draft")
             step_factory = None
         self.step_factory = step_factory
+        self.prompt_cache = prompt_cache
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_sequences = max_sequences or max_batch
         self.prefill_chunk = min(prefill_chunk or max_batch, max_batch)
@@ -232,6 +236,10 @@ class BatchScheduler(Admission, PassBuilder):
         if not done:
             return
         for seq in done:
+            try:
+                self._store(seq)
+            except Exception:                   # the cache is an optimisation: never fail a request
+                log.exception("prompt cache: could not keep a finished sequence")
             dec, seq.dec = seq.dec, None
             release = getattr(getattr(dec, "draft", None), "release", None)
             if release is not None:

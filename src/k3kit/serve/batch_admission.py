@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 
 from k3kit.runtime.protocols import BatchedModel
+from k3kit.serve.batch_cache import PromptCaching
 from k3kit.serve.batch_sequence import _Seq
 from k3kit.serve.batch_widths import SpeculativeWidths
 from k3kit.serve.serial import StepFactory
@@ -40,7 +41,7 @@ PLAIN_FROM = 6           # sequences active from which a greedy request may be a
 RECENT_S = 0.25          # s a pass's sequence count stays the load requests are admitted under
 
 
-class Admission(SpeculativeWidths):
+class Admission(SpeculativeWidths, PromptCaching):
     """The admitting half of a BatchScheduler's worker: the admission window (_settle), taking
     waiting requests in (_admit), the load they are admitted under (_recent_load, _note_load) and
     whether each speculates (_speculates)."""
@@ -79,6 +80,7 @@ class Admission(SpeculativeWidths):
                     self._budgeted = seq.dec.schedule.budget is not None
                 else:
                     self._stats.plain_sequences += 1
+            self._restore(seq)
 
     def _recent_load(self) -> int:
         """The most sequences a pass held within the last RECENT_S seconds (0: none ran): the load a

@@ -25,12 +25,13 @@ import threading
 from collections.abc import Callable
 
 from k3kit.runtime.protocols import BatchedModel, VerifyOutput
+from k3kit.serve.batch_cache import PromptCaching
 from k3kit.serve.batch_sequence import _Seq
 from k3kit.serve.batch_widths import SpeculativeWidths
 from k3kit.serve.serial import StepFactory
 
 
-class PassBuilder(SpeculativeWidths):
+class PassBuilder(SpeculativeWidths, PromptCaching):
     """The pass half of a BatchScheduler's worker: one pass's plan and its run."""
 
     model: BatchedModel
@@ -45,7 +46,7 @@ class PassBuilder(SpeculativeWidths):
 
     def _plan(self) -> list[tuple[_Seq, list[int]]]:
         """This pass's (sequence, rows); see the module docstring for the rules."""
-        decoders = [s for s in self._active if s.decoding]
+        decoders = [s for s in self._active if s.decoding and not s.out.done]
         prefill = [s for s in self._active if not s.decoding]
         big = [s for s in prefill if len(s.next_rows(self.prefill_chunk)) > self.limit]
         if big and (not decoders or not self._last_exclusive):
@@ -113,9 +114,10 @@ class PassBuilder(SpeculativeWidths):
                         raise ValueError("verify_batch returned no tap features for a captured chunk")
                     s.dec.ring.append(out.taps)
                     s.dec.stats.prefill_rows += len(r)
+                self._prefill_point(s, out.logits[-1])
                 if not s.decoding:
                     continue                      # a middle chunk: no token yet
-                prompts_done += len(s.prompt)
+                prompts_done += len(s.prompt) - s.out.cached_tokens
                 row = out.logits[-1]
                 s.out.push(s.sampler(row), row)
             elif s.dec is not None:

@@ -33,6 +33,9 @@ class _Seq:
         self.sampler = Sampler(self.request.sampling)
         self.finish: list[Event] = []             # the FinishEvent, held until the state is freed
         self.out = SequenceOutput(self.request, codec, stop_ids, self._post)
+        self.interval: int | None = None          # prompt-cache point spacing (None: not cached)
+        self.points: list[Any] = []               # prompt_cache.Point copies taken while prefilling
+        self.base: str | None = None              # the cache entry it was restored from
 
     def _post(self, ev: Event) -> None:
         if isinstance(ev, FinishEvent):
@@ -52,4 +55,11 @@ class _Seq:
         return self.fed >= len(self.prompt)
 
     def next_rows(self, chunk: int) -> list[int]:
-        return [self.out.last] if self.decoding else self.prompt[self.fed:self.fed + chunk]
+        """The rows of its next pass: the last token, or the next prompt chunk (which ends on the
+        prompt cache's next point, where there is one)."""
+        if self.decoding:
+            return [self.out.last]
+        end = self.fed + chunk
+        if self.interval is not None:
+            end = min(end, (self.fed // self.interval + 1) * self.interval)
+        return self.prompt[self.fed:end]

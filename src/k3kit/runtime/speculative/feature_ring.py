@@ -90,6 +90,31 @@ class FeatureRing:
             return q8_decode(self._buf[idx], self._scale[idx])
         return self._buf[idx].to(torch.float32, copy=True)     # never a view the ring overwrites
 
+    def export(self, begin: int, end: int) -> tuple[Tensor, Tensor | None]:
+        """Rows [begin, end) as stored (a copy; with "q8" also their scales): what `restore` takes
+        back bit for bit."""
+        if not self.start <= begin <= end <= self.length:
+            raise IndexError(f"feature rows [{begin}, {end}) not held (window [{self.start}, {self.length}))")
+        idx = torch.arange(begin, end) % self.capacity
+        return self._buf[idx].clone(), None if self._scale is None else self._scale[idx].clone()
+
+    def restore(self, begin: int, data: Tensor, scale: Tensor | None) -> None:
+        """Make the ring hold exactly `export`'s rows for positions [begin, begin + len(data)) and
+        nothing else (a sequence restored from a saved state at that end)."""
+        n = data.shape[0]
+        if data.dim() != 2 or data.shape[1] != self.width or data.dtype != self._buf.dtype \
+                or (scale is None) != (self._scale is None) or (scale is not None and scale.shape != (n,)):
+            raise ValueError(f"saved feature rows {tuple(data.shape)} {data.dtype} do not fit this ring "
+                             f"({self.width} wide, {self.storage})")
+        if n > self.capacity or begin < 0:
+            raise ValueError(f"{n} saved feature rows do not fit a ring of {self.capacity}")
+        idx = torch.arange(begin, begin + n) % self.capacity
+        self._buf[idx] = data
+        if self._scale is not None and scale is not None:
+            self._scale[idx] = scale
+        self.start, self.length = begin, begin + n
+        self.version += 1
+
     def truncate(self, length: int) -> None:
         """Forget positions >= length (a rollback of committed state)."""
         if not 0 <= length <= self.length:

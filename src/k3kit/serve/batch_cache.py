@@ -1,0 +1,112 @@
+"""The batching scheduler's use of the prompt cache (k3kit.serve.prompt_cache): restoring a newly
+admitted sequence from the deepest saved point its prompt shares, taking recurrent copies while a
+prompt is prefilled, and keeping what a finished request ran.
+
+* Admission (`_restore`): after the sequence state is opened (and its decoder, if it drafts,
+  made), the cache is asked for the prompt; a hit loads the saved state, the decoder's ring rows,
+  and marks those prompt tokens as fed. A hit at the prompt's very end samples the first token
+  from the saved logits: no row runs.
+* Prefill (`_prefill_point`): a prompt is cut at every `interval`-th position (the chunks end
+  there) and at its end; after each such chunk the recurrent state is copied with the last row's
+  logits. Cutting changes no bit on a model whose rows do not depend on how a prompt is split
+  into passes (K3 on the CPU in the ggml arithmetic: tested).
+* Retirement (`_store`): the tokens the sequence ran (prompt + completion, less the last
+  sampled token, which never ran), its positional rows, its points plus one at its end, and its
+  ring rows go into the cache. A drafting sequence that stopped in the middle of an accepted
+  block has committed tokens past the ones it reported; its end point is then not kept (its
+  recurrent state is past them), the points inside the prompt are.
+Requests with `cache_prompt: false` neither read nor add to it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import Tensor
+
+from k3kit.runtime.protocols import BatchedModel, SnapshotModel
+from k3kit.serve.batch_sequence import _Seq
+from k3kit.serve.prompt_cache import Point, PromptCache, RingRows
+
+log = logging.getLogger("k3kit.serve")
+
+
+class PromptCaching:
+    """The prompt-cache half of a BatchScheduler's worker."""
+
+    model: BatchedModel
+    prompt_cache: PromptCache | None
+
+    @property
+    def _snapshots(self) -> SnapshotModel | None:
+        m = self.model
+        return m if self.prompt_cache is not None and isinstance(m, SnapshotModel) else None
+
+    def _restore(self, seq: _Seq) -> None:
+        """Restore `seq` (just opened) from the cache's deepest point for its prompt, if any."""
+        model, pc = self._snapshots, self.prompt_cache
+        if model is None or pc is None or not seq.request.cache_prompt:
+            return
+        seq.interval = pc.interval
+        ring = seq.dec.ring if seq.dec is not None else None
+        hit = pc.lookup(seq.prompt, None if ring is None else ring.capacity,
+                        None if ring is None else ring.storage)
+        if hit is None:
+            return
+        try:
+            model.load_sequence_state(seq.opened, hit.recurrent, hit.positional, hit.pos)
+            if ring is not None:
+                if hit.ring is None:
+                    raise ValueError("no feature rows for the draft")
+                ring.restore(hit.ring.start, hit.ring.data, hit.ring.scale)
+        except ValueError as e:          # a saved state this model cannot take: run the prompt
+            log.warning("prompt cache: cannot restore a saved state: %s", e)
+            self._reopen(seq)
+            return
+        seq.fed = hit.pos
+        seq.base = hit.key
+        seq.out.cached_tokens = hit.pos
+        if hit.pos == len(seq.prompt):   # the whole prompt: its last row's logits were kept
+            assert hit.logits is not None
+            seq.out.push(seq.sampler(hit.logits), hit.logits)
+
+    def _reopen(self, seq: _Seq) -> None:
+        """A fresh state for `seq` after a restore failed half-way."""
+        self.model.close_sequence(seq.opened)
+        seq.handle = self.model.open_sequence()
+        if seq.dec is not None:
+            seq.dec.ring.truncate(0)
+
+    def _prefill_point(self, seq: _Seq, logits_row: Tensor) -> None:
+        """After a prefill chunk: copy the recurrent state where the chunk ended on a point."""
+        model = self._snapshots
+        if model is None or seq.interval is None:
+            return
+        if seq.fed % seq.interval and seq.fed != len(seq.prompt):
+            return
+        st = model.sequence_state(seq.opened, positional=False)
+        seq.points.append(Point(seq.fed, st.recurrent, logits_row.detach().to("cpu", copy=True)))
+
+    def _store(self, seq: _Seq) -> None:
+        """Keep what the finished `seq` ran (before its state is closed)."""
+        model, pc = self._snapshots, self.prompt_cache
+        if model is None or pc is None or seq.interval is None or seq.handle is None:
+            return
+        if seq.out.finish_reason == "error":
+            return
+        st = model.sequence_state(seq.handle)
+        known = seq.prompt + seq.out.tokens
+        points = list(seq.points)
+        n = st.pos
+        if n <= len(known):
+            points.append(Point(n, st.recurrent))
+        else:                            # committed past the reported tokens (a draft block's tail)
+            n = len(known)
+        ring = None
+        if seq.dec is not None:
+            r = seq.dec.ring
+            end = min(r.length, n)
+            if r.start < end:
+                data, scale = r.export(r.start, end)
+                ring = RingRows(r.start, data, scale, r.storage)
+        pc.insert(known[:n], st.positional, points, ring, base=seq.base)

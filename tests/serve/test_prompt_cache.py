@@ -1,0 +1,149 @@
+"""The prompt cache in the batching scheduler: multi-turn conversations on the shipped mini give the
+same tokens with the cache as without it (greedy and seeded sampling, AR and DSpark, one
+conversation at a time and twenty together), while later turns restore most of their prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3kit.runtime.sampling import Sampling
+from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.prompt_cache import PromptCache, default_interval
+from k3kit.serve.scheduler import GenerationRequest
+
+from scheduling import serve_and_close, serve_together
+
+SYSTEM = ("You are a careful Python assistant. Answer with code from the standard library only, "
+          "explain nothing, keep every answer short. ") * 6
+ASKS = ["import os", "def read_config(path):", "class Cache:", "for line in open(path):",
+        "try:\n    import json", "with open(path) as f:", "def main():", "import sys",
+        "if __name__ == '__main__':", "def walk(top):"]
+
+
+def _prompt(codec, messages):
+    return codec.encode(codec.chat.render(messages, add_generation_prompt=True))
+
+
+def _sampling(i: int, sampled: bool) -> Sampling:
+    return Sampling(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else Sampling()
+
+
+def converse(session, make_sched, n_conv: int, turns: int, *, sampled: bool, together: bool,
+             max_tokens: int = 12):
+    """Run `n_conv` conversations of `turns` turns; -> (tokens per conversation per turn, the
+    cached prompt tokens per turn, the prompt lengths per turn, the scheduler). One scheduler
+    serves every turn."""
+    codec = session.codec
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASKS[i % len(ASKS)]}]
+             for i in range(n_conv)]
+    out: list[list[list[int]]] = [[] for _ in range(n_conv)]
+    cached: list[list[int]] = []
+    lengths: list[list[int]] = []
+    sched = make_sched()
+    try:
+        for t in range(turns):
+            reqs = [GenerationRequest(tuple(_prompt(codec, c)), max_tokens, _sampling(i * 10 + t, sampled))
+                    for i, c in enumerate(convs)]
+            if together:
+                got = serve_together(sched, reqs)
+            else:
+                got = [serve_together(sched, [r])[0] for r in reqs]
+            cached.append([sched.last_cached.get(r.id, 0) for r in reqs])
+            lengths.append([len(r.prompt_ids) for r in reqs])
+            for i, toks in enumerate(got):
+                out[i].append(toks)
+                reply = codec.decode_bytes([x for x in toks if x not in codec.stop_ids()]).decode(errors="replace")
+                convs[i] += [{"role": "assistant", "content": reply},
+                             {"role": "user", "content": ASKS[(i + t + 1) % len(ASKS)]}]
+    finally:
+        sched.close()
+    return out, cached, lengths, sched
+
+
+class _Recording(BatchScheduler):
+    """A BatchScheduler that remembers each request's cached prompt tokens (from its FinishEvent)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.last_cached: dict[str, int] = {}
+
+    def _retire(self, done):
+        for seq in done:
+            self.last_cached[seq.request.id] = seq.out.cached_tokens
+        super()._retire(done)
+
+
+def _cache(session, mib: float = 256) -> PromptCache:
+    m = session.model
+    return PromptCache(int(mib * (1 << 20)), default_interval(m.recurrent_bytes, m.positional_row_bytes))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
+def test_ar_cache_changes_no_token(spec_session, sampled, together):
+    n = 20 if together else 4
+    kw = dict(max_batch=64, max_queue=32)
+    cold, cold_cached, _, _ = converse(spec_session, lambda: _Recording(spec_session.model, spec_session.codec, **kw),
+                                    n, 3, sampled=sampled, together=together)
+    warm, warm_cached, lengths, sched = converse(
+        spec_session, lambda: _Recording(spec_session.model, spec_session.codec, prompt_cache=_cache(spec_session),
+                                         **kw), n, 3, sampled=sampled, together=together)
+    assert warm == cold
+    assert all(c == 0 for turn in cold_cached for c in turn)
+    assert all(c == 0 for c in warm_cached[0]) or together is False   # first turn: nothing to reuse yet
+    for t in range(1, len(warm_cached)):         # later turns restore at least the previous prompt
+        assert all(c >= prev for c, prev in zip(warm_cached[t], lengths[t - 1], strict=True)), \
+            (warm_cached[t], lengths[t - 1])
+    st = sched.prompt_cache.stats()
+    assert st["hits"] >= 2 * n and st["cached_tokens"] == sum(map(sum, warm_cached))
+
+
+@pytest.mark.parametrize(("sampled", "together"), [(False, True), (True, False)],
+                         ids=["greedy-batched", "seeded-alone"])
+def test_dspark_cache_changes_no_token(spec_session, spec_factory, sampled, together):
+    """Seeded DSpark in shared passes is left out: its proposals come from one draft forward over
+    the sequences drafting together, and a restored sequence starts drafting passes earlier than
+    a cold one, so the draws differ (greedy's do not: the argmax survives the last bits)."""
+    kw = dict(max_batch=64, max_queue=32, step_factory=spec_factory)
+    n = 6 if together else 3
+    cold, _, _, _ = converse(spec_session, lambda: _Recording(spec_session.model, spec_session.codec, **kw),
+                             n, 3, sampled=sampled, together=together)
+    warm, cached, lengths, _ = converse(
+        spec_session, lambda: _Recording(spec_session.model, spec_session.codec, prompt_cache=_cache(spec_session),
+                                         **kw), n, 3, sampled=sampled, together=together)
+    assert warm == cold
+    for t in range(1, len(cached)):
+        assert all(c >= prev for c, prev in zip(cached[t], lengths[t - 1], strict=True)), (cached[t], lengths[t - 1])
+
+
+def test_resent_prompt_runs_no_row_and_cache_prompt_false_opts_out(spec_session):
+    codec, model = spec_session.codec, spec_session.model
+    prompt = tuple(_prompt(codec, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "import os"}]))
+    sched = _Recording(model, codec, max_batch=64, prompt_cache=_cache(spec_session))
+    a = GenerationRequest(prompt, 8, Sampling())
+    b = GenerationRequest(prompt, 8, Sampling())
+    c = GenerationRequest(prompt, 8, Sampling(), cache_prompt=False)
+    first = serve_together(sched, [a])[0]
+    before = sched.stats().prompt_tokens
+    second = serve_together(sched, [b])[0]
+    assert second == first
+    assert sched.last_cached[b.id] == len(prompt)
+    assert sched.stats().prompt_tokens == before          # no prompt row ran
+    third, _ = serve_and_close(sched, [c])
+    assert third[0] == first and sched.last_cached[c.id] == 0
+
+
+def test_budget_evicts_least_recently_used(spec_session):
+    codec, model = spec_session.codec, spec_session.model
+    prompts = [tuple(codec.encode(ASKS[i] * 20)) for i in range(4)]
+    one = model.positional_row_bytes * len(prompts[0]) + 3 * model.recurrent_bytes
+    pc = PromptCache(int(2.5 * one), 256)
+    sched = _Recording(model, codec, max_batch=64, prompt_cache=pc)
+    try:
+        for p in prompts:
+            serve_together(sched, [GenerationRequest(p, 2, Sampling())])
+    finally:
+        sched.close()
+    st = pc.stats()
+    assert st["evictions"] >= 1 and st["ram_bytes"] <= pc.budget
+    assert 1 <= st["entries"] <= 3
