@@ -38,6 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context per sequence, prompt + completion (default: the model's)")
     parser.add_argument("--max-body-mib", type=float, default=8.0, metavar="M",
                         help="largest request body, MiB (8); larger is answered 413")
+    parser.add_argument("--prompt-cache-mib", type=float, default=None, metavar="M",
+                        help="RAM for the prompt cache: saved states of earlier requests, reused by "
+                             "longest common prefix (default: a quarter of free RAM, at most 8 GiB; 0 = off)")
+    parser.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                        help="also keep prompt-cache entries in DIR: evicted ones and, at shutdown, all; "
+                             "found again after a restart")
+    parser.add_argument("--prompt-cache-disk-mib", type=float, default=16384.0, metavar="M",
+                        help="bytes --prompt-cache-dir may hold, MiB (16384; 0 = no limit)")
+    parser.add_argument("--prompt-cache-interval", type=int, default=None, metavar="N",
+                        help="tokens between saved recurrent states inside a prompt (default: from "
+                             "the state size; the ends of prompts and of requests are always saved)")
     add_model_arguments(parser)
     add_draft_arguments(parser)
 
@@ -54,6 +65,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--ctx {args.ctx}: must be >= 1")
     if not args.max_body_mib > 0:
         raise K3Error(f"--max-body-mib {args.max_body_mib}: must be > 0")
+    if args.prompt_cache_mib is not None and not args.prompt_cache_mib >= 0:
+        raise K3Error(f"--prompt-cache-mib {args.prompt_cache_mib}: must be >= 0")
+    if not args.prompt_cache_disk_mib >= 0:
+        raise K3Error(f"--prompt-cache-disk-mib {args.prompt_cache_disk_mib}: must be >= 0")
+    if args.prompt_cache_interval is not None and args.prompt_cache_interval < 1:
+        raise K3Error(f"--prompt-cache-interval {args.prompt_cache_interval}: must be >= 1")
+    if args.prompt_cache_dir is not None:
+        d = Path(args.prompt_cache_dir)
+        if d.exists() and not d.is_dir():
+            raise K3Error(f"--prompt-cache-dir {d}: not a directory")
     if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
 
@@ -111,5 +132,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = ServeConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                          max_sequences=args.max_sequences, max_queue=args.max_queue, ctx=args.ctx,
-                         max_body_bytes=int(args.max_body_mib * (1 << 20)))
+                         max_body_bytes=int(args.max_body_mib * (1 << 20)),
+                         prompt_cache_mib=args.prompt_cache_mib, prompt_cache_dir=args.prompt_cache_dir,
+                         prompt_cache_disk_mib=args.prompt_cache_disk_mib,
+                         prompt_cache_interval=args.prompt_cache_interval)
     return serve(path, load, config)

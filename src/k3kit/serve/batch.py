@@ -169,7 +169,8 @@ class BatchScheduler(Admission, PassBuilder):
     def stats(self) -> SchedulerStats:
         with self._cv:
             return replace(self._stats, active=self.model.sequences, queued=len(self._queue),
-                           requests=dict(self._stats.requests))
+                           requests=dict(self._stats.requests),
+                           prompt_cache=self.prompt_cache.stats() if self.prompt_cache is not None else {})
 
     def close(self, timeout: float = 30.0) -> None:
         with self._cv:

@@ -74,6 +74,22 @@ class SchedulerCollector(Collector):
                     derived["speculative_committed_per_pass"])
         yield gauge("speculative_acceptance", "accepted / verified draft proposals since start",
                     derived["speculative_acceptance"])
+        pc = s.prompt_cache
+        if pc:
+            for name, doc in (("hits", "requests restored from a saved state"),
+                              ("misses", "requests the prompt cache had nothing for"),
+                              ("cached_tokens", "prompt tokens restored instead of run"),
+                              ("evictions", "entries dropped from RAM for the budget"),
+                              ("disk_hits", "restores read from --prompt-cache-dir"),
+                              ("disk_writes", "entries written to --prompt-cache-dir"),
+                              ("disk_skipped", "cache files skipped: corrupt, foreign or truncated")):
+                yield counter(f"prompt_cache_{name}", doc, pc.get(name, 0))
+            for name, doc in (("entries", "entries held in RAM"),
+                              ("ram_bytes", "bytes the entries in RAM hold"),
+                              ("snapshot_bytes", "of which recurrent-state copies"),
+                              ("disk_entries", "entries in --prompt-cache-dir"),
+                              ("disk_bytes", "bytes of the entries in --prompt-cache-dir")):
+                yield gauge(f"prompt_cache_{name}", doc, pc.get(name, 0))
 
 
 def metrics_page(stats: Callable[[], SchedulerStats | None]) -> Callable[[], tuple[bytes, str]]:

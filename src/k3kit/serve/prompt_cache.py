@@ -60,6 +60,29 @@ def default_budget(available: int) -> int:
     return min(DEFAULT_BUDGET_CAP, max(0, available) // 4)
 
 
+FORMAT = "k3kit-prompt-cache-1"
+HEAD_BYTES = 8 << 20      # of each model file hashed into its identity (GGUF metadata and tensor table)
+
+
+def identity(model: str | Path, draft: str | Path | None = None, dtype: object = None,
+             arith: object = None) -> str:
+    """What a saved state is valid for: the model file (its size and first HEAD_BYTES: every KV
+    and tensor offset), the draft's (its taps fill the ring), the compute dtype and arithmetic,
+    and this format. A file written under another identity is never used."""
+    parts = [FORMAT, str(dtype), str(arith)]
+    for path in (model, draft):
+        if path is None:
+            parts.append("-")
+            continue
+        h = hashlib.sha256()
+        p = Path(path)
+        h.update(str(p.stat().st_size).encode())
+        with open(p, "rb") as f:
+            h.update(f.read(HEAD_BYTES))
+        parts.append(h.hexdigest())
+    return "/".join(parts)
+
+
 def _nbytes(ts: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -194,20 +217,25 @@ class PromptCache:
         `ring_storage`), None when it does not."""
         p = np.asarray(prompt, dtype=np.int64)
         with self._lock:
+            e: Entry | None = None
             while True:
                 pos, key, on_disk = self._best(p, window, ring_storage)
-                if not (pos and on_disk):
+                if not pos:
+                    break
+                if not on_disk:
+                    e = self.entries[key]
                     break
                 assert self.disk is not None
-                entry = self.disk.load(key)        # None: corrupt, skipped and dropped; look again
-                if entry is not None:
+                e = self.disk.load(key)            # None: corrupt, skipped and dropped; look again
+                if e is not None:
                     self.counters.disk_hits += 1
-                    self._keep(entry)
+                    if e.nbytes <= self.budget:    # else served from the file each time
+                        self.entries[key] = e
+                        self._trim()
                     break
-            if not pos or key not in self.entries:
+            if e is None:
                 self.counters.misses += 1
                 return None
-            e = self.entries[key]
             e.used = time.monotonic()
             pt = e.points[pos]
             ring_rows = None
@@ -264,6 +292,8 @@ class PromptCache:
             for key, e in list(self.entries.items()):
                 c = common_prefix(e.tokens, toks)
                 if c == n and len(e.tokens) >= n:      # already held by a longer (or equal) entry
+                    if not pts.keys() <= e.points.keys():
+                        e.disk = None                  # its file lacks the new points: write it again
                     for q, pt in pts.items():
                         e.points.setdefault(q, pt)
                     e.ring = e.ring if e.ring is not None else ring

@@ -124,6 +124,7 @@ class SchedulerStats:
     decode_passes: int = 0                # target passes with at least one decoding sequence
     drafted_passes: int = 0               # of which ran a draft step first
     plain_sequences: int = 0              # greedy requests served without their draft (where it cannot pay)
+    prompt_cache: dict[str, int] = field(default_factory=dict)   # PromptCache.stats(); empty: no cache
 
 
 class Scheduler(Protocol):

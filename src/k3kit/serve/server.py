@@ -24,10 +24,12 @@ from typing import Any
 from k3kit.adapters.session import Session
 from k3kit.errors import K3Error
 from k3kit.gguf.shards import Model
-from k3kit.runtime.protocols import BatchedModel
+from k3kit.plan.expert_io import mem_available
+from k3kit.runtime.protocols import BatchedModel, SnapshotModel
 from k3kit.serve.app import DEFAULT_MAX_BODY, ServerState, build_app
 from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.metrics import metrics_page
+from k3kit.serve.prompt_cache import PromptCache, default_budget, default_interval, identity
 from k3kit.serve.scheduler import Scheduler, SchedulerStats
 from k3kit.serve.serial import SerialScheduler, StepFactory
 
@@ -48,6 +50,10 @@ class ServeConfig:
     ctx: int | None = None          # None: the model's context length
     max_body_bytes: int = DEFAULT_MAX_BODY
     graceful_seconds: float = 5.0
+    prompt_cache_mib: float | None = None    # None: a share of free RAM (prompt_cache.default_budget); 0: off
+    prompt_cache_dir: str | None = None      # spill evicted entries there and keep them across restarts
+    prompt_cache_disk_mib: float = 16384.0   # bytes the directory may hold (0: no limit)
+    prompt_cache_interval: int | None = None  # tokens between recurrent copies (None: from the state size)
 
 
 def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
@@ -57,9 +63,33 @@ def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfi
     if isinstance(model, BatchedModel):
         return BatchScheduler(model, session.codec, loaded=session.target, max_batch=config.max_batch,
                               max_queue=config.max_queue, step_factory=step,
-                              max_sequences=config.max_sequences)
+                              max_sequences=config.max_sequences,
+                              prompt_cache=prompt_cache_for(session, config))
     return SerialScheduler(model, session.codec, loaded=session.target, step_factory=step,
                            max_queue=config.max_queue, prefill_chunk=config.max_batch)
+
+
+def prompt_cache_for(session: Session, config: ServeConfig) -> PromptCache | None:
+    """The prompt cache `config` asks for (None: off, or a model whose states cannot be copied)."""
+    model = session.model
+    if config.prompt_cache_mib == 0:
+        return None
+    if not isinstance(model, SnapshotModel):
+        log.info("prompt cache: this model's sequence states cannot be saved; serving without it")
+        return None
+    budget = (default_budget(mem_available()) if config.prompt_cache_mib is None
+              else int(config.prompt_cache_mib * (1 << 20)))
+    interval = (config.prompt_cache_interval
+                or default_interval(model.recurrent_bytes, model.positional_row_bytes))
+    ident = identity(session.target.path, session.draft.path if session.draft is not None else None,
+                     getattr(model, "dtype", None), getattr(getattr(model, "options", None), "arith", None))
+    cache = PromptCache(budget, interval, directory=config.prompt_cache_dir,
+                        disk_budget=int(config.prompt_cache_disk_mib * (1 << 20)), identity=ident)
+    where = f", spilling to {config.prompt_cache_dir}" if config.prompt_cache_dir else ""
+    disk = f" ({len(cache.disk.index)} entries found there)" if cache.disk is not None else ""
+    log.info("prompt cache: %.0f MiB of RAM, a recurrent copy every %d tokens%s%s",
+             budget / (1 << 20), interval, where, disk)
+    return cache
 
 
 def model_id(path: str | os.PathLike[str]) -> str:
@@ -169,6 +199,9 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
         sched = holder.get("scheduler")
         if sched is not None:
             sched.close()
+            cache = getattr(sched, "prompt_cache", None)
+            if cache is not None and cache.disk is not None:
+                log.info("prompt cache: %d entries written to %s", cache.flush(), cache.disk.dir)
         session = holder.get("session")
         if session is not None:
             session.close()
