@@ -1,0 +1,164 @@
+"""An agent workload with and without the prompt cache: time to first token and expert payload per turn.
+
+    python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--turns 8]
+        [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--plot PNG] [--json]
+
+Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
+instructions, text of the standard library), then `--turns` turns, each adding a user message of
+about `--tool-tokens` tokens (a tool's output) and the model's reply (up to `--reply-tokens`,
+greedy). The conversations of one row run together through one BatchScheduler (continuous
+batching, in process, no HTTP: what is measured is the scheduler and the model). The same
+workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget), alternating;
+the table gives per turn the median TTFT over the conversations, the ratio off/on, the prompt
+tokens restored and the expert bytes read from the file (the store's ledger) during the turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from k3kit.adapters.session import open_session
+from k3kit.mini.paths import shipped_draft, shipped_gguf
+from k3kit.runtime.loader import LoadOptions
+from k3kit.runtime.sampling import Sampling
+from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.prompt_cache import PromptCache, default_interval
+from k3kit.serve.scheduler import FinishEvent, GenerationRequest, TokenEvent
+
+SOURCES = ["json/__init__.py", "argparse.py", "pathlib.py", "textwrap.py", "shutil.py", "logging/__init__.py"]
+
+
+def stdlib_text() -> str:
+    import sysconfig
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return "\n".join((lib / s).read_text(errors="replace") for s in SOURCES if (lib / s).exists())
+
+
+def cut(codec, text: str, tokens: int, start: int = 0) -> str:
+    ids = codec.encode(text[start:start + 8 * tokens], add_bos=False)[:tokens]
+    return codec.decode_bytes(ids).decode(errors="replace")
+
+
+def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str) -> list[dict]:
+    codec = session.codec
+    sched = BatchScheduler(session.model, codec, loaded=session.target, max_batch=256, max_queue=64,
+                           prompt_cache=cache, step_factory=args.step)
+    system = cut(codec, text, args.system_tokens)
+    convs = [[{"role": "system", "content": system}] for _ in range(n_conv)]
+    rows = []
+    try:
+        for t in range(args.turns):
+            for i, c in enumerate(convs):
+                c.append({"role": "user", "content": cut(codec, text, args.tool_tokens,
+                                                         start=(1 + t * n_conv + i) * 4000)})
+            reqs = [GenerationRequest(tuple(codec.encode(codec.chat.render(c, add_generation_prompt=True))),
+                                      args.reply_tokens, Sampling()) for c in convs]
+            before = session.target.stats().bytes_read
+            ttft, cached, replies = asyncio.run(_serve(sched, reqs))
+            rows.append({"turn": t + 1, "prompt_tokens": statistics.median(len(r.prompt_ids) for r in reqs),
+                         "ttft_s": statistics.median(ttft), "cached_tokens": statistics.median(cached),
+                         "expert_bytes": session.target.stats().bytes_read - before})
+            for c, reply in zip(convs, replies, strict=True):
+                c.append({"role": "assistant", "content": reply})
+    finally:
+        sched.close()
+    return rows
+
+
+async def _serve(sched, reqs):
+    t0 = time.perf_counter()
+    with sched._cv:
+        streams = [sched.submit(r) for r in reqs]
+
+    async def one(stream):
+        first, cached, toks = None, 0, []
+        async for ev in stream:
+            if isinstance(ev, TokenEvent):
+                first = first if first is not None else time.perf_counter() - t0
+                toks.append(ev.text)
+            elif isinstance(ev, FinishEvent):
+                cached = ev.cached_tokens
+        return first or 0.0, cached, "".join(toks)
+    out = await asyncio.gather(*[one(s) for s in streams])
+    return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", action="store_true", help="serve with the shipped drafter (DSpark)")
+    ap.add_argument("--system-tokens", type=int, default=4000)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--tool-tokens", type=int, default=300)
+    ap.add_argument("--reply-tokens", type=int, default=100)
+    ap.add_argument("--conversations", default="1,8")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--plot", default=None, metavar="PNG")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model = args.model or str(shipped_gguf())
+    session = open_session(model, LoadOptions(), draft=shipped_draft() if args.draft else None)
+    args.step = None
+    if args.draft:
+        from k3kit.runtime.speculative import SpeculativeDecoder
+        stops = session.codec.stop_ids()
+        args.step = lambda target, sampler: SpeculativeDecoder(target, session.draft_model, sampler.sampling,
+                                                               sampler.generator, stop_ids=stops)
+    m = session.model
+    text = stdlib_text()
+    result = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+              "model": Path(model).name, "draft": args.draft, "rows": {}}
+    for n in [int(x) for x in args.conversations.split(",")]:
+        warm = argparse.Namespace(**{**vars(args), "turns": 1})
+        run_turns(session, None, warm, n, text)          # touch the weights and the expert cache first
+        off = run_turns(session, None, args, n, text)
+        on = run_turns(session, PromptCache(2 << 30, default_interval(m.recurrent_bytes, m.positional_row_bytes)),
+                       args, n, text)
+        result["rows"][n] = {"off": off, "on": on}
+        print(f"\n{n} conversation(s), {Path(model).name}{' + DSpark' if args.draft else ''}: median per turn")
+        print("| turn | prompt tokens | TTFT off (s) | TTFT on (s) | off/on | cached tokens | "
+              "expert MB off | expert MB on |")
+        print("|---|---|---|---|---|---|---|---|")
+        for a, b in zip(off, on, strict=True):
+            print(f"| {a['turn']} | {a['prompt_tokens']:.0f} | {a['ttft_s']:.3f} | {b['ttft_s']:.3f} | "
+                  f"{a['ttft_s'] / max(b['ttft_s'], 1e-9):.1f}x | {b['cached_tokens']:.0f} | "
+                  f"{a['expert_bytes'] / 1e6:.1f} | {b['expert_bytes'] / 1e6:.1f} |")
+        later = [a["ttft_s"] / max(b["ttft_s"], 1e-9) for a, b in zip(off[1:], on[1:], strict=True)]
+        if later:
+            print(f"turns 2-{args.turns}: TTFT off/on min {min(later):.1f}x, median {statistics.median(later):.1f}x")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for n, r in result["rows"].items():
+            for key, style in (("off", "--"), ("on", "-")):
+                ax.plot([x["turn"] for x in r[key]], [x["ttft_s"] for x in r[key]], style, marker="o",
+                        label=f"{n} conv., cache {key}")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT (s, median)")
+        ax.set_yscale("log")
+        ax.set_title(f"Prompt cache, agent workload ({Path(model).name})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+    if args.json:
+        print(json.dumps(result))
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
