@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context per sequence, prompt + completion (default: the model's)")
     parser.add_argument("--max-body-mib", type=float, default=8.0, metavar="M",
                         help="largest request body, MiB (8); larger is answered 413")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds the running requests get to finish (30) while "
+                        "new ones are answered 503; then streams end with an error event and [DONE], "
+                        "the rest with a 503, and the server exits (0). A second signal: no wait")
     add_model_arguments(parser)
     add_draft_arguments(parser)
 
@@ -54,6 +58,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--ctx {args.ctx}: must be >= 1")
     if not args.max_body_mib > 0:
         raise K3Error(f"--max-body-mib {args.max_body_mib}: must be > 0")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise K3Error(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0 seconds")
     if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
 
@@ -111,5 +117,6 @@ def run(args: argparse.Namespace) -> int:
 
     config = ServeConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                          max_sequences=args.max_sequences, max_queue=args.max_queue, ctx=args.ctx,
-                         max_body_bytes=int(args.max_body_mib * (1 << 20)))
+                         max_body_bytes=int(args.max_body_mib * (1 << 20)),
+                         shutdown_timeout=args.shutdown_timeout)
     return serve(path, load, config)
