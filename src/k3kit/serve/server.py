@@ -229,7 +229,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
             if uv.started or uv.should_exit:
                 break
             threading.Event().wait(0.01)
-        if uv.started:
+        if uv.started and not (uv.should_exit or state.draining):    # not once a signal came
             line = f"k3kit: serving {mid} on {url(config.host, port)}"
             if announce is not None:
                 announce(line)
