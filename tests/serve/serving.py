@@ -66,7 +66,7 @@ class Server:
                              f"stderr {self.stderr_text[-2000:]}")
 
     def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM: uvicorn finishes gracefully, then re-raises the signal (exit code -SIGTERM)."""
+        """SIGTERM: the server drains (see k3kit.serve.server) and exits 0; killed if it lingers."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -196,10 +196,12 @@ def test_access_log_one_line_per_request(server, codec):
     assert re.fullmatch(r'k3kit: 127\.0\.0\.1 "GET /health" 200 - \d+\.\d{3}s', lines[0]), lines[0]
     assert '"GET /v1/models" 401 - ' in lines[1]
     done = re.fullmatch(r'k3kit: 127\.0\.0\.1 "POST /v1/completions" 200 (cmpl-req-\d+) prompt=(\d+) '
-                        r'completion=4 ttft=\d+\.\d{3}s [\d.]+tok/s finish=length \d+\.\d{3}s', lines[2])
+                        r'cached=0 completion=4 ttft=\d+\.\d{3}s [\d.]+tok/s finish=length \d+\.\d{3}s',
+                        lines[2])
     assert done, lines[2]
     assert int(done.group(2)) == len(codec.encode("x"))
-    assert re.search(r'"POST /v1/chat/completions" 200 chatcmpl-req-\d+ prompt=\d+ completion=3 ttft=\S+ '
+    assert re.search(r'"POST /v1/chat/completions" 200 chatcmpl-req-\d+ prompt=\d+ cached=0 '
+                     r'completion=3 ttft=\S+ '
                      r'\S+tok/s finish=length', lines[3]), lines[3]
     assert '"POST /v1/completions" 400 - ' in lines[4] and "prompt=" not in lines[4]
 

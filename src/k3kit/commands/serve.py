@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-cache-interval", type=int, default=None, metavar="N",
                         help="tokens between saved recurrent states inside a prompt (default: from "
                              "the state size; the ends of prompts and of requests are always saved)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds the running requests get to finish (30) while "
+                        "new ones are answered 503; then streams end with an error event and [DONE], "
+                        "the rest with a 503, and the server exits (0). A second signal: no wait")
     add_model_arguments(parser)
     add_draft_arguments(parser)
 
@@ -75,6 +79,8 @@ def check_args(args: argparse.Namespace) -> None:
         d = Path(args.prompt_cache_dir)
         if d.exists() and not d.is_dir():
             raise K3Error(f"--prompt-cache-dir {d}: not a directory")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise K3Error(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0 seconds")
     if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
 
@@ -135,5 +141,6 @@ def run(args: argparse.Namespace) -> int:
                          max_body_bytes=int(args.max_body_mib * (1 << 20)),
                          prompt_cache_mib=args.prompt_cache_mib, prompt_cache_dir=args.prompt_cache_dir,
                          prompt_cache_disk_mib=args.prompt_cache_disk_mib,
-                         prompt_cache_interval=args.prompt_cache_interval)
+                         prompt_cache_interval=args.prompt_cache_interval,
+                         shutdown_timeout=args.shutdown_timeout)
     return serve(path, load, config)

@@ -6,10 +6,13 @@ the generation routes fill in what only they know (the completion id, token coun
 the first token, the finish reason), and the line is written once the last body byte went out
 (a stream's `[DONE]`) or the client left. Example:
 
-    k3kit: 127.0.0.1 "POST /v1/chat/completions" 200 chatcmpl-req-7 prompt=23 completion=64
+    k3kit: 127.0.0.1 "POST /v1/chat/completions" 200 chatcmpl-req-7 prompt=23 cached=16 completion=64
            ttft=0.081s 35.2tok/s finish=stop 1.930s
 
-(one line). Fields that do not apply are left out; the request id is "-" outside generation.
+(one line): the request id, prompt tokens, of which `cached` came from the prompt cache, tokens
+generated, the time to the first token, the decode speed the client saw and the finish reason
+(stop, length, cancelled, error, or shutdown: ended by the server's shutdown timeout). Fields
+that do not apply are left out; the request id is "-" outside generation.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class AccessRecord:
     status: int = 0
     request_id: str = "-"
     prompt_tokens: int | None = None
+    cached_tokens: int = 0               # of the prompt tokens, restored from the prompt cache
     completion_tokens: int | None = None
     first_token: float | None = None     # perf_counter() when the first generated token arrived
     end_of_tokens: float | None = None   # ... and when the last one did
@@ -47,9 +51,11 @@ class AccessRecord:
             self.first_token = now
         self.end_of_tokens = now
 
-    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int = 0) -> None:
         self.finish_reason = reason
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
+        self.cached_tokens = cached_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -68,7 +74,8 @@ class AccessRecord:
         elapsed = (time.perf_counter() if now is None else now) - self.start
         parts = [f'k3kit: {self.client} "{self.method} {self.path}" {self.status or "-"} {self.request_id}']
         if self.prompt_tokens is not None:
-            parts.append(f"prompt={self.prompt_tokens} completion={self.completion_tokens}")
+            parts.append(f"prompt={self.prompt_tokens} cached={self.cached_tokens} "
+                         f"completion={self.completion_tokens}")
         if self.ttft is not None:
             parts.append(f"ttft={self.ttft:.3f}s")
         if self.decode_tok_s is not None:

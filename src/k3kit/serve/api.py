@@ -6,9 +6,10 @@ Bodies are parsed by pydantic in STRICT mode: a field of the wrong JSON type is 
 clients send `user`, `metadata`, `store`... Fields k3kit cannot honour are refused when they ask
 for something (a non-zero penalty, tools, a JSON response format, n > 1) rather than silently
 ignored. One field is k3kit's own: `draft: false` asks for no speculative decoding (the server's
-`--draft` stays unused for that request). Values are then checked here (`APIError`, 400, with
-the offending `param`), and `generation_request` builds the scheduler's GenerationRequest,
-checking the context length.
+`--draft` stays unused for that request); one is llama-server's: `cache_prompt` (default true;
+false: the scheduler's prompt cache neither serves nor keeps this prompt). Values are then
+checked here (`APIError`, 400, with the offending `param`), and `generation_request` builds the
+scheduler's GenerationRequest, checking the context length.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class _Sampled(_Body):
     # k3kit's extension: false serves the request without the server's draft (--draft), as the
     # server without one would; absent or true lets the scheduler speculate where it pays
     draft: bool | None = None
+    # llama-server's: false keeps this request out of the prompt cache (neither reused nor stored)
+    cache_prompt: bool | None = None
 
 
 class ChatRequest(_Sampled):
@@ -260,4 +263,5 @@ def generation_request(body: _Sampled, prompt_ids: list[int], context_length: in
     sampling = make_sampling(temperature, 1.0 if body.top_p is None else float(body.top_p),
                              body.top_k or 0, seed)
     return GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
-                             stop=_stops(body), logprobs=_logprobs(body), draft=body.draft is not False)
+                             stop=_stops(body), logprobs=_logprobs(body), draft=body.draft is not False,
+                             cache_prompt=body.cache_prompt is not False)

@@ -22,6 +22,16 @@ scheduler's thread(s).
 
 A client that disconnects cancels its request: streamed responses are cancelled by Starlette
 when the disconnect arrives, non-streamed ones watch for it while they wait.
+
+Shutting down (`drain`, started by k3kit.serve.server on SIGTERM/SIGINT): the generation routes
+answer 503 `shutting_down` (and /health 503 {"status": "shutting_down"}) while the requests
+already running go on, up to a timeout; those still running then end at once: a stream with an
+error event and `data: [DONE]`, a non-streamed request with a 503 error, each cancelled in the
+scheduler. The listening socket stays open meanwhile, so a new client is told rather than refused.
+
+`usage.prompt_tokens_details.cached_tokens` is the FinishEvent's `cached_tokens` (prompt tokens
+the scheduler's prompt cache restored); llama-server's `cache_prompt: false` turns it off for a
+request.
 """
 
 from __future__ import annotations
@@ -30,8 +40,8 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +66,7 @@ from k3kit.serve.api import (
     generation_request,
 )
 from k3kit.serve.page import STATIC_PREFIX, Page, is_public
+from k3kit.serve.scheduler import Event as SchedulerEvent
 from k3kit.serve.scheduler import (
     FinishEvent,
     GenerationRequest,
@@ -72,6 +83,9 @@ from k3kit.tokenizer.codec import TextCodec
 
 PUBLIC_PATHS = frozenset({"/health"})
 DEFAULT_MAX_BODY = 8 << 20
+DRAIN_POLL = 0.05            # s between two looks at the running requests while draining
+ABORT_GRACE = 5.0            # s the ended responses get to go out (a client that stopped reading)
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -91,6 +105,9 @@ class ServerState:
     draft: bool = False                   # the scheduler may speculate (the page offers DSpark on/off)
     access_log: Callable[[str], None] | None = None           # one line per request (None: no log)
     history: History = field(default_factory=History)
+    draining: bool = False                # shutting down: the generation routes answer 503
+    running: set[str] = field(default_factory=set)            # ids of generation responses not ended yet
+    abort: asyncio.Event = field(default_factory=asyncio.Event)   # set: end every running response now
 
     def ready(self, scheduler: Scheduler, codec: TextCodec, context_length: int, draft: bool = False) -> None:
         """Called once the model is loaded (from any thread): the routes start serving."""
@@ -105,6 +122,65 @@ class ServerState:
     @property
     def loaded(self) -> bool:
         return self.scheduler is not None
+
+
+async def drain(state: ServerState, timeout: float, hurry: Callable[[], bool] = lambda: False) -> int:
+    """Stop taking generation requests, let the running ones finish for up to `timeout` seconds (or
+    until `hurry()` says not to wait any longer), then end those left (an error event and [DONE],
+    or a 503) and wait until their responses are over. Returns how many had to be ended. Runs on
+    the server's event loop."""
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, timeout)
+    while state.running and loop.time() < deadline and not hurry():
+        await asyncio.sleep(min(DRAIN_POLL, max(0.0, deadline - loop.time())))
+    ended = len(state.running)
+    if ended:
+        state.abort.set()
+        deadline = loop.time() + ABORT_GRACE
+        while state.running and loop.time() < deadline:   # each ends at its next await
+            await asyncio.sleep(0.01)
+    return ended
+
+
+async def _until(events: RequestStream, abort: asyncio.Event) -> AsyncGenerator[SchedulerEvent | None, None]:
+    """The stream's events up to its FinishEvent; one None, then the end, if `abort` is set first."""
+    stop = asyncio.ensure_future(abort.wait())
+    nxt: asyncio.Future[SchedulerEvent] | None = None
+    try:
+        while not abort.is_set():
+            nxt = asyncio.ensure_future(events.__anext__())
+            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                continue               # abort is set
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield ev
+            if isinstance(ev, FinishEvent):
+                return
+        yield None
+    finally:
+        for task in (stop, nxt):
+            if task is not None and not task.done():
+                task.cancel()
+
+
+class _Streamed(StreamingResponse):
+    """A streamed response that runs `ended` however it ends: sent, client gone, or never started
+    (the body generator's own `finally` does not run when it was never iterated)."""
+
+    def __init__(self, body: AsyncIterator[bytes], ended: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._ended = ended
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._ended()
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -234,9 +310,17 @@ def _legacy_logprobs(codec: TextCodec, lps: tuple[TokenLogprob, ...], offset: in
             "text_offset": offsets}
 
 
-def _usage(f: FinishEvent) -> dict[str, int]:
+def _usage(f: FinishEvent) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
     return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-            "total_tokens": f.prompt_tokens + f.completion_tokens}
+            "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
+
+
+def _cut_short() -> APIError:
+    """What a request still running when the shutdown timeout ran out is answered."""
+    return APIError(503, f"{SHUTTING_DOWN}: the request was still running when the shutdown timeout "
+                    "ran out", type="unavailable_error", code="shutting_down")
 
 
 def _finish_reason(f: FinishEvent) -> str:
@@ -287,6 +371,12 @@ def build_app(state: ServerState) -> ASGIApp:
             raise APIError(503, "the model is still loading", type="unavailable_error", code="model_loading")
         return state.scheduler, state.codec
 
+    def accepting() -> tuple[Scheduler, TextCodec]:
+        """The scheduler and codec for a new generation request (503 while loading or shutting down)."""
+        if state.draining:
+            raise APIError(503, SHUTTING_DOWN, type="unavailable_error", code="shutting_down")
+        return loaded()
+
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_id:
             raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_id!r})",
@@ -294,6 +384,8 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
         if not state.loaded:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -340,7 +432,7 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        scheduler, codec = loaded()
+        scheduler, codec = accepting()
         check_model(body.model)
         check_body(body)
         try:
@@ -353,7 +445,7 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        scheduler, codec = loaded()
+        scheduler, codec = accepting()
         check_model(body.model)
         check_body(body)
         prompt = completion_prompt(body)
@@ -375,6 +467,12 @@ def build_app(state: ServerState) -> ASGIApp:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except SchedulerClosed as e:
             raise APIError(503, str(e), type="unavailable_error", code="shutting_down") from None
+        state.running.add(gen.id)
+
+        async def ended() -> None:
+            state.running.discard(gen.id)
+            await events.aclose()        # not finished: the scheduler drops the sequence
+
         rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
         rec = record_of(request.scope)
         if rec is not None:
@@ -382,29 +480,36 @@ def build_app(state: ServerState) -> ASGIApp:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if stream:
-            return StreamingResponse(_stream(events, codec, rid, created, chat, include_usage, rec),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _Streamed(_stream(events, codec, rid, created, chat, include_usage, rec), ended,
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: scheduler.cancel(gen.id)))
         text: list[str] = []
         lps: list[TokenLogprob] = []
         finish: FinishEvent | None = None
+        generated = 0
         try:
-            async for ev in events:
-                if isinstance(ev, TokenEvent):
-                    text.append(ev.text)
-                    lps.extend(ev.logprobs or ())
-                    if rec is not None and ev.tokens:
-                        rec.token()
-                else:
-                    finish = ev
-                    if rec is not None:
-                        rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens)
+            async with aclosing(_until(events, state.abort)) as until:
+                async for ev in until:
+                    if ev is None:           # the shutdown timeout ran out first
+                        if rec is not None:
+                            rec.finished("shutdown", len(gen.prompt_ids), generated)
+                        raise _cut_short()
+                    if isinstance(ev, TokenEvent):
+                        text.append(ev.text)
+                        lps.extend(ev.logprobs or ())
+                        generated += len(ev.tokens)
+                        if rec is not None and ev.tokens:
+                            rec.token()
+                    else:
+                        finish = ev
+                        if rec is not None:
+                            rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
         finally:
             watcher.cancel()
             with suppress(asyncio.CancelledError):
                 await watcher
-            await events.aclose()
+            await ended()
         assert finish is not None
         if finish.reason == "error":
             raise APIError(500, f"generation failed: {finish.error}", type="server_error")
@@ -439,35 +544,42 @@ def build_app(state: ServerState) -> ASGIApp:
             if chat:
                 yield _sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}))
-            async for ev in events:
-                if isinstance(ev, TokenEvent):
-                    if rec is not None and ev.tokens:
-                        rec.token()
-                        seen += len(ev.tokens)
-                    if not ev.text and not ev.logprobs:
+            async with aclosing(_until(events, state.abort)) as until:
+                async for ev in until:
+                    if ev is None:           # the shutdown timeout ran out first: say so, then [DONE]
+                        if rec is not None:
+                            rec.finished("shutdown", len(events.request.prompt_ids), seen)
+                        yield _sse(_cut_short().body())
+                        break
+                    if isinstance(ev, TokenEvent):
+                        if rec is not None and ev.tokens:
+                            rec.token()
+                            seen += len(ev.tokens)
+                        if not ev.text and not ev.logprobs:
+                            continue
+                        logprobs: Any = None
+                        if ev.logprobs:
+                            logprobs = ({"content": _chat_logprobs(codec, ev.logprobs)} if chat
+                                        else _legacy_logprobs(codec, ev.logprobs, offset))
+                        offset += len(ev.text)
+                        body: dict[str, Any] = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                        yield _sse(chunk({"index": 0, **body, "logprobs": logprobs, "finish_reason": None}))
                         continue
-                    logprobs: Any = None
-                    if ev.logprobs:
-                        logprobs = ({"content": _chat_logprobs(codec, ev.logprobs)} if chat
-                                    else _legacy_logprobs(codec, ev.logprobs, offset))
-                    offset += len(ev.text)
-                    body: dict[str, Any] = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
-                    yield _sse(chunk({"index": 0, **body, "logprobs": logprobs, "finish_reason": None}))
-                    continue
-                if rec is not None:
-                    rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens)
-                if ev.reason in ("error", "cancelled"):
-                    err = APIError(500 if ev.reason == "error" else 503,
-                                   f"generation failed: {ev.error}" if ev.reason == "error"
-                                   else "the request was cancelled",
-                                   type="server_error" if ev.reason == "error" else "unavailable_error")
-                    yield _sse(err.body())
-                    break
-                end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
-                yield _sse(chunk({"index": 0, **end, "logprobs": None, "finish_reason": _finish_reason(ev)}))
-                if include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                "choices": [], "usage": _usage(ev)})
+                    if rec is not None:
+                        rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+                    if ev.reason in ("error", "cancelled"):
+                        err = APIError(500 if ev.reason == "error" else 503,
+                                       f"generation failed: {ev.error}" if ev.reason == "error"
+                                       else "the request was cancelled",
+                                       type="server_error" if ev.reason == "error" else "unavailable_error")
+                        yield _sse(err.body())
+                        break
+                    end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
+                    yield _sse(chunk({"index": 0, **end, "logprobs": None,
+                                      "finish_reason": _finish_reason(ev)}))
+                    if include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
+                                    "choices": [], "usage": _usage(ev)})
             yield _sse("[DONE]")
         finally:
             if rec is not None and rec.finish_reason is None:     # the client went away first

@@ -255,6 +255,7 @@ class BatchScheduler(Admission, PassBuilder):
                 self._by_id.pop(seq.request.id, None)
                 self._count(seq.out.finish_reason or "error")
                 self._stats.generated_tokens += len(seq.out.tokens)
+                self._stats.prompt_cached_tokens += seq.out.cached_tokens
         for seq in done:
             for ev in seq.finish or [FinishEvent("error", len(seq.prompt), len(seq.out.tokens),
                                                  "the sequence ended without a reason")]:

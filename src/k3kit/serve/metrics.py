@@ -45,6 +45,9 @@ class SchedulerCollector(Collector):
         yield gauge("queue_depth", "requests waiting for the model", s.queued)
         yield gauge("queue_capacity", "requests that may wait (--max-queue)", s.max_queue)
         yield counter("prompt_tokens", "prompt tokens prefilled", s.prompt_tokens)
+        yield counter("prompt_cached_tokens", "prompt tokens restored from the prompt cache instead of "
+                      "prefilled (the sum of the requests' usage.prompt_tokens_details.cached_tokens)",
+                      s.prompt_cached_tokens)
         yield counter("generated_tokens", "tokens generated", s.generated_tokens)
         yield counter("prefill_seconds", "seconds spent in prefill", s.prefill_seconds)
         yield counter("decode_seconds", "seconds spent decoding", s.decode_seconds)

@@ -107,6 +107,7 @@ class SchedulerStats:
     requests: dict[str, int] = field(default_factory=dict)   # finished requests by reason
     rejected: int = 0                     # refused at submit (queue full)
     prompt_tokens: int = 0
+    prompt_cached_tokens: int = 0         # prompt tokens the prompt cache restored (sum of cached_tokens)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0

@@ -5,17 +5,31 @@ at once (GET /health answers 503 while the model loads) and the model is loaded 
 when both are ready, exactly one line goes to stdout: `k3kit: serving MODEL_ID on http://HOST:PORT`
 (the real port when --port 0 asked the OS for one). Each request then writes one access-log line
 to stderr (k3kit.serve.access). A model that fails to load stops the server
-and the error reaches the CLI (exit 2). On SIGINT/SIGTERM uvicorn stops accepting, open streams
-get a few seconds, then the scheduler cancels what is left and the model is closed.
+and the error reaches the CLI (exit 2).
+
+SIGTERM or SIGINT shuts down in this order, each step after the last:
+1. new generation requests are answered 503 `shutting_down` (/health 503 too); the socket stays
+   open, so a client is told rather than refused;
+2. the running requests finish, for up to --shutdown-timeout seconds (a second signal: no wait);
+3. those still running end: a stream with an SSE error event and `data: [DONE]`, a non-streamed
+   request with a 503 (k3kit.serve.app.drain);
+4. uvicorn stops: the socket closes, idle keep-alive connections are closed;
+5. the scheduler is closed (its worker stopped), then its prompt cache, if it has one, is flushed
+   (written to disk where it keeps one), said in one line on stderr;
+6. the model is closed and the process exits 0 (1 if the prompt cache could not be flushed).
+Uvicorn's own signal handling would re-raise the signal once it has stopped (exit code -15 for
+SIGTERM); the server here handles the signals itself and does not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +40,7 @@ from k3kit.errors import K3Error
 from k3kit.gguf.shards import Model
 from k3kit.plan.expert_io import mem_available
 from k3kit.runtime.protocols import BatchedModel, SnapshotModel
-from k3kit.serve.app import DEFAULT_MAX_BODY, ServerState, build_app
+from k3kit.serve.app import DEFAULT_MAX_BODY, ServerState, build_app, drain
 from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.metrics import metrics_page
 from k3kit.serve.prompt_cache import PromptCache, default_budget, default_interval, identity
@@ -49,11 +63,14 @@ class ServeConfig:
     max_queue: int = 64
     ctx: int | None = None          # None: the model's context length
     max_body_bytes: int = DEFAULT_MAX_BODY
-    graceful_seconds: float = 5.0
     prompt_cache_mib: float | None = None    # None: a share of free RAM (prompt_cache.default_budget); 0: off
     prompt_cache_dir: str | None = None      # spill evicted entries there and keep them across restarts
     prompt_cache_disk_mib: float = 16384.0   # bytes the directory may hold (0: no limit)
     prompt_cache_interval: int | None = None  # tokens between recurrent copies (None: from the state size)
+    shutdown_timeout: float = 30.0      # s the running requests get after SIGTERM/SIGINT
+
+
+UVICORN_GRACE = 5     # s uvicorn gives connections after the drain (only responses already ending remain)
 
 
 def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
@@ -134,6 +151,65 @@ def access_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def notice(line: str) -> None:
+    """The shutdown's lines go to stderr as well."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def draining_server(config: Any, state: ServerState, timeout: float,
+                    say: Callable[[str], None] = notice) -> Any:
+    """A uvicorn.Server whose SIGTERM/SIGINT drain the app first (k3kit.serve.app.drain), then let
+    uvicorn stop. A second signal ends the running requests without waiting out the timeout, a
+    third stops uvicorn at once. The signal is not raised again once uvicorn has stopped."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            self.signals = 0
+            self.draining: asyncio.Task[None] | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # a signal handler, on the main thread between two bytecodes: count it, nothing else
+            # (uvicorn's own records it to raise again after its shutdown; the exit code is ours)
+            self.signals += 1
+            if self.signals >= 3:
+                self.should_exit = self.force_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.signals and self.draining is None:
+                self.draining = asyncio.get_running_loop().create_task(self._drain())
+            return await super().on_tick(counter)
+
+        async def _drain(self) -> None:
+            running = len(state.running)
+            say(f"k3kit: shutting down: {running} request(s) running, up to {timeout:g}s to finish")
+            try:
+                ended = await drain(state, timeout, hurry=lambda: self.signals > 1)
+                if ended:
+                    say(f"k3kit: shutting down: {ended} request(s) still running were ended")
+            finally:
+                self.should_exit = True
+
+    return DrainingServer(config)
+
+
+def flush_prompt_cache(scheduler: Scheduler, say: Callable[[str], None] = notice) -> bool:
+    """After the scheduler is closed: flush its `prompt_cache` where it has one. False if that failed."""
+    cache = getattr(scheduler, "prompt_cache", None)
+    if cache is None or getattr(cache, "disk", True) is None:     # none, or RAM only: nothing to keep
+        return True
+    t0 = time.perf_counter()
+    try:
+        n = cache.flush()
+    except Exception as e:
+        say(f"k3kit: prompt cache not flushed: {type(e).__name__}: {e}")
+        return False
+    written = f", {n} entries written" if isinstance(n, int) else ""
+    say(f"k3kit: prompt cache flushed ({time.perf_counter() - t0:.2f}s{written})")
+    return True
+
+
 def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -145,6 +221,8 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
 
     if config.max_queue < 0 or config.max_batch < 1 or config.max_sequences < 1:
         raise K3Error("--max-queue must be >= 0, --max-batch and --max-sequences >= 1")
+    if not config.shutdown_timeout >= 0:
+        raise K3Error(f"--shutdown-timeout {config.shutdown_timeout}: must be >= 0")
     mid = model_id(path)
     sock = bind(config.host, config.port)
     port = sock.getsockname()[1]
@@ -158,9 +236,9 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
     state.metrics = metrics_page(stats)
     state.stats = stats            # GET /v1/k3kit/stats reads the same snapshot /metrics renders
     state.access_log = access_line
-    uv = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False,
-                                       timeout_graceful_shutdown=max(1, int(config.graceful_seconds)),
-                                       lifespan="off"))
+    uv = draining_server(uvicorn.Config(build_app(state), log_level="warning", access_log=False,
+                                        timeout_graceful_shutdown=UVICORN_GRACE, lifespan="off"),
+                         state, config.shutdown_timeout)
 
     def loader() -> None:
         try:
@@ -182,7 +260,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
             if uv.started or uv.should_exit:
                 break
             threading.Event().wait(0.01)
-        if uv.started:
+        if uv.started and not (uv.should_exit or state.draining):    # not once a signal came
             line = f"k3kit: serving {mid} on {url(config.host, port)}"
             if announce is not None:
                 announce(line)
@@ -191,6 +269,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
 
     thread = threading.Thread(target=loader, name="k3kit-serve-load", daemon=True)
     thread.start()
+    flushed = True
     try:
         uv.run(sockets=[sock])
     finally:
@@ -199,9 +278,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
         sched = holder.get("scheduler")
         if sched is not None:
             sched.close()
-            cache = getattr(sched, "prompt_cache", None)
-            if cache is not None and cache.disk is not None:
-                log.info("prompt cache: %d entries written to %s", cache.flush(), cache.disk.dir)
+            flushed = flush_prompt_cache(sched)
         session = holder.get("session")
         if session is not None:
             session.close()
@@ -211,4 +288,4 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
             raise err
         raise K3Error(f"{path}: loading failed: {type(err).__name__}: {err}") from err
     sys.stdout.flush()
-    return 0
+    return 0 if flushed else 1
