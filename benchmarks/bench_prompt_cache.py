@@ -124,10 +124,11 @@ def main() -> int:
         warm = argparse.Namespace(**{**vars(args), "turns": 1})
         run_turns(session, None, warm, n, text)          # touch the weights and the expert cache first
         off = run_turns(session, None, args, n, text)
-        on = run_turns(session, PromptCache(2 << 30, default_interval(m.recurrent_bytes, m.positional_row_bytes)),
-                       args, n, text)
+        interval = default_interval(m.recurrent_bytes, m.positional_row_bytes)
+        on = run_turns(session, PromptCache(2 << 30, interval), args, n, text)
         result["rows"][n] = {"off": off, "on": on}
-        print(f"\n{n} conversation(s), {Path(model).name}{' + DSpark' if args.draft else ''}: median per turn")
+        name = Path(model).name + (" + DSpark" if args.draft else "")
+        print(f"\n{n} conversation(s), {name}: median per turn")
         print("| turn | prompt tokens | TTFT off (s) | TTFT on (s) | off/on | cached tokens | "
               "expert MB off | expert MB on |")
         print("|---|---|---|---|---|---|---|---|")
@@ -137,7 +138,8 @@ def main() -> int:
                   f"{a['expert_bytes'] / 1e6:.1f} | {b['expert_bytes'] / 1e6:.1f} |")
         later = [a["ttft_s"] / max(b["ttft_s"], 1e-9) for a, b in zip(off[1:], on[1:], strict=True)]
         if later:
-            print(f"turns 2-{args.turns}: TTFT off/on min {min(later):.1f}x, median {statistics.median(later):.1f}x")
+            print(f"turns 2-{args.turns}: TTFT off/on min {min(later):.1f}x, "
+                  f"median {statistics.median(later):.1f}x")
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -5,13 +5,12 @@ conversation at a time and twenty together), while later turns restore most of t
 from __future__ import annotations
 
 import pytest
+from scheduling import serve_and_close, serve_together
 
 from k3kit.runtime.sampling import Sampling
 from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.prompt_cache import PromptCache, default_interval
 from k3kit.serve.scheduler import GenerationRequest
-
-from scheduling import serve_and_close, serve_together
 
 SYSTEM = ("You are a careful Python assistant. Answer with code from the standard library only, "
           "explain nothing, keep every answer short. ") * 6
@@ -52,7 +51,8 @@ def converse(session, make_sched, n_conv: int, turns: int, *, sampled: bool, tog
             lengths.append([len(r.prompt_ids) for r in reqs])
             for i, toks in enumerate(got):
                 out[i].append(toks)
-                reply = codec.decode_bytes([x for x in toks if x not in codec.stop_ids()]).decode(errors="replace")
+                kept = [x for x in toks if x not in codec.stop_ids()]
+                reply = codec.decode_bytes(kept).decode(errors="replace")
                 convs[i] += [{"role": "assistant", "content": reply},
                              {"role": "user", "content": ASKS[(i + t + 1) % len(ASKS)]}]
     finally:
@@ -83,11 +83,13 @@ def _cache(session, mib: float = 256) -> PromptCache:
 def test_ar_cache_changes_no_token(spec_session, sampled, together):
     n = 20 if together else 4
     kw = dict(max_batch=64, max_queue=32)
-    cold, cold_cached, _, _ = converse(spec_session, lambda: _Recording(spec_session.model, spec_session.codec, **kw),
-                                    n, 3, sampled=sampled, together=together)
+    model, codec = spec_session.model, spec_session.codec
+    model, codec = model, codec
+    cold, cold_cached, _, _ = converse(spec_session, lambda: _Recording(model, codec, **kw),
+                                       n, 3, sampled=sampled, together=together)
     warm, warm_cached, lengths, sched = converse(
-        spec_session, lambda: _Recording(spec_session.model, spec_session.codec, prompt_cache=_cache(spec_session),
-                                         **kw), n, 3, sampled=sampled, together=together)
+        spec_session, lambda: _Recording(model, codec, prompt_cache=_cache(spec_session), **kw),
+        n, 3, sampled=sampled, together=together)
     assert warm == cold
     assert all(c == 0 for turn in cold_cached for c in turn)
     assert all(c == 0 for c in warm_cached[0]) or together is False   # first turn: nothing to reuse yet
@@ -105,20 +107,24 @@ def test_dspark_cache_changes_no_token(spec_session, spec_factory, sampled, toge
     the sequences drafting together, and a restored sequence starts drafting passes earlier than
     a cold one, so the draws differ (greedy's do not: the argmax survives the last bits)."""
     kw = dict(max_batch=64, max_queue=32, step_factory=spec_factory)
+    model, codec = spec_session.model, spec_session.codec
     n = 6 if together else 3
-    cold, _, _, _ = converse(spec_session, lambda: _Recording(spec_session.model, spec_session.codec, **kw),
+    model, codec = model, codec
+    cold, _, _, _ = converse(spec_session, lambda: _Recording(model, codec, **kw),
                              n, 3, sampled=sampled, together=together)
     warm, cached, lengths, _ = converse(
-        spec_session, lambda: _Recording(spec_session.model, spec_session.codec, prompt_cache=_cache(spec_session),
-                                         **kw), n, 3, sampled=sampled, together=together)
+        spec_session, lambda: _Recording(model, codec, prompt_cache=_cache(spec_session), **kw),
+        n, 3, sampled=sampled, together=together)
     assert warm == cold
     for t in range(1, len(cached)):
-        assert all(c >= prev for c, prev in zip(cached[t], lengths[t - 1], strict=True)), (cached[t], lengths[t - 1])
+        assert all(c >= prev for c, prev in zip(cached[t], lengths[t - 1], strict=True)), \
+            (cached[t], lengths[t - 1])
 
 
 def test_resent_prompt_runs_no_row_and_cache_prompt_false_opts_out(spec_session):
     codec, model = spec_session.codec, spec_session.model
-    prompt = tuple(_prompt(codec, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "import os"}]))
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "import os"}]
+    prompt = tuple(_prompt(codec, msgs))
     sched = _Recording(model, codec, max_batch=64, prompt_cache=_cache(spec_session))
     a = GenerationRequest(prompt, 8, Sampling())
     b = GenerationRequest(prompt, 8, Sampling())

@@ -11,7 +11,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 import torch
 from scheduling import serve_together
 
