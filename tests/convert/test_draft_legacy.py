@@ -9,6 +9,7 @@ tokenizer); the seed's half-fixed state (arch dflash, mask id under dflash.mask_
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from gguf import GGUFValueType
 
 from k3kit.adapters import ADAPTERS, load_model
 from k3kit.cli import main
-from k3kit.convert.draft_fix import LEGACY_ARCHES
+from k3kit.convert.draft_fix import LEGACY_ARCHES, LEGACY_TENSORS
 from k3kit.gguf.reader import GGUFFile
 from k3kit.gguf.rewrite import Rules, rewrite
 from k3kit.gguf.writer import kv
@@ -88,3 +89,22 @@ def test_legacy_draft_without_a_mask_id_is_one_line(legacy, tmp_path, capsys):
     assert main(["generate", "--prompt", "x", "--max-tokens", "2", "--draft", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "nomask.gguf: no mask token id" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_legacy_draft_with_modern_tensor_names_takes_its_vocabulary_from_the_markov_table(legacy, tmp_path):
+    """A legacy file whose tensors already carry the modern names and whose metadata has no
+    vocab_size: the vocabulary is the Markov table's width, and it loads as the modern drafter."""
+    modern_names = tmp_path / "modern-names.gguf"
+    renames = [(re.compile("^" + re.escape(old) + "$"), new) for old, new in LEGACY_TENSORS.items()]
+    rewrite(legacy, modern_names, Rules(rename_tensors=renames, delete=[f"{LEGACY}.vocab_size"]))
+    f = GGUFFile.open(modern_names)
+    try:
+        names = {t.name for t in f.tensors}
+        assert f"{LEGACY}.vocab_size" not in f.kv and "markov_w1.weight" in names
+        assert not names & set(LEGACY_TENSORS)
+    finally:
+        f.close()
+    with load_model(shipped_draft()) as modern, load_model(modern_names) as old:
+        assert old.model.cfg == modern.model.cfg
+        a, b = dict(old.model.draft.named_parameters()), dict(modern.model.draft.named_parameters())
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -106,7 +106,7 @@ def test_context_and_prompt_checks(app, codec):
     status, body = raw(url, "POST", "/v1/chat/completions",
                        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     assert status == 400 and body["error"]["param"] == "messages[0].content[0]"
-    status, body = raw(url, "POST", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5})
+    status, body = raw(url, "POST", "/v1/completions", {"prompt": "x", "presence_penalty": 2.5})
     assert status == 400 and body["error"]["param"] == "presence_penalty"
     status, body = raw(url, "PUT", "/v1/completions", {"prompt": "x"})
     assert status == 405 and set(body["error"]) == {"message", "type", "param", "code"}

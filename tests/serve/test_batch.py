@@ -349,7 +349,8 @@ def _spec_factory(session):
 
     def build(target, sampler):
         return SpeculativeDecoder(target, session.draft_model, sampler.sampling, sampler.generator,
-                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=stop)
+                                  schedule=ScheduleConfig(draft_cost=None), stop_ids=stop,
+                                  history=sampler.history)
     return build
 
 

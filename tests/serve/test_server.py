@@ -256,6 +256,72 @@ def test_seeded_sampling_repeats(world, server):
     assert texts[0] == texts[1]
 
 
+# ---- the sampling parameters: penalties, logit_bias, min_p ------------------------------------------
+
+def test_sampling_parameters(world):
+    """All at their defaults: the reference tokens; each one changes the output as it should;
+    logprobs stay the model's raw log-softmax (a banned token is still reported as the best)."""
+    s = world["ar"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text, ids, _ = expected(world, "completion", s)
+    base = {"model": s.model_id, "prompt": PROMPT, "max_tokens": N, "temperature": 0}
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_p": 0,
+                "logit_bias": {}}
+    status, body = raw(s.url, "POST", "/v1/completions", base | defaults, auth)
+    assert status == 200 and body["choices"][0]["text"] == text, body
+    first = detokenize(s, [ids[0]])
+    status, body = raw(s.url, "POST", "/v1/completions",
+                       base | {"max_tokens": 1, "logprobs": 1, "logit_bias": {str(ids[0]): -100}}, auth)
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"][0] != first and list(lp["top_logprobs"][0]) == [first]
+    assert lp["token_logprobs"][0] < lp["top_logprobs"][0][first]
+    status, body = raw(s.url, "POST", "/v1/completions",
+                       base | {"temperature": 1.0, "seed": 7, "min_p": 1.0}, auth)
+    assert status == 200 and body["choices"][0]["text"] == text, body
+    long = base | {"max_tokens": 24}
+    texts = {}
+    for name, value in (("none", None), ("presence_penalty", 2.0), ("repetition_penalty", 1.5)):
+        status, body = raw(s.url, "POST", "/v1/completions", long | ({name: value} if value else {}), auth)
+        assert status == 200, body
+        texts[name] = body["choices"][0]["text"]
+    assert texts["presence_penalty"] != texts["none"] != texts["repetition_penalty"]
+
+
+def test_draft_greedy_with_frequency_penalty_equals_ar(world):
+    """The draft server verifies its blocks with the penalties of the history each row sees: its
+    greedy tokens are the AR server's."""
+    ar, sp = world["ar"], world["draft"]
+    before = metrics(sp.url, KEY)["k3kit_speculative_passes_total"]
+    plain = client(ar).completions.create(model=ar.model_id, prompt=PROMPT, max_tokens=16, temperature=0)
+    messages = [{"role": "user", "content": CHAT}]
+    for kw in ({"frequency_penalty": 1.0},
+               {"presence_penalty": 1.0, "extra_body": {"repetition_penalty": 1.3}}):
+        got = [client(x).completions.create(model=x.model_id, prompt=PROMPT, max_tokens=16, temperature=0,
+                                            **kw) for x in (ar, sp)]
+        assert got[0].choices[0].text == got[1].choices[0].text != plain.choices[0].text
+        assert got[0].usage.completion_tokens == got[1].usage.completion_tokens
+        chats = [client(x).chat.completions.create(model=x.model_id, messages=messages, max_tokens=16,
+                                                   temperature=0, **kw) for x in (ar, sp)]
+        assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+    assert metrics(sp.url, KEY)["k3kit_speculative_passes_total"] > before
+
+
+def test_bad_sampling_parameters(world):
+    s = world["draft"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": s.model_id, "prompt": PROMPT, "max_tokens": 1}
+    chat = {"model": s.model_id, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("repetition_penalty", -1.0), ("min_p", 1.5), ("min_p", -0.1),
+                         ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"-5": 1}),
+                         ("logit_bias", {"99999999": 1}), ("logit_bias", {"5": "x"}), ("logit_bias", [5])):
+        for path, body in (("/v1/completions", ok), ("/v1/chat/completions", chat)):
+            _error(*raw(s.url, "POST", path, body | {field: value}, auth), 400, param=field)
+    r = client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1
+
+
 # ---- bad requests: OpenAI's error shape, and the server stays up ------------------------------------
 
 def _error(status: int, body: dict, want_status: int, code: str | None = None, param: str | None = None):

@@ -297,10 +297,12 @@ def _vocab_size(where: str, kv: dict[str, Any], tensors: dict[str, TensorInfo]) 
 
 
 def _legacy_vocab(source: GGUFSource) -> int:
-    """A legacy draft's vocabulary: its Markov table's width, else its vocab_size key or token list."""
-    for old, new in LEGACY_TENSORS.items():
-        if new == W1_WEIGHT and old in source.tensors:
-            return int(source.tensors[old].shape[1])
+    """A legacy draft's vocabulary: its Markov table's width (under its legacy name, or the modern
+    one a converter may already have written: markov_w1 {r, V}), else its vocab_size key or token
+    list."""
+    for name in (W1_WEIGHT, *(old for old, new in LEGACY_TENSORS.items() if new == W1_WEIGHT)):
+        if name in source.tensors:
+            return int(source.tensors[name].shape[1])
     n = source.kv.get(f"{source.arch}.vocab_size")
     if isinstance(n, int) and n > 0:
         return n

@@ -126,7 +126,7 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
         raise ValueError("prefill_chunk must be >= 1")
     stop = set(stop_ids)
     keep_freed_heap()        # per-token tensors reuse heap pages instead of faulting fresh ones in
-    sampler = Sampler(sampling)
+    sampler = Sampler(sampling, prompt)
     ledger = _Ledger(model)
     stats = GenerationStats(prompt_tokens=len(prompt))
     model.reset()

@@ -4,12 +4,16 @@ Bodies are parsed by pydantic in STRICT mode: a field of the wrong JSON type is 
 "5" for 5, no true for 1), which the app answers with HTTP 400 in OpenAI's error shape
 (FastAPI's default would be 422). Unknown fields are ignored, as OpenAI-compatible servers do:
 clients send `user`, `metadata`, `store`... Fields k3kit cannot honour are refused when they ask
-for something (a non-zero penalty, tools, a JSON response format, n > 1) rather than silently
-ignored. One field is k3kit's own: `draft: false` asks for no speculative decoding (the server's
-`--draft` stays unused for that request); one is llama-server's: `cache_prompt` (default true;
-false: the scheduler's prompt cache neither serves nor keeps this prompt). Values are then
-checked here (`APIError`, 400, with the offending `param`), and `generation_request` builds the
-scheduler's GenerationRequest, checking the context length.
+for something (tools, a JSON response format, n > 1) rather than silently ignored. Sampling
+fields: OpenAI's `temperature`, `top_p`, `seed`, `presence_penalty` and `frequency_penalty`
+([-2, 2], over the tokens generated so far), `logit_bias` ({"token id": bias in [-100, 100]},
+added to the logits), and vLLM's `top_k`, `min_p` ([0, 1]) and `repetition_penalty` (> 0, 1 = off;
+over the prompt and the generated tokens): k3kit.runtime.sampling says how each applies. One
+field is k3kit's own: `draft: false` asks for no speculative decoding (the server's `--draft`
+stays unused for that request); one is llama-server's: `cache_prompt` (default true; false: the
+scheduler's prompt cache neither serves nor keeps this prompt). Values are then checked here (`APIError`, 400, with
+the offending `param`), and `generation_request` builds the scheduler's GenerationRequest,
+checking the context length.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from k3kit.runtime.sampling import make_sampling
+from k3kit.runtime.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, make_sampling
 from k3kit.serve.scheduler import GenerationRequest
 
 MAX_STOP = 16                # stop strings per request
@@ -77,6 +81,8 @@ class _Sampled(_Body):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None     # vLLM's and llama-server's extension
+    min_p: float | None = None                  # vLLM's and llama-server's extension
     logit_bias: dict[str, float] | None = None
     # k3kit's extension: false serves the request without the server's draft (--draft), as the
     # server without one would; absent or true lets the scheduler speculate where it pays
@@ -117,12 +123,6 @@ Kind = Literal["chat", "completion"]
 
 
 def _unsupported(body: _Sampled) -> None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(body, name)
-        if value is not None and value != 0:
-            raise bad(f"{name} is not supported by k3kit (only 0)", name)
-    if body.logit_bias:
-        raise bad("logit_bias is not supported by k3kit", "logit_bias")
     if isinstance(body, ChatRequest):
         if body.tools:
             raise bad("tools are not supported by k3kit yet", "tools")
@@ -196,6 +196,36 @@ def _check_sampling(body: _Sampled) -> None:
         raise bad(f"top_k {body.top_k} must be >= 0 (0 = off)", "top_k")
     if body.seed is not None and not 0 <= body.seed < (1 << 63):
         raise bad(f"seed {body.seed} is not in [0, 2**63)", "seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise bad(f"{name} {value} is not in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
+    r = body.repetition_penalty
+    if r is not None and not 0 < r < float("inf"):
+        raise bad(f"repetition_penalty {r} must be > 0 (1 = off)", "repetition_penalty")
+    if body.min_p is not None and not 0.0 <= body.min_p <= 1.0:
+        raise bad(f"min_p {body.min_p} is not in [0, 1]", "min_p")
+    _logit_bias(body)
+
+
+def _logit_bias(body: _Sampled, n_vocab: int | None = None) -> dict[int, float]:
+    """{token id: bias}; 400 naming logit_bias for a key that is not a token id (of the vocabulary,
+    when `n_vocab` is given) or a bias outside [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        k = key.strip()
+        if not k.isascii() or not k.isdigit():
+            raise bad(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        token = int(k)
+        if n_vocab is not None and token >= n_vocab:
+            raise bad(f"logit_bias token {token} is not in the vocabulary [0, {n_vocab})", "logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias {key}: {value} is not in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                      "logit_bias")
+        if token in out:
+            raise bad(f"logit_bias names token {token} twice", "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _stops(body: _Sampled) -> tuple[str, ...]:
@@ -242,8 +272,10 @@ def check_body(body: _Sampled) -> None:
     _logprobs(body)
 
 
-def generation_request(body: _Sampled, prompt_ids: list[int], context_length: int) -> GenerationRequest:
-    """The scheduler's request; 400 context_length_exceeded when prompt + max_tokens does not fit."""
+def generation_request(body: _Sampled, prompt_ids: list[int], context_length: int,
+                       n_vocab: int | None = None) -> GenerationRequest:
+    """The scheduler's request; 400 context_length_exceeded when prompt + max_tokens does not fit,
+    400 logit_bias for a token id outside the vocabulary (`n_vocab`: its size; None: unchecked)."""
     check_body(body)
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
     if not prompt_ids:
@@ -261,7 +293,12 @@ def generation_request(body: _Sampled, prompt_ids: list[int], context_length: in
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     sampling = make_sampling(temperature, 1.0 if body.top_p is None else float(body.top_p),
-                             body.top_k or 0, seed)
+                             body.top_k or 0, seed, min_p=body.min_p or 0.0,
+                             presence_penalty=body.presence_penalty or 0.0,
+                             frequency_penalty=body.frequency_penalty or 0.0,
+                             repetition_penalty=1.0 if body.repetition_penalty is None
+                             else float(body.repetition_penalty),
+                             logit_bias=_logit_bias(body, n_vocab))
     return GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
                              stop=_stops(body), logprobs=_logprobs(body), draft=body.draft is not False,
                              cache_prompt=body.cache_prompt is not False)

@@ -439,7 +439,7 @@ def build_app(state: ServerState) -> ASGIApp:
             text = codec.chat.render(chat_messages(body), add_generation_prompt=True)
         except K3Error as e:
             raise bad(str(e), "messages") from None
-        gen = generation_request(body, codec.encode(text), state.context_length)
+        gen = generation_request(body, codec.encode(text), state.context_length, codec.n_vocab)
         return await respond(scheduler, codec, gen, request, chat=True, stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
@@ -455,7 +455,7 @@ def build_app(state: ServerState) -> ASGIApp:
             if any(not 0 <= t < codec.n_vocab for t in prompt):
                 raise bad(f"prompt token ids must be in [0, {codec.n_vocab})", "prompt")
             ids = prompt
-        gen = generation_request(body, ids, state.context_length)
+        gen = generation_request(body, ids, state.context_length, codec.n_vocab)
         return await respond(scheduler, codec, gen, request, chat=False, stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 

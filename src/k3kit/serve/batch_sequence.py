@@ -30,7 +30,7 @@ class _Seq:
         self.block_survival: list[float] | None = None   # what the last block was expected to keep
         self.prompt = list(self.request.prompt_ids)
         self.fed = 0                              # prompt rows already run
-        self.sampler = Sampler(self.request.sampling)
+        self.sampler = Sampler(self.request.sampling, self.request.prompt_ids)
         self.finish: list[Event] = []             # the FinishEvent, held until the state is freed
         self.out = SequenceOutput(self.request, codec, stop_ids, self._post)
         self.interval: int | None = None          # prompt-cache point spacing (None: not cached)

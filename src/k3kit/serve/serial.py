@@ -192,7 +192,7 @@ class SerialScheduler:
     def _run(self, job: _Job, seq: SequenceOutput) -> None:
         req, model = job.request, self.model
         prompt = list(req.prompt_ids)
-        sampler = Sampler(req.sampling)
+        sampler = Sampler(req.sampling, req.prompt_ids)
         model.reset()
         use_step = self.step_factory is not None and req.may_draft
         step = self.step_factory(model, sampler) if use_step and self.step_factory is not None else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from k3kit.runtime.protocols import Draft, DraftBlock, Target, VerifyOutput
 from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.feature_ring import FeatureRing
 from k3kit.runtime.speculative.proposal import Proposal, chain, propose
-from k3kit.runtime.speculative.sampling import Sampling, probs
+from k3kit.runtime.speculative.sampling import Sampling, biased, probs
 from k3kit.runtime.speculative.schedule import (
     DepthAcceptance,
     ScheduleConfig,
@@ -36,6 +36,9 @@ from k3kit.runtime.speculative.schedule import (
     expected_tokens,
     prefix_survival,
 )
+
+if TYPE_CHECKING:
+    from k3kit.runtime.sampling import History
 
 REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
 PROBE_FIRST, PROBE_MAX = 8, 256     # declined serial passes between two that draft anyway (doubling)
@@ -104,14 +107,23 @@ class SpeculativeDecoder:
     logits; `step(anchor, remaining)` returns the tokens one pass commits (1..block+1, never
     more than `remaining`, cut after a stop token). Sampling draws come from `generator`, the
     same one that picked the anchor, so a seed fixes the whole output. `clock` times the draft
-    steps and verifies (seconds; tests pass a clock of their own).
+    steps and verifies (seconds; tests pass a clock of their own). `history`: the sequence's
+    k3kit.runtime.sampling.History (its Sampler's), needed when the sampling has history
+    penalties: verify row k is penalized with the history plus the block's proposals[:k], as
+    plain decoding would penalize it, and the accepted tokens join the history. The logit bias
+    and min-p are per row and need nothing. The draft's proposals see the bias but not the
+    penalties: acceptance judges them against the target's penalized rows, so the output is
+    still exactly plain decoding's (greedy) or distributed as it (sampled).
     """
 
     def __init__(self, target: Target, draft: Draft, sampling: Sampling, generator: torch.Generator, *,
                  schedule: ScheduleConfig | None = None, ring: FeatureRing | None = None,
                  ring_storage: str = "f16", ring_capacity: int = 4096, stop_ids: Iterable[int] = (),
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, history: History | None = None):
+        if sampling.penalized and history is None:
+            raise ValueError("sampling with history penalties needs the sequence's History (Sampler.history)")
         self.target, self.draft, self.sampling, self.gen = target, draft, sampling, generator
+        self.history = history if sampling.penalized else None
         self.clock = clock
         self.schedule = schedule or ScheduleConfig()
         self.stop = set(stop_ids)
@@ -220,8 +232,11 @@ class SpeculativeDecoder:
             raise ValueError(f"a committed row is a one-row block, not {len(cand) + 1} rows")
         if v.logits.shape[0] != len(cand) + 1:
             raise ValueError(f"verify returned {v.logits.shape[0]} rows for a block of {len(cand) + 1}")
+        rows = biased(v.logits, self.sampling)
+        if self.history is not None:            # row k sees the history and cand[:k], as plain decoding
+            rows = self.history.penalize(rows, cand)
         if self.sampling.greedy:
-            m, nxt = accept_greedy(cand, v.logits)
+            m, nxt = accept_greedy(cand, rows)
         else:
             if props is None:
                 q = torch.zeros(0, v.logits.shape[1], dtype=torch.float64)
@@ -229,12 +244,14 @@ class SpeculativeDecoder:
                 raise ValueError("sampled decoding needs the proposals' distributions (Proposal.q)")
             else:
                 q = props.q[: len(cand)]
-            m, nxt = accept_sampled(cand, q, probs(v.logits, self.sampling), self.gen)
+            m, nxt = accept_sampled(cand, q, probs(rows, self.sampling), self.gen)
         new = [*cand[:m], nxt]
         for j, t in enumerate(new):
             if t in self.stop:
                 new = new[: j + 1]
                 break
+        if self.history is not None:
+            self.history.extend(new)
         n_commit = len(new)                 # anchor + accepted proposals up to the last new one
         if not committed:
             target.commit(n_commit)

@@ -16,7 +16,7 @@ import torch
 from k3kit.runtime.protocols import Draft, Target
 from k3kit.runtime.speculative.decoder import DecodeStats, SpeculativeDecoder, merge_counters
 from k3kit.runtime.speculative.feature_ring import FeatureRing
-from k3kit.runtime.speculative.sampling import Sampling, pick
+from k3kit.runtime.speculative.sampling import Sampling
 from k3kit.runtime.speculative.schedule import ScheduleConfig
 
 
@@ -42,16 +42,18 @@ def _prefill(target: Target, prompt_ids: Sequence[int], stats: DecodeStats, chun
 def ar_generate(target: Target, prompt_ids: Sequence[int], max_tokens: int, sampling: Sampling,
                 stop_ids: Iterable[int] = (), prefill_chunk: int = 512) -> DecodeResult:
     """Plain decoding, one target row per pass, same sampling: the reference for speculative."""
+    from k3kit.runtime.sampling import Sampler  # not at import: it imports this package
+
     stats, stop = DecodeStats(), set(stop_ids)
-    gen = sampling.generator()
+    sampler = Sampler(sampling, prompt_ids)
     last = _prefill(target, prompt_ids, stats, prefill_chunk)
     tokens: list[int] = []
     if max_tokens > 0:
-        tokens.append(pick(last, sampling, gen))
+        tokens.append(sampler(last))
     while len(tokens) < max_tokens and tokens[-1] not in stop:
         out = target.verify([tokens[-1]], capture=False)
         target.commit(1)
-        tokens.append(pick(out.logits[-1], sampling, gen))
+        tokens.append(sampler(out.logits[-1]))
         stats.target_passes += 1
         stats.verify_rows.append(1)
         stats.committed_per_pass.append(1)
@@ -66,18 +68,21 @@ def speculative_generate(target: Target, draft: Draft, prompt_ids: Sequence[int]
                          prefill_chunk: int = 512) -> DecodeResult:
     """Draft-and-verify decoding. Greedy output equals `ar_generate`'s token for token;
     sampled output has the same distribution."""
+    from k3kit.runtime.sampling import Sampler  # not at import: it imports this package
+
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("empty prompt")
-    gen = sampling.generator()
-    dec = SpeculativeDecoder(target, draft, sampling, gen, schedule=schedule, ring=ring,
-                             ring_storage=ring_storage, ring_capacity=ring_capacity, stop_ids=stop_ids)
+    sampler = Sampler(sampling, prompt)
+    dec = SpeculativeDecoder(target, draft, sampling, sampler.generator, schedule=schedule, ring=ring,
+                             ring_storage=ring_storage, ring_capacity=ring_capacity, stop_ids=stop_ids,
+                             history=sampler.history)
     for i in range(0, len(prompt), prefill_chunk):
         last = dec.prefill(prompt[i:i + prefill_chunk])[-1]
     stop = set(stop_ids)
     tokens: list[int] = []
     if max_tokens > 0:
-        tokens.append(pick(last, sampling, gen))
+        tokens.append(sampler(last))
     while len(tokens) < max_tokens and tokens[-1] not in stop:
         tokens.extend(dec.step(tokens[-1], max_tokens - len(tokens)))
     return DecodeResult(tokens, dec.finish())

@@ -4,7 +4,8 @@ The draft forward gives every proposal row its base logits in one pass. DSpark's
 then makes the block semi-autoregressive: row k's logits get W2 . W1[x_{k-1}], where x_{-1} is
 the anchor and x_{k-1} the proposal just chosen for row k-1, so the chain runs left to right.
 The token chosen for a row is the one the acceptance test will judge: the argmax when greedy,
-a sample from q_k (the same transform the target's p goes through) otherwise. Conditioning
+a sample from q_k (the same transform the target's p goes through, the logit bias included;
+the target's history penalties are not the draft's to know) otherwise. Conditioning
 row k on the token actually proposed at k-1 is what keeps rejection sampling exact.
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from k3kit.runtime.protocols import Draft, DraftBlock
-from k3kit.runtime.speculative.sampling import Sampling, probs, sample
+from k3kit.runtime.speculative.sampling import Sampling, biased, probs, sample
 
 
 @dataclass
@@ -43,10 +44,10 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
             w1s.append(w1)
             logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
         if sampling.greedy:
-            prev = torch.argmax(logits_k, dim=-1, keepdim=True)      # [1]: no host read per row
+            prev = torch.argmax(biased(logits_k, sampling), dim=-1, keepdim=True)   # [1]: no host read
             picked.append(prev)
         else:
-            q_k = probs(logits_k, sampling)
+            q_k = probs(biased(logits_k, sampling), sampling)
             tok = sample(q_k, gen)
             qs.append(q_k)
             tokens.append(tok)
@@ -94,9 +95,9 @@ def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], sa
         best = torch.argmax(logits_k, dim=-1).tolist() if any(s.greedy for s in samplings) else []
         for i, s in enumerate(samplings):
             if s.greedy:
-                tok = int(best[i])
+                tok = int(best[i]) if not s.logit_bias else int(torch.argmax(biased(logits_k[i], s)).item())
             else:
-                q_k = probs(logits_k[i], s)
+                q_k = probs(biased(logits_k[i], s), s)
                 tok = sample(q_k, gens[i])
                 qs[i].append(q_k)
             tokens[i].append(tok)
