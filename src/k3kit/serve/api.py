@@ -11,9 +11,9 @@ added to the logits), and vLLM's `top_k`, `min_p` ([0, 1]) and `repetition_penal
 over the prompt and the generated tokens): k3kit.runtime.sampling says how each applies. One
 field is k3kit's own: `draft: false` asks for no speculative decoding (the server's `--draft`
 stays unused for that request); one is llama-server's: `cache_prompt` (default true; false: the
-scheduler's prompt cache neither serves nor keeps this prompt). Values are then checked here (`APIError`, 400, with
-the offending `param`), and `generation_request` builds the scheduler's GenerationRequest,
-checking the context length.
+scheduler's prompt cache neither serves nor keeps this prompt). Values are then checked here
+(`APIError`, 400, with the offending `param`), and `generation_request` builds the scheduler's
+GenerationRequest, checking the context length.
 """
 
 from __future__ import annotations
