@@ -85,6 +85,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
 
 
+def prompt_cache_mib(args: argparse.Namespace) -> float:
+    """--prompt-cache-mib, or the default: a quarter of the RAM free now, at most 8 GiB."""
+    if args.prompt_cache_mib is not None:
+        return float(args.prompt_cache_mib)
+    from k3kit.plan.expert_io import mem_available
+    from k3kit.serve.prompt_cache import default_budget
+    return default_budget(mem_available()) / (1 << 20)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                          max_sequences=args.max_sequences, max_queue=args.max_queue, ctx=args.ctx,
                          max_body_bytes=int(args.max_body_mib * (1 << 20)),
-                         prompt_cache_mib=args.prompt_cache_mib, prompt_cache_dir=args.prompt_cache_dir,
+                         prompt_cache_mib=prompt_cache_mib(args), prompt_cache_dir=args.prompt_cache_dir,
                          prompt_cache_disk_mib=args.prompt_cache_disk_mib,
                          prompt_cache_interval=args.prompt_cache_interval,
                          shutdown_timeout=args.shutdown_timeout)

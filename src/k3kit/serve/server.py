@@ -38,12 +38,11 @@ from typing import Any
 from k3kit.adapters.session import Session
 from k3kit.errors import K3Error
 from k3kit.gguf.shards import Model
-from k3kit.plan.expert_io import mem_available
 from k3kit.runtime.protocols import BatchedModel, SnapshotModel
 from k3kit.serve.app import DEFAULT_MAX_BODY, ServerState, build_app, drain
 from k3kit.serve.batch import BatchScheduler
 from k3kit.serve.metrics import metrics_page
-from k3kit.serve.prompt_cache import PromptCache, default_budget, default_interval, identity
+from k3kit.serve.prompt_cache import PromptCache, default_interval, identity
 from k3kit.serve.scheduler import Scheduler, SchedulerStats
 from k3kit.serve.serial import SerialScheduler, StepFactory
 
@@ -63,7 +62,7 @@ class ServeConfig:
     max_queue: int = 64
     ctx: int | None = None          # None: the model's context length
     max_body_bytes: int = DEFAULT_MAX_BODY
-    prompt_cache_mib: float | None = None    # None: a share of free RAM (prompt_cache.default_budget); 0: off
+    prompt_cache_mib: float = 1024.0         # 0: off (the CLI's default: prompt_cache.default_budget)
     prompt_cache_dir: str | None = None      # spill evicted entries there and keep them across restarts
     prompt_cache_disk_mib: float = 16384.0   # bytes the directory may hold (0: no limit)
     prompt_cache_interval: int | None = None  # tokens between recurrent copies (None: from the state size)
@@ -94,8 +93,7 @@ def prompt_cache_for(session: Session, config: ServeConfig) -> PromptCache | Non
     if not isinstance(model, SnapshotModel):
         log.info("prompt cache: this model's sequence states cannot be saved; serving without it")
         return None
-    budget = (default_budget(mem_available()) if config.prompt_cache_mib is None
-              else int(config.prompt_cache_mib * (1 << 20)))
+    budget = int(config.prompt_cache_mib * (1 << 20))
     interval = (config.prompt_cache_interval
                 or default_interval(model.recurrent_bytes, model.positional_row_bytes))
     ident = identity(session.target.path, session.draft.path if session.draft is not None else None,
