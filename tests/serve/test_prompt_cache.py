@@ -104,8 +104,10 @@ def test_ar_cache_changes_no_token(spec_session, sampled, together):
                          ids=["greedy-batched", "seeded-alone"])
 def test_dspark_cache_changes_no_token(spec_session, spec_factory, sampled, together):
     """Seeded DSpark in shared passes is left out: its proposals come from one draft forward over
-    the sequences drafting together, and a restored sequence starts drafting passes earlier than
-    a cold one, so the draws differ (greedy's do not: the argmax survives the last bits)."""
+    the sequences drafting together, whose last bits depend on who drafts with whom, and the
+    speculative draws follow them; a restored sequence starts drafting passes earlier than a cold
+    one. That holds without any cache: the first conversation here, seeded, served alone and with
+    five others, differs from its sixth token. Greedy tokens do not move (the argmax survives)."""
     kw = dict(max_batch=64, max_queue=32, step_factory=spec_factory)
     model, codec = spec_session.model, spec_session.codec
     n = 6 if together else 3
