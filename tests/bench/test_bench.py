@@ -261,6 +261,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     other = tmp_path / "other.json"
     with Model.open(MINI) as m:
         facts = read_facts(m)
+        n_ctx = int(m.kv["kimi-k3.context_length"].value)
     other.write_text(json.dumps({"format": "k3kit-expert-profile", "version": 1,
                                  "model": {"arch": "kimi-k3", "layers": facts.n_layer, "experts": 64,
                                            "experts_used": facts.experts_used},
@@ -275,7 +276,8 @@ def test_bad_input_is_one_line(tmp_path, capsys):
         ([str(MINI), *FAST, "--workload", "poems"], "not a workload"),
         ([str(MINI), *FAST, "--pin-experts", str(other)], "profile is for another model (experts 64"),
         ([str(MINI), *FAST, "--concurrency", "0"], "must be 1..256"),
-        ([str(MINI), "-p", "1000", "-n", "100", "--no-progress"], "do not fit its context of 1024"),
+        ([str(MINI), "-p", str(n_ctx - 50), "-n", "100", "--no-progress"],
+         f"do not fit its context of {n_ctx}"),
         ([str(MINI), *FAST, "-r", "0"], "-r 0: must be >= 1"),
     ]
     for argv, msg in cases:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from k3kit.cli import main
+from k3kit.errors import K3Error
 from k3kit.mini import paths
 
 
@@ -80,3 +81,28 @@ def test_shipped_ggufs_are_named_for_the_model(path, name):
     checkpoint directory they were converted from)."""
     from k3kit.gguf.reader import GGUFFile
     assert GGUFFile.open(path()).kv["general.name"].value == name
+
+
+def test_shipped_mini_declares_an_agent_context():
+    """The shipped mini and its drafter declare the context the training settings give (>= 16384
+    tokens: a long system prompt and several turns fit), as UINT32 like every GGUF context_length;
+    the HF checkpoint and tokenizer say the same, and `k3kit serve` takes it as its --ctx bound."""
+    from k3kit.gguf.reader import GGUFFile, GGUFValueType
+    from k3kit.mini.train import CONTEXT_LENGTH, mini_config
+    from k3kit.serve.server import serve_context
+
+    target = GGUFFile.open(paths.shipped_gguf()).kv["kimi-k3.context_length"]
+    draft = GGUFFile.open(paths.shipped_draft()).kv["dflash.context_length"]
+    assert target.vtype == draft.vtype == GGUFValueType.UINT32
+    ctx = target.value
+    assert ctx >= 16384 and draft.value == ctx == CONTEXT_LENGTH == mini_config().max_position_embeddings
+    hf = paths.shipped_hf()
+    assert json.loads((hf / "config.json").read_text())["text_config"]["max_position_embeddings"] == ctx
+    assert json.loads((hf / "tokenizer_config.json").read_text())["model_max_length"] == ctx
+    draft_hf = paths.shipped_draft().parent / "hf" / "config.json"
+    assert json.loads(draft_hf.read_text())["max_position_embeddings"] == ctx
+
+    assert serve_context(ctx, None) == ctx
+    assert serve_context(ctx, 16384) == 16384 and serve_context(ctx, 4096) == 4096
+    with pytest.raises(K3Error, match=rf"--ctx {ctx + 1}: must be in \[1, {ctx}\]"):
+        serve_context(ctx, ctx + 1)

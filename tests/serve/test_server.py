@@ -1,9 +1,10 @@
 """`k3kit serve` driven by the real `openai` client over loopback, on the shipped mini K3.
 
 Two servers run for the module, each a `python -m k3kit serve --port 0` subprocess: plain AR
-(continuous batching, `--max-batch 8 --max-sequences 6`; API key from K3KIT_API_KEY, a small body
-limit and queue) and one with `--draft default --verify-budget 4` (batched speculative decoding,
-every greedy request with its draft; API key from --api-key). The references are `k3kit generate
+(continuous batching, `--max-batch 8 --max-sequences 6`, `--ctx 16384` below the file's context;
+API key from K3KIT_API_KEY, a small body limit and queue) and one with `--draft default
+--verify-budget 4` (batched speculative decoding, every greedy request with its draft; API key from
+--api-key). The references are `k3kit generate
 --temperature 0 --json` runs of the same prompts, started in parallel with the servers. Token
 budgets are small: the module is meant to take well under a minute on 2 idle cores.
 """
@@ -39,13 +40,15 @@ MAX_QUEUE = 16
 MAX_BATCH = 8           # rows per pass of the AR server
 MAX_SEQUENCES = 6       # sequences it serves at once (the rest wait in the queue)
 MAX_BODY = 64 << 10
+CTX = 16384             # the AR server's --ctx (the shipped mini declares more)
 
 
 @pytest.fixture(scope="module")
 def world():
     refs = start_generate([(PROMPT, N, False), (CHAT, N, True)])
     ar = Server(["--max-queue", str(MAX_QUEUE), "--max-batch", str(MAX_BATCH),
-                 "--max-sequences", str(MAX_SEQUENCES), "--max-body-mib", str(MAX_BODY / (1 << 20))],
+                 "--max-sequences", str(MAX_SEQUENCES), "--max-body-mib", str(MAX_BODY / (1 << 20)),
+                 "--ctx", str(CTX)],
                 env={"K3KIT_API_KEY": KEY})
     # a fixed verify budget: every greedy request keeps its draft (with `auto` a request that the
     # measured costs and these prompts' acceptance say cannot pay is served plain, as the AR server
@@ -168,6 +171,23 @@ def test_chat_greedy_matches_generate_chat(world):
                                            temperature=0, stream=True)
     got, finish, usage = stream_text(st)
     assert (got, finish, usage) == (text, c.finish_reason, None)
+
+
+def test_long_system_prompt_is_served(world):
+    """An agent's chat: a system prompt of about 1,600 tokens (longer than the mini's old 1,024-token
+    context), greedy, on both servers; the draft server gives the AR server's tokens."""
+    system = "".join(f"Rule {i}: answer with Python code that uses only the standard library; name "
+                     f"the module and function you call, and keep each line under 80 columns.\n"
+                     for i in range(42))      # 1,601 tokens
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": CHAT}]
+    got = []
+    for name in ("ar", "draft"):
+        s = world[name]
+        r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=4,
+                                              temperature=0)
+        assert r.usage.prompt_tokens > 1601 and 1 <= r.usage.completion_tokens <= 4, r.usage
+        got.append(r.choices[0].message.content)
+    assert got[0] == got[1]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -363,10 +383,11 @@ def test_bad_requests(world):
         c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=2, n=2)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=5000)
-    assert e.value.code == "context_length_exceeded"
+        c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=CTX)
+    assert e.value.code == "context_length_exceeded" and str(CTX) in e.value.message
+    long = [{"role": "user", "content": "x " * (CTX + 600)}]     # CTX + 600 tokens, under the body limit
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=s.model_id, messages=[{"role": "user", "content": "x " * 2000}])
+        c.chat.completions.create(model=s.model_id, messages=long)
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=1)

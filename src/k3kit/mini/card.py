@@ -326,6 +326,9 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     ]
     for name, a, b in rows:
         add(f"| {name} | {a} | {b} |")
+    add(f"\nContext: the file declares {m['max_position_embeddings']} tokens. As in K3, MLA is NoPE (the "
+        "\"pe\" part of q.k is not rotated) and KDA is recurrent, so no position is out of range; training "
+        f"saw {s['seq_len']}-token windows, so predictions far past that are what the model makes of them.")
     add("")
     add("## Data\n")
     tr, ho = manifest["train"], manifest["heldout"]

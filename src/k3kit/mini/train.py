@@ -50,6 +50,10 @@ SUMMARY_NAME = "summary.json"
 MANIFEST_NAME = "corpus_manifest.json"
 CHECKPOINT_NAME = "checkpoint.pt"
 HF_DIR = "hf"
+# The context the mini declares (config, tokenizer, GGUF). K3's MLA is NoPE and KDA is recurrent, so
+# no position is out of range; this is the budget a sequence may use (multi-turn chats with a long
+# system prompt fit), not a trained length: training windows are `seq_len` (256).
+CONTEXT_LENGTH = 32768
 
 
 def mini_config(vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE, **overrides) -> K3ModelConfig:
@@ -63,7 +67,7 @@ def mini_config(vocab_size: int = tokenizer.DEFAULT_VOCAB_SIZE, **overrides) -> 
     """
     base: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=256, layer_kinds=[KDA, KDA, KDA, MLA, KDA, MLA],
-        num_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        num_heads=2, max_position_embeddings=CONTEXT_LENGTH, rms_norm_eps=1e-5,
         kda_head_dim=64, conv_kernel=4, gate_lower_bound=-5.0,
         q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
         mla_output_gate=True, intermediate_size=512, first_k_dense=1,
@@ -224,8 +228,9 @@ def param_groups(model: K3Model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def tokenizer_config(tok) -> dict:
-    """tokenizer_config.json: the special tokens and chat template, as HF and the converter read them."""
+def tokenizer_config(tok, context_length: int = CONTEXT_LENGTH) -> dict:
+    """tokenizer_config.json: the special tokens and chat template, as HF and the converter read them;
+    model_max_length is the model's context."""
     ids = tokenizer.special_token_ids(tok)
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -237,7 +242,7 @@ def tokenizer_config(tok) -> dict:
                                       tokenizer.IM_SYSTEM, tokenizer.IM_MIDDLE],
         "add_bos_token": True,
         "add_eos_token": False,
-        "model_max_length": 1024,
+        "model_max_length": context_length,
         "chat_template": tokenizer.CHAT_TEMPLATE,
         "special_token_ids": ids,
     }
@@ -407,7 +412,7 @@ def train(out_dir: str | Path, settings: TrainSettings, model_cfg: K3ModelConfig
     hf = out / HF_DIR
     save_hf(model, hf)
     atomic_write(hf / "tokenizer.json", lambda p: tok.save(str(p)))
-    write_json(hf / "tokenizer_config.json", tokenizer_config(tok))
+    write_json(hf / "tokenizer_config.json", tokenizer_config(tok, cfg.max_position_embeddings))
     result = TrainResult(out, step, tokens_seen, seconds, last_loss, nll, math.exp(nll), unigram,
                          n_params, n_active)
     write_json(out / SUMMARY_NAME,

@@ -72,6 +72,16 @@ class ServeConfig:
 UVICORN_GRACE = 5     # s uvicorn gives connections after the drain (only responses already ending remain)
 
 
+def serve_context(model_context: int, requested: int | None) -> int:
+    """The context per sequence: `--ctx` when given, else the model's own (the file's declared
+    context_length); a `--ctx` beyond the model's is refused."""
+    if requested is None:
+        return model_context
+    if not 1 <= requested <= model_context:
+        raise K3Error(f"--ctx {requested}: must be in [1, {model_context}] (the model's context)")
+    return requested
+
+
 def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
     """Continuous batching when the model holds several sequences (with a draft: batched speculative
     verification, see k3kit.serve.batch); the serial worker for a model without that."""
@@ -242,11 +252,7 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
         try:
             session, step = load()
             holder["session"] = session
-            ctx = session.model.context_length
-            if config.ctx is not None:
-                if not 1 <= config.ctx <= ctx:
-                    raise K3Error(f"--ctx {config.ctx}: must be in [1, {ctx}] (the model's context)")
-                ctx = config.ctx
+            ctx = serve_context(session.model.context_length, config.ctx)
             sched = scheduler_for(session, step, config)
             holder["scheduler"] = sched
             state.ready(sched, session.codec, ctx, draft=getattr(sched, "step_factory", None) is not None)
