@@ -1,11 +1,11 @@
 """An agent workload with and without the prompt cache: time to first token and expert payload per turn.
 
-    python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--turns 8]
+    python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--exchanges 8]
         [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--plot PNG] [--json]
 
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
-instructions, text of the standard library), then `--turns` turns, each adding a user message of
-about `--tool-tokens` tokens (a tool's output) and the model's reply (up to `--reply-tokens`,
+instructions, text of the standard library), then `--exchanges` exchanges (turns of the
+conversation), each adding a user message of about `--tool-tokens` tokens (a tool's output) and the model's reply (up to `--reply-tokens`,
 greedy). The conversations of one row run together through one BatchScheduler (continuous
 batching, in process, no HTTP: what is measured is the scheduler and the model). The same
 workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget), alternating;
@@ -56,7 +56,7 @@ def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str) 
     convs = [[{"role": "system", "content": system}] for _ in range(n_conv)]
     rows = []
     try:
-        for t in range(args.turns):
+        for t in range(args.exchanges):
             for i, c in enumerate(convs):
                 c.append({"role": "user", "content": cut(codec, text, args.tool_tokens,
                                                          start=(1 + t * n_conv + i) * 4000)})
@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", action="store_true", help="serve with the shipped drafter (DSpark)")
     ap.add_argument("--system-tokens", type=int, default=4000)
-    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--exchanges", type=int, default=8, help="turns of each conversation")
     ap.add_argument("--tool-tokens", type=int, default=300)
     ap.add_argument("--reply-tokens", type=int, default=100)
     ap.add_argument("--conversations", default="1,8")
@@ -121,7 +121,7 @@ def main() -> int:
     result = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
               "model": Path(model).name, "draft": args.draft, "rows": {}}
     for n in [int(x) for x in args.conversations.split(",")]:
-        warm = argparse.Namespace(**{**vars(args), "turns": 1})
+        warm = argparse.Namespace(**{**vars(args), "exchanges": 1})
         run_turns(session, None, warm, n, text)          # touch the weights and the expert cache first
         off = run_turns(session, None, args, n, text)
         interval = default_interval(m.recurrent_bytes, m.positional_row_bytes)
@@ -138,7 +138,7 @@ def main() -> int:
                   f"{a['expert_bytes'] / 1e6:.1f} | {b['expert_bytes'] / 1e6:.1f} |")
         later = [a["ttft_s"] / max(b["ttft_s"], 1e-9) for a, b in zip(off[1:], on[1:], strict=True)]
         if later:
-            print(f"turns 2-{args.turns}: TTFT off/on min {min(later):.1f}x, "
+            print(f"exchanges 2-{args.exchanges}: TTFT off/on min {min(later):.1f}x, "
                   f"median {statistics.median(later):.1f}x")
     if args.plot:
         import matplotlib
