@@ -13,7 +13,7 @@ non-streamed message; both come from the same pieces, so they agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .base import OutputParser, Piece, call_id
@@ -37,7 +37,7 @@ def chat_format(source: str | None) -> str | None:
     return None
 
 
-def output_parser(fmt: str | None, prompt: str, *, tools: list[Mapping[str, Any]] | None = None,
+def output_parser(fmt: str | None, prompt: str, *, tools: Sequence[Mapping[str, Any]] | None = None,
                   call_offset: int = 0) -> OutputParser | None:
     """The parser of one response to `prompt` (the rendered chat prompt); None for no format."""
     if fmt == KIMI_K3:
@@ -72,7 +72,8 @@ class ChatOutput:
                 content.append(p.text)
                 self.content.append(p.text)
             elif p.kind == "call":
-                self.calls.append({"id": p.id, "type": "function", "function": {"name": p.name, "arguments": ""}})
+                self.calls.append({"id": p.id, "type": "function",
+                                   "function": {"name": p.name, "arguments": ""}})
                 calls[p.index] = {"index": p.index, "id": p.id, "type": "function",
                                   "function": {"name": p.name, "arguments": ""}}
             elif p.text:     # arguments

@@ -35,7 +35,7 @@ def function_name(id_text: str) -> str:
 
 
 class KimiK2Parser:
-    markers = MARKERS
+    markers: tuple[str, ...] = MARKERS
 
     def __init__(self, *, start: str = "content", call_offset: int = 0) -> None:
         self.mode = start            # think, content, section, id, arguments

@@ -117,7 +117,7 @@ def _json_value(raw: str, kind: str) -> str:
 class KimiK3Parser:
     """Incremental parser of one K3 assistant message (see the module docstring)."""
 
-    markers = MARKERS
+    markers: tuple[str, ...] = MARKERS
 
     def __init__(self, *, start: str = "think", types: Mapping[str, Mapping[str, str]] | None = None,
                  call_offset: int = 0) -> None:
@@ -207,7 +207,8 @@ class KimiK3Parser:
         self._arg_type, self._arg_raw = kind, ""
         lead = ", " if self._args else "{"
         self._args += 1
-        self._arguments(f"{lead}{json.dumps(key, ensure_ascii=False)}: " + ('"' if kind == "string" else ""), out)
+        quote = '"' if kind == "string" else ""
+        self._arguments(f"{lead}{json.dumps(key, ensure_ascii=False)}: {quote}", out)
         self.mode = "argument"
 
     def _close_argument(self, out: list[Piece]) -> None:
