@@ -14,7 +14,8 @@ from k3kit.serve.tool_parsers.kimi_k3 import KimiK3Parser, parse_tag
 
 
 def k3_call(name: str, index: int, *args: tuple[str, str, str]) -> str:
-    body = "".join(f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>' for k, t, v in args)
+    body = "".join(f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>'
+                   for k, t, v in args)
     return f'<|open|>call tool="{name}" index="{index}"<|sep|>{body}<|close|>call<|sep|>'
 
 
@@ -156,18 +157,21 @@ def test_call_offset_and_attribute_escapes():
     msg = run(k3(start="response", call_offset=4), [text])["message"]
     call = msg["tool_calls"][0]
     assert call["id"] == "functions.a&b:4" and json.loads(call["function"]["arguments"]) == {'k"': "v"}
-    assert parse_tag('<|open|>call tool="x" index="1"<|sep|>') == ("open", "call", {"tool": "x", "index": "1"})
+    tag = parse_tag('<|open|>call tool="x" index="1"<|sep|>')
+    assert tag == ("open", "call", {"tool": "x", "index": "1"})
     assert parse_tag("<|open|>not a tag<|sep|>") is None
 
 
 def test_chat_format_detection():
     assert chat_format(None) is None and chat_format("{{ messages }}") is None
     assert chat_format("<|open|> <|close|> <|end_of_msg|>") == "kimi-k3"
-    assert chat_format("<|tool_calls_section_begin|><|tool_call_begin|><|open|><|close|><|end_of_msg|>") == "kimi-k2"
+    both = "<|tool_calls_section_begin|><|tool_call_begin|><|open|><|close|><|end_of_msg|>"
+    assert chat_format(both) == "kimi-k2"
 
 
 K2 = ("<think>plan</think>Sure.<|tool_calls_section_begin|>"
-      '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+      '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}'
+      "<|tool_call_end|>"
       "<|tool_call_begin|>functions.noop:1<|tool_call_argument_begin|><|tool_call_end|>"
       "<|tool_calls_section_end|>")
 
@@ -175,7 +179,8 @@ K2 = ("<think>plan</think>Sure.<|tool_calls_section_begin|>"
 def test_kimi_k2_format():
     whole = run(KimiK2Parser(call_offset=2), [K2])["message"]
     assert whole["reasoning_content"] == "plan" and whole["content"] == "Sure."
-    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]] \
+    calls = whole["tool_calls"]
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
         == [("functions.get_weather:2", "get_weather", {"city": "Paris"}), ("functions.noop:3", "noop", {})]
     for cut in range(1, len(K2)):
         assert run(KimiK2Parser(call_offset=2), [K2[:cut], K2[cut:]])["message"] == whole, cut
