@@ -4,7 +4,9 @@ Bodies are parsed by pydantic in STRICT mode: a field of the wrong JSON type is 
 "5" for 5, no true for 1), which the app answers with HTTP 400 in OpenAI's error shape
 (FastAPI's default would be 422). Unknown fields are ignored, as OpenAI-compatible servers do:
 clients send `user`, `metadata`, `store`... Fields k3kit cannot honour are refused when they ask
-for something (tools, a JSON response format, n > 1) rather than silently ignored. Sampling
+for something (a JSON response format, n > 1, the legacy `functions`) rather than silently
+ignored; tools, tool calls in the history and the chat template's switches are checked by
+k3kit.serve.tools. Sampling
 fields: OpenAI's `temperature`, `top_p`, `seed`, `presence_penalty` and `frequency_penalty`
 ([-2, 2], over the tokens generated so far), `logit_bias` ({"token id": bias in [-100, 100]},
 added to the logits), and vLLM's `top_k`, `min_p` ([0, 1]) and `repetition_penalty` (> 0, 1 = off;
@@ -64,6 +66,10 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None          # assistant: checked by k3kit.serve.tools
+    tool_call_id: str | None = None              # tool: the call it answers
+    reasoning_content: str | None = None         # assistant: its reasoning (vLLM's / llama-server's)
+    reasoning: str | None = None
 
 
 class _Sampled(_Body):
@@ -98,7 +104,12 @@ class ChatRequest(_Sampled):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None    # vLLM's and llama-server's: template variables
+    reasoning_effort: str | None = None
+    functions: list[Any] | None = None          # legacy: refused (k3kit.serve.tools)
+    function_call: Any = None                   # legacy: refused
 
 
 class CompletionRequest(_Sampled):
@@ -124,10 +135,6 @@ Kind = Literal["chat", "completion"]
 
 def _unsupported(body: _Sampled) -> None:
     if isinstance(body, ChatRequest):
-        if body.tools:
-            raise bad("tools are not supported by k3kit yet", "tools")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise bad("tool_choice is not supported by k3kit yet", "tool_choice")
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
     if isinstance(body, CompletionRequest):
@@ -139,30 +146,20 @@ def _unsupported(body: _Sampled) -> None:
             raise bad("suffix is not supported by k3kit", "suffix")
 
 
-def chat_messages(body: ChatRequest) -> list[dict[str, str]]:
-    """The conversation as the chat template sees it: role and text content (text parts joined)."""
-    if not body.messages:
-        raise bad("messages must not be empty", "messages")
-    out: list[dict[str, str]] = []
-    for i, m in enumerate(body.messages):
-        if m.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"messages[{i}].role {m.role!r} is not one of system, developer, user, assistant, tool",
-                      f"messages[{i}].role")
-        if isinstance(m.content, list):
-            parts = []
-            for j, p in enumerate(m.content):
-                if p.type != "text" or p.text is None:
-                    raise bad(f"messages[{i}].content[{j}]: only text parts are supported",
-                              f"messages[{i}].content[{j}]")
-                parts.append(p.text)
-            content = "".join(parts)
-        else:
-            content = m.content or ""
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
+def message_text(m: ChatMessage, i: int) -> str:
+    """A message's text content (text parts joined); 400 for an unknown role or a non-text part."""
+    if m.role not in ("system", "developer", "user", "assistant", "tool"):
+        raise bad(f"messages[{i}].role {m.role!r} is not one of system, developer, user, assistant, tool",
+                  f"messages[{i}].role")
+    if isinstance(m.content, list):
+        parts = []
+        for j, p in enumerate(m.content):
+            if p.type != "text" or p.text is None:
+                raise bad(f"messages[{i}].content[{j}]: only text parts are supported",
+                          f"messages[{i}].content[{j}]")
+            parts.append(p.text)
+        return "".join(parts)
+    return m.content or ""
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:

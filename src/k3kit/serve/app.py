@@ -42,7 +42,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -60,7 +60,6 @@ from k3kit.serve.api import (
     DetokenizeRequest,
     TokenizeRequest,
     bad,
-    chat_messages,
     check_body,
     completion_prompt,
     generation_request,
@@ -79,6 +78,8 @@ from k3kit.serve.scheduler import (
     TokenLogprob,
 )
 from k3kit.serve.stats import History, stats_body
+from k3kit.serve.tool_parsers import ChatOutput, output_parser
+from k3kit.serve.tools import chat_inputs
 from k3kit.tokenizer.codec import TextCodec
 
 PUBLIC_PATHS = frozenset({"/health"})
@@ -435,13 +436,21 @@ def build_app(state: ServerState) -> ASGIApp:
         scheduler, codec = accepting()
         check_model(body.model)
         check_body(body)
+        inputs = chat_inputs(body, codec.chat.source)
         try:
-            text = codec.chat.render(chat_messages(body), add_generation_prompt=True)
+            text = codec.chat.render(inputs.messages, add_generation_prompt=True, tools=inputs.tools,
+                                     **inputs.variables)
         except K3Error as e:
             raise bad(str(e), "messages") from None
         gen = generation_request(body, codec.encode(text), state.context_length, codec.n_vocab)
+        parser = output_parser(inputs.format, text, tools=inputs.tools, call_offset=inputs.call_offset)
+        output = None
+        if parser is not None:
+            output = ChatOutput(parser)
+            gen = replace(gen, shown=codec.control_ids(parser.markers))
         return await respond(scheduler, codec, gen, request, chat=True, stream=bool(body.stream),
-                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                             output=output)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -460,7 +469,8 @@ def build_app(state: ServerState) -> ASGIApp:
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
     async def respond(scheduler: Scheduler, codec: TextCodec, gen: GenerationRequest, request: Request, *,
-                      chat: bool, stream: bool, include_usage: bool) -> Response:
+                      chat: bool, stream: bool, include_usage: bool,
+                      output: ChatOutput | None = None) -> Response:
         try:
             events = scheduler.submit(gen)
         except QueueFull as e:
@@ -480,7 +490,7 @@ def build_app(state: ServerState) -> ASGIApp:
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if stream:
-            return _Streamed(_stream(events, codec, rid, created, chat, include_usage, rec), ended,
+            return _Streamed(_stream(events, codec, rid, created, chat, include_usage, rec, output), ended,
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: scheduler.cancel(gen.id)))
@@ -520,16 +530,23 @@ def build_app(state: ServerState) -> ASGIApp:
         if gen.logprobs is not None:
             logprobs = ({"content": _chat_logprobs(codec, tuple(lps))} if chat
                         else _legacy_logprobs(codec, tuple(lps), 0))
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": _finish_reason(finish)}
+        reason = _finish_reason(finish)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if output is not None:
+            output.feed(content)
+            output.finish()
+            message, reason = output.message(), output.finish_reason(reason)
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": content}
+            choice["message"] = message
         else:
             choice["text"] = content
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_id,
                              "choices": [choice], "usage": _usage(finish)})
 
     async def _stream(events: RequestStream, codec: TextCodec, rid: str, created: int, chat: bool,
-                      include_usage: bool, rec: AccessRecord | None) -> AsyncIterator[bytes]:
+                      include_usage: bool, rec: AccessRecord | None,
+                      output: ChatOutput | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         offset = 0
         seen = 0             # tokens streamed, for the access log of a stream the client left
@@ -563,6 +580,11 @@ def build_app(state: ServerState) -> ASGIApp:
                                         else _legacy_logprobs(codec, ev.logprobs, offset))
                         offset += len(ev.text)
                         body: dict[str, Any] = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                        if output is not None:
+                            delta = output.feed(ev.text)
+                            if delta is None and logprobs is None:
+                                continue
+                            body = {"delta": delta or {"content": ""}}
                         yield _sse(chunk({"index": 0, **body, "logprobs": logprobs, "finish_reason": None}))
                         continue
                     if rec is not None:
@@ -575,8 +597,14 @@ def build_app(state: ServerState) -> ASGIApp:
                         yield _sse(err.body())
                         break
                     end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
-                    yield _sse(chunk({"index": 0, **end, "logprobs": None,
-                                      "finish_reason": _finish_reason(ev)}))
+                    reason = _finish_reason(ev)
+                    if output is not None:
+                        last = output.finish()
+                        if last is not None:
+                            yield _sse(chunk({"index": 0, "delta": last, "logprobs": None,
+                                              "finish_reason": None}))
+                        reason = output.finish_reason(reason)
+                    yield _sse(chunk({"index": 0, **end, "logprobs": None, "finish_reason": reason}))
                     if include_usage:
                         yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
                                     "choices": [], "usage": _usage(ev)})

@@ -46,6 +46,7 @@ class GenerationRequest:
     id: str = field(default_factory=next_request_id)
     draft: bool = True                    # False: never speculate, even where the server has a draft
     cache_prompt: bool = True             # False: neither reuse nor keep this prompt's state (prompt cache)
+    shown: frozenset[int] = frozenset()   # control tokens decoded as their text (a chat format's markers)
 
     @property
     def may_draft(self) -> bool:

@@ -6,7 +6,9 @@ for every scheduler (phase 1's serial worker, phase 2's batches):
 * `max_tokens` counts every generated token, an end-of-text / end-of-turn token included, and
   a token at or past the limit is never taken: exactly `k3kit generate`'s rule, so the greedy
   token ids of a request equal `k3kit generate --temperature 0`'s for the same prompt;
-* the file's stop ids (eos, eot) end the sequence with reason "stop" and render as nothing;
+* the file's stop ids (eos, eot) end the sequence with reason "stop" and render as nothing; other
+  control tokens render as nothing too, except the request's `shown` ones (a chat format's
+  markers, which the chat route's output parser reads);
 * stop STRINGS are found in the text: the text is cut before the first one, and text that could
   still grow into one is held back until it cannot (so no client ever sees part of a stop);
 * text comes from the token bytes through an incremental UTF-8 decoder: a character split over
@@ -59,7 +61,7 @@ class SequenceOutput:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0   # prompt tokens the prompt cache restored (reported in the FinishEvent)
-        self._stream = codec.streamer()
+        self._stream = codec.streamer(request.shown)
         self._held = ""          # decoded text not yet released (it could start a stop string)
 
     @property

@@ -12,7 +12,7 @@ llama.cpp's detokenizer does without `special`. Chat prompts come from the file'
 from __future__ import annotations
 
 import codecs
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
 
 from gguf import GGUFValueType
@@ -124,20 +124,29 @@ class TextCodec:
                 raise FormatError(f"{self.where}: token id {t} outside the vocab of {n}")
         return b"".join(self.token_bytes[t] for t in ids)
 
-    def streamer(self) -> TextStream:
-        return TextStream(self)
+    def streamer(self, shown: Collection[int] = ()) -> TextStream:
+        """An incremental decoder; control tokens in `shown` decode as their own text."""
+        return TextStream(self, shown)
+
+    def control_ids(self, texts: Collection[str]) -> frozenset[int]:
+        """The control tokens (which decode as nothing) whose text is one of `texts`."""
+        want = set(texts)
+        return frozenset(i for i, t in enumerate(self.vocab_tokens)
+                         if t in want and not self.token_bytes[i])
 
 
 class TextStream:
     """Feed token ids one at a time; get back the text that became complete."""
 
-    def __init__(self, codec: TextCodec) -> None:
+    def __init__(self, codec: TextCodec, shown: Collection[int] = ()) -> None:
         self.codec = codec
+        self.shown = {int(t): codec.vocab_tokens[int(t)].encode("utf-8") for t in shown}
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
 
     def push(self, token: int) -> str:
-        piece = self._dec.decode(self.codec.decode_bytes([token]))
+        raw = self.shown.get(token)
+        piece = self._dec.decode(self.codec.decode_bytes([token]) if raw is None else raw)
         self.text += piece
         return piece
 
