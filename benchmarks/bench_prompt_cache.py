@@ -6,8 +6,9 @@
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
 instructions, text of the standard library), then `--exchanges` exchanges (turns of the
 conversation), each adding a user message of about `--tool-tokens` tokens (a tool's output)
-and the model's reply (up to `--reply-tokens`, greedy). The conversations of one row run together through one BatchScheduler (continuous
-batching, in process, no HTTP: what is measured is the scheduler and the model). The same
+and the model's reply (up to `--reply-tokens`, greedy). The conversations of one row run
+together through one BatchScheduler (continuous batching, in process, no HTTP: what is
+measured is the scheduler and the model). The same
 workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget), alternating;
 the table gives per turn the median TTFT over the conversations, the ratio off/on, the prompt
 tokens restored and the expert bytes read from the file (the store's ledger) during the turn.
