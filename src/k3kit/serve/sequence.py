@@ -61,7 +61,7 @@ class SequenceOutput:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0   # prompt tokens the prompt cache restored (reported in the FinishEvent)
-        self._stream = codec.streamer(request.shown)
+        self._stream = codec.streamer(request.shown) if request.shown else codec.streamer()
         self._held = ""          # decoded text not yet released (it could start a stop string)
 
     @property
