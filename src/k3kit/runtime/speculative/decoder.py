@@ -38,6 +38,7 @@ from k3kit.runtime.speculative.schedule import (
 )
 
 if TYPE_CHECKING:
+    from k3kit.runtime.constraint import Constraint
     from k3kit.runtime.sampling import History
 
 REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
@@ -113,17 +114,24 @@ class SpeculativeDecoder:
     plain decoding would penalize it, and the accepted tokens join the history. The logit bias
     and min-p are per row and need nothing. The draft's proposals see the bias but not the
     penalties: acceptance judges them against the target's penalized rows, so the output is
-    still exactly plain decoding's (greedy) or distributed as it (sampled).
+    still exactly plain decoding's (greedy) or distributed as it (sampled). `constraint`: the
+    sequence's k3kit.runtime.constraint.Constraint (its Sampler's), when a grammar constrains it:
+    verify row k is masked with the grammar's state after the block's proposals[:k] (after the
+    bias and the penalties, as plain decoding masks it), so a proposal the grammar forbids is
+    rejected by the target's masked distribution; the accepted tokens advance it, and a block is
+    cut after the token that completes the grammar, where plain decoding ends.
     """
 
     def __init__(self, target: Target, draft: Draft, sampling: Sampling, generator: torch.Generator, *,
                  schedule: ScheduleConfig | None = None, ring: FeatureRing | None = None,
                  ring_storage: str = "f16", ring_capacity: int = 4096, stop_ids: Iterable[int] = (),
-                 clock: Callable[[], float] = time.perf_counter, history: History | None = None):
+                 clock: Callable[[], float] = time.perf_counter, history: History | None = None,
+                 constraint: Constraint | None = None):
         if sampling.penalized and history is None:
             raise ValueError("sampling with history penalties needs the sequence's History (Sampler.history)")
         self.target, self.draft, self.sampling, self.gen = target, draft, sampling, generator
         self.history = history if sampling.penalized else None
+        self.constraint = constraint
         self.clock = clock
         self.schedule = schedule or ScheduleConfig()
         self.stop = set(stop_ids)
@@ -235,6 +243,8 @@ class SpeculativeDecoder:
         rows = biased(v.logits, self.sampling)
         if self.history is not None:            # row k sees the history and cand[:k], as plain decoding
             rows = self.history.penalize(rows, cand)
+        if self.constraint is not None:         # row k with the grammar's state after cand[:k]
+            rows = self.constraint.mask(rows, cand)
         if self.sampling.greedy:
             m, nxt = accept_greedy(cand, rows)
         else:
@@ -250,6 +260,8 @@ class SpeculativeDecoder:
             if t in self.stop:
                 new = new[: j + 1]
                 break
+        if self.constraint is not None:         # cut after the token that completes the grammar
+            new = new[: self.constraint.consume(new)]
         if self.history is not None:
             self.history.extend(new)
         n_commit = len(new)                 # anchor + accepted proposals up to the last new one
