@@ -49,6 +49,7 @@ class ChatInputs:
     variables: dict[str, Any] = field(default_factory=dict)
     format: str | None = None
     call_offset: int = 0
+    required: bool = False       # tool_choice "required" or a named function: the answer must call
 
 
 def _tools(body: ChatRequest) -> list[dict[str, Any]] | None:
@@ -233,4 +234,5 @@ def chat_inputs(body: ChatRequest, template_source: str | None) -> ChatInputs:
         variables["tool_choice"] = choice
     if body.response_format is not None:
         variables["response_format"] = body.response_format
-    return ChatInputs(messages, declared, variables, fmt, n_calls)
+    return ChatInputs(messages, declared, variables, fmt, n_calls,
+                      required=choice == "required" and bool(declared))
