@@ -27,6 +27,7 @@ from k3kit.runtime.constraint import (  # noqa: E402
 )
 from k3kit.runtime.sampling import Sampler, make_sampling  # noqa: E402
 from k3kit.runtime.speculative import ScheduleConfig, SpeculativeDecoder  # noqa: E402
+from k3kit.runtime.speculative.proposal import chain, propose  # noqa: E402
 
 MERGES = [("{", '"'), ('"', "}"), ("t", "r"), ("tr", "u"), ("tru", "e"), (":", " "), ('"', ":")]
 SPECIALS = ["<|end|>", "<|sep|>"]
@@ -251,9 +252,10 @@ def _decode(target: ToyTarget, vocab: Vocabulary, grammar, temperature: float, s
 def test_speculative_decoding_under_a_grammar(tok, vocab, temperature):
     """Greedy: the speculative decoder's tokens are plain decoding's under the grammar, token for
     token, in fewer passes (with the grammar oracle: under half of plain decoding's); sampled:
-    every output follows the grammar and a seed repeats it. The
-    unconstrained oracle proposes the target's continuation without the grammar (the grammar
-    rejects most of it); the grammar oracle proposes under it, wrong with probability 0.2."""
+    every output follows the grammar and a seed repeats it. The plain oracle's rows peak at the
+    target's continuation without the grammar (masked, what is left of them is noise: the target
+    rejects most of it); the grammar oracle's peak at the continuation under it, wrong with
+    probability 0.2."""
     grammar = vocab.json_schema({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
                                                                         "maximum": 999}},
                                  "required": ["a"], "additionalProperties": False})
@@ -272,3 +274,35 @@ def test_speculative_decoding_under_a_grammar(tok, vocab, temperature):
             fewer += kind is GrammarOracle and spec_passes < plain_passes / 2
     if temperature == 0:
         assert fewer == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_proposes_under_the_grammar_and_leaves_it_as_it_was(tok, vocab, temperature):
+    """A draft block chained under a grammar: every proposal is allowed after the ones before it
+    (the rows are masked as it goes), q is the masked distribution, and the matcher is back where
+    it was; `chain` proposes what `propose` does."""
+    grammar = vocab.json_schema(SCHEMA)
+    target = ToyTarget(vocab=vocab.n_vocab, seed=5)
+    s = make_sampling(temperature, seed=3)
+    c = grammar.constraint()
+    c.consume(ids(tok, '{"ok": tr'))
+    before = c.bitmasks().clone()
+    draft = OracleDraft(target, 6, p_good=0.5, seed=1)
+    draft.sync(type("Ring", (), {"length": 0})())
+    props = propose(draft, 7, 0, s, torch.Generator().manual_seed(9), c)
+    assert torch.equal(c.bitmasks(), before) and c.consumed == len(ids(tok, '{"ok": tr'))
+    check = grammar.constraint()
+    check.consume(ids(tok, '{"ok": tr'))
+    for t in props.tokens:
+        if check.stopped:
+            break
+        assert t in allowed(vocab, check.bitmasks()), tok.decode(props.tokens)
+        check.consume([t])
+    if props.q is not None:
+        for k, t in enumerate(props.tokens[:3]):
+            assert props.q[k, t] > 0 and abs(float(props.q[k].sum()) - 1) < 1e-9
+    draft = OracleDraft(target, 6, p_good=0.5, seed=1)
+    draft.sync(type("Ring", (), {"length": 0})())
+    block = draft.draft_block(7, 0)
+    again = chain(draft, [block], [7], [s], [torch.Generator().manual_seed(9)], [c])[0]
+    assert again.tokens == props.tokens and torch.equal(c.bitmasks(), before)

@@ -13,6 +13,9 @@ tokenizer's Hugging Face JSON, the logits' width and the ids that end a sequence
   masked target is 0), so speculative decoding stays lossless under a grammar.
 * The ids that end a sequence (end of text, end of turn) are allowed only where the grammar is
   complete (llguidance's `is_accepting`).
+* `walk()` lets a drafter propose under the grammar: each proposal row masked with the state
+  after the proposals before it (more of them survive verification; the masked draft
+  distribution is the proposal distribution, so acceptance stays exact), rolled back after.
 * `consume(tokens)` advances the matcher over the tokens picked; once the grammar can take
   nothing more (`is_stopped`: a JSON value closed, the last rule matched) the sequence ends right
   there, with the token that completed it: `ended_at` is how many tokens it had then.
@@ -237,6 +240,11 @@ class Constraint:
         self.times.masks += rows.shape[0]
         return out
 
+    def walk(self) -> Walk:
+        """A draft's walk from the current state (see Walk); close it before anything else uses
+        the constraint."""
+        return Walk(self)
+
     def consume(self, tokens: Iterable[int]) -> int:
         """Advance over picked tokens; -> how many of them the sequence keeps: all, or up to and
         including the one that completed the grammar (nothing after it is taken)."""
@@ -255,6 +263,43 @@ class Constraint:
                 self.ended_at = self.consumed
         self.times.consume += time.perf_counter() - t0
         return kept
+
+
+class Walk:
+    """A draft's walk through a constraint's grammar (k3kit.runtime.speculative.proposal): `mask`
+    a proposal row with the state after the proposals chosen so far, `step` over the one chosen;
+    `close` rolls the matcher back to where the walk began. A proposal the grammar forbids (none
+    is, when every row was masked) ends the walk: later rows go unmasked."""
+
+    def __init__(self, constraint: Constraint) -> None:
+        self.c = constraint
+        self.steps = 0
+        self.open = not constraint.stopped
+        self._bits = torch.zeros((1, constraint.vocab.words), dtype=torch.int32)
+
+    def mask(self, row: Tensor) -> Tensor:
+        """One row of draft logits [V] -> masked (a copy), or the row itself once the walk ended."""
+        if not self.open:
+            return row
+        t0 = time.perf_counter()
+        self.c._fill(self._bits, 0)
+        t1 = time.perf_counter()
+        out = apply_bitmask(row[None], self._bits)[0]
+        self.c.times.fill += t1 - t0
+        self.c.times.apply += time.perf_counter() - t1
+        return out
+
+    def step(self, token: int) -> None:
+        if self.open and _allowed(self._bits[0], token) and self.c.matcher.try_consume_tokens([token]) == 1:
+            self.steps += 1
+            self.open = not self.c.matcher.is_stopped()
+        else:
+            self.open = False
+
+    def close(self) -> None:
+        if self.steps:
+            self.c.matcher.rollback(self.steps)
+        self.steps, self.open = 0, False
 
 
 def _bit(t: int) -> int:

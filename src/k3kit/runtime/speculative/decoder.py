@@ -119,7 +119,8 @@ class SpeculativeDecoder:
     verify row k is masked with the grammar's state after the block's proposals[:k] (after the
     bias and the penalties, as plain decoding masks it), so a proposal the grammar forbids is
     rejected by the target's masked distribution; the accepted tokens advance it, and a block is
-    cut after the token that completes the grammar, where plain decoding ends.
+    cut after the token that completes the grammar, where plain decoding ends. The draft proposes
+    under the grammar too (k3kit.runtime.speculative.proposal), so its blocks follow it.
     """
 
     def __init__(self, target: Target, draft: Draft, sampling: Sampling, generator: torch.Generator, *,
@@ -169,7 +170,7 @@ class SpeculativeDecoder:
             return None
         dt = self._sync()
         t1 = self.clock()
-        props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen)
+        props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen, self.constraint)
         self._stepped(dt + self.clock() - t1)
         return props
 
@@ -204,7 +205,7 @@ class SpeculativeDecoder:
         sequence's sampling and generator (its draws, as `propose` makes them). `seconds`: this
         sequence's share of the block's making, counted with the chain as its step time."""
         t0 = self.clock()
-        props = chain(self.draft, [block], [anchor], [self.sampling], [self.gen])[0]
+        props = chain(self.draft, [block], [anchor], [self.sampling], [self.gen], [self.constraint])[0]
         self._stepped(seconds + self.clock() - t0)
         return props
 
@@ -401,7 +402,8 @@ def propose_many(decoders: Sequence[SpeculativeDecoder], anchors: Sequence[int],
     if greedy:
         t0 = time.perf_counter()
         props = chain(group[0].draft, [blocks[j] for j in greedy], [anchors[idx[j]] for j in greedy],
-                      [group[j].sampling for j in greedy], [group[j].gen for j in greedy])
+                      [group[j].sampling for j in greedy], [group[j].gen for j in greedy],
+                      [group[j].constraint for j in greedy])
         dt = (time.perf_counter() - t0) / len(greedy)
         for j, p in zip(greedy, props, strict=True):
             group[j]._stepped(seconds[j] + dt)
