@@ -27,6 +27,7 @@ from k3kit.runtime.speculative.schedule import DraftGuard  # noqa: E402
 from k3kit.serve.batch import BatchScheduler  # noqa: E402
 from k3kit.serve.grammar import vocabulary  # noqa: E402
 from k3kit.serve.scheduler import FinishEvent, GenerationRequest, TokenEvent  # noqa: E402
+from k3kit.serve.serial import SerialScheduler  # noqa: E402
 
 NUMBER = {"type": "number", "minimum": -50, "maximum": 50, "multipleOf": 0.25}
 SCHEMAS: list[dict[str, Any]] = [
@@ -55,8 +56,10 @@ SCHEMAS: list[dict[str, Any]] = [
 PROMPTS = ["config = ", "data = json.loads(", "return ", "kwargs = ", "self.options = ", "DEFAULTS = "]
 
 
-def serve(sched: BatchScheduler, reqs: Sequence[GenerationRequest]) -> list[tuple[list[int], str, str]]:
-    """Every request admitted at the same pass; -> (tokens, text, finish reason) each. Closes `sched`."""
+def serve(sched: BatchScheduler | SerialScheduler,
+          reqs: Sequence[GenerationRequest]) -> list[tuple[list[int], str, str]]:
+    """Every request submitted at once (a BatchScheduler admits them at the same pass); -> (tokens,
+    text, finish reason) each. Closes `sched`."""
     async def one(stream: Any) -> tuple[list[int], str, str]:
         tokens: list[int] = []
         text, reason = "", ""
@@ -71,7 +74,7 @@ def serve(sched: BatchScheduler, reqs: Sequence[GenerationRequest]) -> list[tupl
     async def main() -> list[tuple[list[int], str, str]]:
         with sched._cv:
             streams = [sched.submit(r) for r in reqs]
-        return await asyncio.gather(*[one(s) for s in streams])
+        return list(await asyncio.gather(*[one(s) for s in streams]))
     try:
         return asyncio.run(main())
     finally:
@@ -146,6 +149,18 @@ def test_dspark_greedy_under_a_schema_is_ar(spec_session, spec_factory):
     assert st.spec_proposed > st.spec_accepted > 0
     for i, (_, text, _) in enumerate(got):
         jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
+
+
+def test_serial_scheduler_follows_the_grammar(spec_session, spec_factory):
+    """The one-at-a-time scheduler, plain and with its step factory's decoders: the batching
+    scheduler's greedy tokens under schemas."""
+    codec = spec_session.codec
+    vocab = vocabulary(codec)
+    reqs = [request(codec, PROMPTS[i], vocab.json_schema(SCHEMAS[i])) for i in range(3)]
+    ref = [t for t, _, _ in serve(ar(spec_session), reqs)]
+    for factory in (None, spec_factory):
+        got = serve(SerialScheduler(spec_session.model, codec, step_factory=factory), reqs)
+        assert [t for t, _, _ in got] == ref and all(reason == "stop" for _, _, reason in got)
 
 
 def test_seeded_sampling_under_a_grammar_repeats(spec_session, spec_factory):

@@ -79,7 +79,8 @@ def codec(request) -> Codec:
 
 def grammar(codec: Codec, prompt: str, tools: list[dict[str, Any]] = TOOLS, parallel: bool | None = None,
             spec: OutputSpec | None = None, required: bool = True):
-    inputs = ChatInputs(messages=[], tools=tools, format="kimi-k3", required=required)
+    choice = "required" if required else None
+    inputs = ChatInputs(messages=[], tools=tools, format="kimi-k3", tool_choice=choice)
     return asyncio.run(request_grammar(codec, spec, chat=inputs, prompt=prompt, parallel_tool_calls=parallel))
 
 
@@ -161,12 +162,16 @@ def test_one_call_without_parallel_calls_and_a_named_function(codec):
     assert not taken(codec, named, EMPTY + block(PARIS))
 
 
-def test_json_answer_or_calls_with_tool_choice_auto(codec):
+def test_json_answer_or_calls_unless_tool_choice_none(codec):
     g = grammar(codec, RESPONSE, spec=OutputSpec("json_schema", {"type": "object", "required": ["a"]}, "x"),
                 required=False)
     assert taken(codec, g, '{"a": [1, 2]}<|close|>response<|sep|><|close|>message<|sep|>')
     assert not taken(codec, g, '{"b": 1}<|close|>response<|sep|>')
     assert taken(codec, g, CLOSED + block(PARIS))
+    inputs = ChatInputs(messages=[], tools=TOOLS, format="kimi-k3", tool_choice="none")
+    spec = OutputSpec("json_object", None, "x")
+    none = asyncio.run(request_grammar(codec, spec, chat=inputs, prompt=RESPONSE))
+    assert not taken(codec, none, CLOSED + block(PARIS)) and taken(codec, none, '{"b": 1}')
 
 
 def test_answers_from_random_logits_parse_into_valid_calls(codec):

@@ -7,7 +7,7 @@ required tool call, compiled by llguidance into the Grammar its sequence follows
   finish the channel the prompt opened: Kimi-K3 (XTML) allows the think channel's text (when the
   prompt ends in its opener; any text, ended by `<|close|>think<|sep|>`), then opens the response
   channel and takes the JSON; Kimi-K2 allows the text up to `</think>` when the prompt ends in
-  `<think>`. With tools declared and tool_choice auto, a K3 answer may call tools instead. A
+  `<think>`. With tools declared (tool_choice absent or auto), a K3 answer may call tools instead. A
   `grammar` / `lark_grammar` applies to the whole answer as the model writes it, markers included;
 * `tool_choice` "required" or a named function, on a Kimi-K3 template: the answer must be the
   think text (where the prompt opened think), an empty response channel (K3's template writes one
@@ -262,7 +262,7 @@ def _compile(vocab: Vocabulary, spec: OutputSpec | None, chat: ChatInputs | None
             return vocab.json_schema(JSON_OBJECT if spec.kind == "json_object" else spec.source)
         lark = _Lark(vocab)
         value = lark.rule(_json_schema(JSON_OBJECT if spec.kind == "json_object" else spec.source), "json")
-        if fmt == KIMI_K3 and chat is not None and chat.tools:
+        if fmt == KIMI_K3 and chat is not None and chat.tools and chat.tool_choice != "none":
             # tool_choice auto: the JSON answer (its closing tags may follow), or tool calls
             close = lark.seq(CLOSE, "response", SEP)
             value = f"{value} ({close} {lark.seq(CLOSE, 'message', SEP)}?)?"
