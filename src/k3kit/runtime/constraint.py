@@ -289,6 +289,22 @@ class Walk:
         self.c.times.apply += time.perf_counter() - t1
         return out
 
+    def greedy(self, row: Tensor) -> tuple[int, Tensor]:
+        """The best token of a row of draft logits [V] the grammar allows, and the row as the pick
+        saw it: masked only when its best token is forbidden (the argmax is the same either way)."""
+        t = int(torch.argmax(row).item())
+        if not self.open:
+            return t, row
+        t0 = time.perf_counter()
+        self.c._fill(self._bits, 0)
+        self.c.times.fill += time.perf_counter() - t0
+        if _allowed(self._bits[0], t):
+            return t, row
+        t1 = time.perf_counter()
+        out = apply_bitmask(row[None], self._bits)[0]
+        self.c.times.apply += time.perf_counter() - t1
+        return int(torch.argmax(out).item()), out
+
     def step(self, token: int) -> None:
         if self.open and _allowed(self._bits[0], token) and self.c.matcher.try_consume_tokens([token]) == 1:
             self.steps += 1

@@ -16,12 +16,15 @@ required tool call, compiled by llguidance into the Grammar its sequence follows
   tag's key one of the function's properties (the required ones all present, in the schema's
   order), its `type` attribute the property's JSON type and its value that type's text: a string
   as it is (one of the enum's, when it has one), anything else JSON that follows the property's
-  schema (llguidance's `%json`). A function without properties takes any arguments.
+  schema (llguidance's `%json`). A function without properties takes any arguments. The call
+  grammar takes the place of a `response_format` (which still reaches the template). On a Kimi-K2
+  template a required call is left to the template's instruction (no grammar).
 
 The markers (<|open|>, <|sep|>, <|close|>, </think>) are special tokens in the grammar when the
 vocabulary has them as such (real K3 files), text otherwise. The grammar ends where the content
-or the tools block ends: the sequence then stops (reason "stop"; a call: "tool_calls") without the
-closing tags, which the output parser does not need.
+or the tools block ends (a JSON answer that may also be calls: its closing tags may follow): the
+sequence then stops (reason "stop"; a call: "tool_calls") without the closing tags, which the
+output parser does not need.
 
 A grammar llguidance cannot compile is a 400 naming the field it came from, with llguidance's
 message on one line. Compiling runs off the event loop (a large schema can take a while); the

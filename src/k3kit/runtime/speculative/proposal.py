@@ -53,9 +53,10 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
                 w1s.append(w1)
                 logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
             if walk is not None:
-                logits_k = walk.mask(biased(logits_k, sampling))
-                tok = int(torch.argmax(logits_k).item()) if sampling.greedy else -1
-                if not sampling.greedy:
+                if sampling.greedy:
+                    tok, logits_k = walk.greedy(biased(logits_k, sampling))
+                else:
+                    logits_k = walk.mask(biased(logits_k, sampling))
                     q_k = probs(logits_k, sampling)
                     tok = sample(q_k, gen)
                     qs.append(q_k)
@@ -134,8 +135,10 @@ def _chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], s
             walk = walks[i]
             row = logits_k[i]
             if walk is not None:
-                row = walk.mask(biased(row, s))
-                tok = int(torch.argmax(row).item()) if s.greedy else -1
+                if s.greedy:
+                    tok, row = walk.greedy(biased(row, s))
+                else:
+                    row = walk.mask(biased(row, s))
             elif s.greedy:
                 tok = int(best[i]) if not s.logit_bias else int(torch.argmax(biased(row, s)).item())
             if not s.greedy:
