@@ -27,5 +27,6 @@ def spec_factory(spec_session):
     def build(target, sampler):
         return SpeculativeDecoder(target, spec_session.draft_model, sampler.sampling, sampler.generator,
                                   schedule=ScheduleConfig(budget=4, draft_cost=None),
-                                  stop_ids=spec_session.codec.stop_ids(), history=sampler.history)
+                                  stop_ids=spec_session.codec.stop_ids(), history=sampler.history,
+                                  constraint=sampler.constraint)
     return build

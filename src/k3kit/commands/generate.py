@@ -207,7 +207,8 @@ def decode_step(args: argparse.Namespace, draft, stop_ids):
 
     def build(model, sampler):
         return SpeculativeDecoder(model, draft, sampler.sampling, sampler.generator, schedule=schedule,
-                                  ring_storage=args.feature_ring, stop_ids=stop_ids, history=sampler.history)
+                                  ring_storage=args.feature_ring, stop_ids=stop_ids, history=sampler.history,
+                                  constraint=sampler.constraint)
     return build
 
 

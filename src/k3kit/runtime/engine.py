@@ -12,6 +12,9 @@ verifies several rows, commits the accepted ones) returns several tokens per cal
 in without changing the loop. A step that needs the prompt's features (the draft's context)
 also has `prefill(ids)`, used instead of `model.forward` for the prompt chunks, and one with
 `finish()` hands back statistics whose `summary()` is merged into the result's stats.
+With a `constraint` (k3kit.runtime.constraint: a grammar) the Sampler masks every pick with it
+(a speculative step built from that Sampler masks its verify rows too), and generation ends, with
+reason "stop", right after the token that completes the grammar.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from k3kit.kernels.qmatmul import keep_freed_heap
 from k3kit.runtime.protocols import CausalModel, ExpertLedger
 from k3kit.runtime.sampling import Sampler, Sampling
+
+if TYPE_CHECKING:
+    from k3kit.runtime.constraint import Constraint
 
 
 class DecodeStep(Protocol):
@@ -75,7 +81,7 @@ class GenerationStats:
     prefill_payload_bytes: int = 0
     payload_bytes_per_token: float = 0.0   # decode-phase bytes per generated token
     peak_rss_bytes: int = 0
-    stop_reason: str = "length"         # "length", "stop" (eos / end of turn)
+    stop_reason: str = "length"         # "length", "stop" (eos / end of turn, or the grammar complete)
     speculative: dict[str, Any] | None = None   # a speculative step's summary (target_passes, ...)
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,12 +118,14 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
              stop_ids: Iterable[int] = (), prefill_chunk: int = 256,
              on_token: Callable[[int], None] | None = None,
              step: Callable[[Any, Sampler], DecodeStep] | None = None,
-             detokenize: Callable[[list[int]], str] | None = None) -> GenerationResult:
+             detokenize: Callable[[list[int]], str] | None = None,
+             constraint: Constraint | None = None) -> GenerationResult:
     """Prefill `prompt_ids` in chunks, then decode up to `max_tokens` tokens.
 
     on_token(id) is called as each token is accepted (stream text from it); `step` builds the
     decode strategy (default ARStep); `detokenize` turns the emitted ids (stop excluded) into
-    the result's text. The model is reset first: one call = one sequence.
+    the result's text; `constraint` a grammar the output follows (the module docstring). The model
+    is reset first: one call = one sequence.
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -126,7 +134,7 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
         raise ValueError("prefill_chunk must be >= 1")
     stop = set(stop_ids)
     keep_freed_heap()        # per-token tensors reuse heap pages instead of faulting fresh ones in
-    sampler = Sampler(sampling, prompt)
+    sampler = Sampler(sampling, prompt, constraint)
     ledger = _Ledger(model)
     stats = GenerationStats(prompt_tokens=len(prompt))
     model.reset()
@@ -154,6 +162,9 @@ def generate(model: CausalModel, prompt_ids: Sequence[int], *, max_tokens: int, 
                 return True
             if on_token is not None:
                 on_token(t)
+            if sampler.ended_at is not None and len(out) >= sampler.ended_at:
+                stats.stop_reason = "stop"
+                return True
         return len(out) >= max_tokens
 
     if max_tokens > 0:

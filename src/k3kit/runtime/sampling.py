@@ -19,6 +19,10 @@ presence penalties count the prompt too):
   subtracted from its logit.
 A Sampler with none of them (and no bias) does no per-token work beyond the plain pick.
 
+A grammar (k3kit.runtime.constraint.Constraint, given to the Sampler) masks the tokens it forbids
+after the bias and the penalties and before temperature and truncation, and is advanced over
+every token picked.
+
 Logprobs are not this module's: the serving layer reports the log-softmax of the model's raw
 logits, before the bias, the penalties and temperature (k3kit.serve.sequence).
 """
@@ -26,12 +30,16 @@ logits, before the bias, the penalties and temperature (k3kit.serve.sequence).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from k3kit.errors import K3Error
 from k3kit.runtime.speculative.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, Sampling, biased, probs
+
+if TYPE_CHECKING:
+    from k3kit.runtime.constraint import Constraint
 
 __all__ = ["History", "Sampling", "Sampler", "make_sampling"]
 
@@ -139,24 +147,37 @@ class History:
 class Sampler:
     """Stateful token picker: one generator, advanced by every sampled token, and, when the
     sampling has history penalties, the sequence's `History` (its prompt, and every token this
-    sampler picks; a speculative decoder given `history` adds the tokens it accepts)."""
+    sampler picks; a speculative decoder given `history` adds the tokens it accepts); with a
+    `constraint`, the sequence's grammar state (likewise: a speculative decoder given it masks its
+    verify rows and advances it over the tokens it accepts)."""
 
-    def __init__(self, sampling: Sampling, prompt_ids: Iterable[int] = ()):
+    def __init__(self, sampling: Sampling, prompt_ids: Iterable[int] = (),
+                 constraint: Constraint | None = None):
         self.sampling = sampling
         self.generator = sampling.generator()
         self.history: History | None = History(sampling, prompt_ids) if sampling.penalized else None
+        self.constraint = constraint
+
+    @property
+    def ended_at(self) -> int | None:
+        """With a constraint: the number of tokens after which its grammar was complete (the
+        sequence ends there); None while it is not, or without one."""
+        return self.constraint.ended_at if self.constraint is not None else None
 
     def logits(self, logits: Tensor) -> Tensor:
-        """One row of logits [V] as the pick sees it: biased, and penalized by the history."""
+        """One row of logits [V] as the pick sees it: biased, penalized by the history, masked by
+        the constraint."""
         row = biased(logits.reshape(-1), self.sampling)
         if self.history is not None:
             row = self.history.penalize(row[None])[0]
+        if self.constraint is not None:
+            row = self.constraint.mask(row[None])[0]
         return row
 
     def __call__(self, logits: Tensor) -> int:
         """One token from a row of logits [V]."""
         row = logits.reshape(-1)
-        if self.sampling.logit_bias or self.history is not None:
+        if self.sampling.logit_bias or self.history is not None or self.constraint is not None:
             row = self.logits(row)
         if self.sampling.greedy:
             token = int(torch.argmax(row).item())
@@ -165,4 +186,6 @@ class Sampler:
             token = int(torch.multinomial(p, 1, generator=self.generator).item())
         if self.history is not None:
             self.history.extend((token,))
+        if self.constraint is not None:
+            self.constraint.consume((token,))
         return token

@@ -4,7 +4,7 @@ Bodies are parsed by pydantic in STRICT mode: a field of the wrong JSON type is 
 "5" for 5, no true for 1), which the app answers with HTTP 400 in OpenAI's error shape
 (FastAPI's default would be 422). Unknown fields are ignored, as OpenAI-compatible servers do:
 clients send `user`, `metadata`, `store`... Fields k3kit cannot honour are refused when they ask
-for something (a JSON response format, n > 1, the legacy `functions`) rather than silently
+for something (n > 1, the legacy `functions`, echo) rather than silently
 ignored; tools, tool calls in the history and the chat template's switches are checked by
 k3kit.serve.tools. Sampling
 fields: OpenAI's `temperature`, `top_p`, `seed`, `presence_penalty` and `frequency_penalty`
@@ -13,14 +13,20 @@ added to the logits), and vLLM's `top_k`, `min_p` ([0, 1]) and `repetition_penal
 over the prompt and the generated tokens): k3kit.runtime.sampling says how each applies. One
 field is k3kit's own: `draft: false` asks for no speculative decoding (the server's `--draft`
 stays unused for that request); one is llama-server's: `cache_prompt` (default true; false: the
-scheduler's prompt cache neither serves nor keeps this prompt). Values are then checked here
-(`APIError`, 400, with the offending `param`), and `generation_request` builds the scheduler's
-GenerationRequest, checking the context length.
+scheduler's prompt cache neither serves nor keeps this prompt). Structured output, on both routes:
+OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
+{"name", "schema", "strict"}}; llama-server's {"type": "json_object", "schema": ...} too),
+llama-server's `json_schema` (a schema) and `grammar` (GBNF), and k3kit's `lark_grammar`
+(llguidance's Lark): at most one per request, its shape checked here (`output_spec`), compiled by
+k3kit.serve.grammar. Values are then checked here (`APIError`, 400, with the offending `param`), and
+`generation_request` builds the scheduler's GenerationRequest, checking the context length.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -95,6 +101,12 @@ class _Sampled(_Body):
     draft: bool | None = None
     # llama-server's: false keeps this request out of the prompt cache (neither reused nor stored)
     cache_prompt: bool | None = None
+    # structured output (output_spec): OpenAI's response_format, llama-server's json_schema and
+    # grammar (GBNF), k3kit's lark_grammar (llguidance's Lark)
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+    lark_grammar: str | None = None
 
 
 class ChatRequest(_Sampled):
@@ -105,7 +117,6 @@ class ChatRequest(_Sampled):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None    # vLLM's and llama-server's: template variables
     reasoning_effort: str | None = None
     functions: list[Any] | None = None          # legacy: refused (k3kit.serve.tools)
@@ -133,10 +144,85 @@ class DetokenizeRequest(_Body):
 Kind = Literal["chat", "completion"]
 
 
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a request's output must be: `kind` json_schema (`source` the schema), json_object, gbnf
+    or lark (`source` the text); `param` names the field a compile error is reported against."""
+
+    kind: Literal["json_schema", "json_object", "gbnf", "lark"]
+    source: Any
+    param: str
+
+
+def _schema(value: object, param: str) -> dict[str, Any] | bool:
+    if not isinstance(value, dict | bool):
+        raise bad(f"{param} must be a JSON schema (an object)", param)
+    return value
+
+
+def _grammar_text(text: str, param: str) -> str:
+    if not text.strip():
+        raise bad(f"{param} must not be empty", param)
+    return text
+
+
+def _response_format(rf: dict[str, Any]) -> OutputSpec | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        if rf.get("schema") is not None:         # llama-server's schema-constrained json_object
+            return OutputSpec("json_schema", _schema(rf["schema"], "response_format.schema"),
+                              "response_format.schema")
+        return OutputSpec("json_object", None, "response_format")
+    if kind != "json_schema":
+        raise bad(f"response_format.type {kind!r} is not one of text, json_object, json_schema",
+                  "response_format.type")
+    js = rf.get("json_schema")
+    if js is None and rf.get("schema") is not None:     # llama-server's shorthand
+        return OutputSpec("json_schema", _schema(rf["schema"], "response_format.schema"),
+                          "response_format.schema")
+    if not isinstance(js, dict):
+        raise bad("response_format.json_schema must be an object: {\"name\", \"schema\", \"strict\"}",
+                  "response_format.json_schema")
+    name = js.get("name")
+    if name is not None and (not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name)):
+        raise bad("response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+                  "response_format.json_schema.name")
+    if not isinstance(js.get("strict", False), bool | None):
+        raise bad("response_format.json_schema.strict must be true or false",
+                  "response_format.json_schema.strict")
+    if "schema" not in js:
+        raise bad("response_format.json_schema.schema is required", "response_format.json_schema.schema")
+    param = "response_format.json_schema.schema"
+    return OutputSpec("json_schema", _schema(js["schema"], param), param)
+
+
+def output_spec(body: _Sampled) -> OutputSpec | None:
+    """The request's structured-output field, checked for shape (None: free text); 400 naming the
+    field for a malformed one or for more than one."""
+    specs: list[OutputSpec] = []
+    if body.response_format is not None:
+        spec = _response_format(body.response_format)
+        if spec is not None:
+            specs.append(spec)
+    if body.json_schema is not None:
+        specs.append(OutputSpec("json_schema", _schema(body.json_schema, "json_schema"), "json_schema"))
+    if body.grammar is not None:
+        specs.append(OutputSpec("gbnf", _grammar_text(body.grammar, "grammar"), "grammar"))
+    if body.lark_grammar is not None:
+        specs.append(OutputSpec("lark", _grammar_text(body.lark_grammar, "lark_grammar"), "lark_grammar"))
+    if len(specs) > 1:
+        raise bad(f"{specs[0].param.split('.')[0]} and {specs[1].param.split('.')[0]}: a request takes one "
+                  "of response_format, json_schema, grammar, lark_grammar", specs[1].param.split(".")[0])
+    return specs[0] if specs else None
+
+
 def _unsupported(body: _Sampled) -> None:
-    if isinstance(body, ChatRequest):
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+    output_spec(body)
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise bad("echo is not supported by k3kit", "echo")

@@ -11,7 +11,9 @@ their scripts from a CDN, and the server fetches nothing from elsewhere.
 Every error is OpenAI's shape {"error": {"message", "type", "param", "code"}} and never takes the
 server down: malformed JSON, wrong types and bad values are 400 (FastAPI's 422 is remapped), an
 unknown model 404, a missing or wrong API key 401, a prompt that does not fit 400
-context_length_exceeded, a full queue 429, a body over the limit 413, not loaded yet 503.
+context_length_exceeded, a schema or grammar llguidance cannot compile 400 naming its field
+(k3kit.serve.grammar: structured output), a full queue 429, a body over the limit 413, not loaded
+yet 503.
 
 Two pure ASGI layers sit in front of the routes, so they run before any body is parsed: the API
 key check (every route but /health and the page's files) and the body size limit (the body is
@@ -63,7 +65,9 @@ from k3kit.serve.api import (
     check_body,
     completion_prompt,
     generation_request,
+    output_spec,
 )
+from k3kit.serve.grammar import request_grammar
 from k3kit.serve.page import STATIC_PREFIX, Page, is_public
 from k3kit.serve.scheduler import Event as SchedulerEvent
 from k3kit.serve.scheduler import (
@@ -448,6 +452,10 @@ def build_app(state: ServerState) -> ASGIApp:
         if parser is not None:
             output = ChatOutput(parser)
             gen = replace(gen, shown=codec.control_ids(parser.markers))
+        grammar = await request_grammar(codec, output_spec(body), chat=inputs, prompt=text,
+                                        parallel_tool_calls=body.parallel_tool_calls)
+        if grammar is not None:
+            gen = replace(gen, grammar=grammar)
         return await respond(scheduler, codec, gen, request, chat=True, stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage),
                              output=output)
@@ -465,6 +473,9 @@ def build_app(state: ServerState) -> ASGIApp:
                 raise bad(f"prompt token ids must be in [0, {codec.n_vocab})", "prompt")
             ids = prompt
         gen = generation_request(body, ids, state.context_length, codec.n_vocab)
+        grammar = await request_grammar(codec, output_spec(body))
+        if grammar is not None:
+            gen = replace(gen, grammar=grammar)
         return await respond(scheduler, codec, gen, request, chat=False, stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 

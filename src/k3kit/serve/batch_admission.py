@@ -75,9 +75,12 @@ class Admission(SpeculativeWidths, PromptCaching):
                     and seq.request.may_draft:
                 if self._speculates(seq, coming):
                     target = self.spec_model.sequence_target(seq.handle)
-                    seq.dec = self.step_factory(target, seq.sampler)
-                    self._proposals = seq.dec.draft.n_proposals
-                    self._budgeted = seq.dec.schedule.budget is not None
+                    dec = self.step_factory(target, seq.sampler)
+                    self._proposals = dec.draft.n_proposals
+                    self._budgeted = dec.schedule.budget is not None
+                    # a decoder that does not mask with the request's grammar would not follow it
+                    if getattr(dec, "constraint", None) is seq.sampler.constraint:
+                        seq.dec = dec
                 else:
                     self._stats.plain_sequences += 1
             self._restore(seq)

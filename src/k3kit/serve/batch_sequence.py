@@ -30,12 +30,15 @@ class _Seq:
         self.block_survival: list[float] | None = None   # what the last block was expected to keep
         self.prompt = list(self.request.prompt_ids)
         self.fed = 0                              # prompt rows already run
-        self.sampler = Sampler(self.request.sampling, self.request.prompt_ids)
+        self.sampler: Sampler = self.request.sampler()
         self.finish: list[Event] = []             # the FinishEvent, held until the state is freed
-        self.out = SequenceOutput(self.request, codec, stop_ids, self._post)
+        self.out = SequenceOutput(self.request, codec, stop_ids, self._post, self._grammar_end)
         self.interval: int | None = None          # prompt-cache point spacing (None: not cached)
         self.points: list[Any] = []               # prompt_cache.Point copies taken while prefilling
         self.base: str | None = None              # the cache entry it was restored from
+
+    def _grammar_end(self) -> int | None:
+        return self.sampler.ended_at
 
     def _post(self, ev: Event) -> None:
         if isinstance(ev, FinishEvent):

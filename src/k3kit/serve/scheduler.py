@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from k3kit.runtime.sampling import Sampling
+from k3kit.runtime.constraint import Grammar
+from k3kit.runtime.sampling import Sampler, Sampling
 
 _ids = itertools.count(1)
 
@@ -47,6 +48,13 @@ class GenerationRequest:
     draft: bool = True                    # False: never speculate, even where the server has a draft
     cache_prompt: bool = True             # False: neither reuse nor keep this prompt's state (prompt cache)
     shown: frozenset[int] = frozenset()   # control tokens decoded as their text (a chat format's markers)
+    grammar: Grammar | None = None        # the output must follow it (k3kit.runtime.constraint)
+
+    def sampler(self) -> Sampler:
+        """A fresh Sampler for this request: its sampling, its prompt (penalties) and, with a
+        grammar, a new Constraint on it."""
+        return Sampler(self.sampling, self.prompt_ids,
+                       self.grammar.constraint() if self.grammar is not None else None)
 
     @property
     def may_draft(self) -> bool:

@@ -13,8 +13,12 @@ for every scheduler (phase 1's serial worker, phase 2's batches):
   still grow into one is held back until it cannot (so no client ever sees part of a stop);
 * text comes from the token bytes through an incremental UTF-8 decoder: a character split over
   two tokens is released once, whole;
+* a request with a grammar (`GenerationRequest.grammar`) ends with reason "stop" right after the
+  token that completed it (`grammar_end`: the sampler's count of tokens at that point; a
+  speculative block is cut there already, so no token past it is taken);
 * logprobs are the log-softmax of the model's raw logits row that chose the token (before
-  temperature / top-k / top-p), with the k best alternatives of that row.
+  temperature / top-k / top-p and before a grammar's mask), with the k best alternatives of that
+  row.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class SequenceOutput:
     """Feed it each sampled token (and the logits row that chose it); it posts the client's events."""
 
     def __init__(self, request: GenerationRequest, codec: TextCodec, stop_ids: Iterable[int],
-                 post: Callable[[Event], None]) -> None:
+                 post: Callable[[Event], None], grammar_end: Callable[[], int | None] | None = None) -> None:
         self.request = request
+        self.grammar_end = grammar_end
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stops = tuple(s for s in request.stop if s)
         self.post = post
@@ -93,8 +98,11 @@ class SequenceOutput:
             return True
         text, hit = self._release(self._stream.push(token))
         self.post(TokenEvent(text, (token,), lps))
+        end = self.grammar_end() if self.grammar_end is not None else None
         if hit:
             self._finish("stop", flushed=True)
+        elif end is not None and len(self.tokens) >= end:
+            self._finish("stop")
         elif len(self.tokens) >= self.request.max_tokens:
             self._finish("length")
         return self.done

@@ -192,10 +192,14 @@ class SerialScheduler:
     def _run(self, job: _Job, seq: SequenceOutput) -> None:
         req, model = job.request, self.model
         prompt = list(req.prompt_ids)
-        sampler = Sampler(req.sampling, req.prompt_ids)
+        sampler = req.sampler()
+        seq.grammar_end = lambda: sampler.ended_at
         model.reset()
         use_step = self.step_factory is not None and req.may_draft
         step = self.step_factory(model, sampler) if use_step and self.step_factory is not None else None
+        if step is not None and sampler.constraint is not None and getattr(step, "constraint", None) \
+                is not sampler.constraint:
+            step = None          # a step that does not mask with the request's grammar would not follow it
         prefill: Callable[[Sequence[int]], Tensor] = getattr(step, "prefill", None) or model.forward
 
         t0 = time.perf_counter()

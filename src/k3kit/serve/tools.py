@@ -49,6 +49,12 @@ class ChatInputs:
     variables: dict[str, Any] = field(default_factory=dict)
     format: str | None = None
     call_offset: int = 0
+    tool_choice: str | None = None   # auto, none, required (a named function: required, only it declared)
+
+    @property
+    def required(self) -> bool:
+        """Whether the answer must call one of the declared tools."""
+        return self.tool_choice == "required" and bool(self.tools)
 
 
 def _tools(body: ChatRequest) -> list[dict[str, Any]] | None:
@@ -233,4 +239,4 @@ def chat_inputs(body: ChatRequest, template_source: str | None) -> ChatInputs:
         variables["tool_choice"] = choice
     if body.response_format is not None:
         variables["response_format"] = body.response_format
-    return ChatInputs(messages, declared, variables, fmt, n_calls)
+    return ChatInputs(messages, declared, variables, fmt, n_calls, tool_choice=choice)

@@ -38,6 +38,7 @@ from k3kit.runtime.speculative.schedule import (
 )
 
 if TYPE_CHECKING:
+    from k3kit.runtime.constraint import Constraint
     from k3kit.runtime.sampling import History
 
 REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
@@ -113,17 +114,25 @@ class SpeculativeDecoder:
     plain decoding would penalize it, and the accepted tokens join the history. The logit bias
     and min-p are per row and need nothing. The draft's proposals see the bias but not the
     penalties: acceptance judges them against the target's penalized rows, so the output is
-    still exactly plain decoding's (greedy) or distributed as it (sampled).
+    still exactly plain decoding's (greedy) or distributed as it (sampled). `constraint`: the
+    sequence's k3kit.runtime.constraint.Constraint (its Sampler's), when a grammar constrains it:
+    verify row k is masked with the grammar's state after the block's proposals[:k] (after the
+    bias and the penalties, as plain decoding masks it), so a proposal the grammar forbids is
+    rejected by the target's masked distribution; the accepted tokens advance it, and a block is
+    cut after the token that completes the grammar, where plain decoding ends. The draft proposes
+    under the grammar too (k3kit.runtime.speculative.proposal), so its blocks follow it.
     """
 
     def __init__(self, target: Target, draft: Draft, sampling: Sampling, generator: torch.Generator, *,
                  schedule: ScheduleConfig | None = None, ring: FeatureRing | None = None,
                  ring_storage: str = "f16", ring_capacity: int = 4096, stop_ids: Iterable[int] = (),
-                 clock: Callable[[], float] = time.perf_counter, history: History | None = None):
+                 clock: Callable[[], float] = time.perf_counter, history: History | None = None,
+                 constraint: Constraint | None = None):
         if sampling.penalized and history is None:
             raise ValueError("sampling with history penalties needs the sequence's History (Sampler.history)")
         self.target, self.draft, self.sampling, self.gen = target, draft, sampling, generator
         self.history = history if sampling.penalized else None
+        self.constraint = constraint
         self.clock = clock
         self.schedule = schedule or ScheduleConfig()
         self.stop = set(stop_ids)
@@ -161,7 +170,7 @@ class SpeculativeDecoder:
             return None
         dt = self._sync()
         t1 = self.clock()
-        props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen)
+        props = propose(self.draft, anchor, self.target.position, self.sampling, self.gen, self.constraint)
         self._stepped(dt + self.clock() - t1)
         return props
 
@@ -196,7 +205,7 @@ class SpeculativeDecoder:
         sequence's sampling and generator (its draws, as `propose` makes them). `seconds`: this
         sequence's share of the block's making, counted with the chain as its step time."""
         t0 = self.clock()
-        props = chain(self.draft, [block], [anchor], [self.sampling], [self.gen])[0]
+        props = chain(self.draft, [block], [anchor], [self.sampling], [self.gen], [self.constraint])[0]
         self._stepped(seconds + self.clock() - t0)
         return props
 
@@ -235,6 +244,8 @@ class SpeculativeDecoder:
         rows = biased(v.logits, self.sampling)
         if self.history is not None:            # row k sees the history and cand[:k], as plain decoding
             rows = self.history.penalize(rows, cand)
+        if self.constraint is not None:         # row k with the grammar's state after cand[:k]
+            rows = self.constraint.mask(rows, cand)
         if self.sampling.greedy:
             m, nxt = accept_greedy(cand, rows)
         else:
@@ -250,6 +261,8 @@ class SpeculativeDecoder:
             if t in self.stop:
                 new = new[: j + 1]
                 break
+        if self.constraint is not None:         # cut after the token that completes the grammar
+            new = new[: self.constraint.consume(new)]
         if self.history is not None:
             self.history.extend(new)
         n_commit = len(new)                 # anchor + accepted proposals up to the last new one
@@ -389,7 +402,8 @@ def propose_many(decoders: Sequence[SpeculativeDecoder], anchors: Sequence[int],
     if greedy:
         t0 = time.perf_counter()
         props = chain(group[0].draft, [blocks[j] for j in greedy], [anchors[idx[j]] for j in greedy],
-                      [group[j].sampling for j in greedy], [group[j].gen for j in greedy])
+                      [group[j].sampling for j in greedy], [group[j].gen for j in greedy],
+                      [group[j].constraint for j in greedy])
         dt = (time.perf_counter() - t0) / len(greedy)
         for j, p in zip(greedy, props, strict=True):
             group[j]._stepped(seconds[j] + dt)

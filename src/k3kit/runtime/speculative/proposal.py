@@ -6,19 +6,25 @@ the anchor and x_{k-1} the proposal just chosen for row k-1, so the chain runs l
 The token chosen for a row is the one the acceptance test will judge: the argmax when greedy,
 a sample from q_k (the same transform the target's p goes through, the logit bias included;
 the target's history penalties are not the draft's to know) otherwise. Conditioning
-row k on the token actually proposed at k-1 is what keeps rejection sampling exact.
+row k on the token actually proposed at k-1 is what keeps rejection sampling exact. With a
+grammar (a k3kit.runtime.constraint.Constraint), row k is masked with the grammar's state after
+the proposals before it, so the block follows the grammar; the masked row is q_k.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from k3kit.runtime.protocols import Draft, DraftBlock
 from k3kit.runtime.speculative.sampling import Sampling, biased, probs, sample
+
+if TYPE_CHECKING:
+    from k3kit.runtime.constraint import Constraint, Walk
 
 
 @dataclass
@@ -30,29 +36,46 @@ class Proposal:
 
 
 def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
-            gen: torch.Generator | None = None) -> Proposal:
-    """Run one draft forward at `position` (the anchor's position) and chain its rows."""
+            gen: torch.Generator | None = None, constraint: Constraint | None = None) -> Proposal:
+    """Run one draft forward at `position` (the anchor's position) and chain its rows (under
+    `constraint`'s grammar, when given: see the module docstring)."""
     block = draft.draft_block(anchor, position)
     n = block.logits.shape[0]
     rows, qs, w1s, tokens = [], [], [], []
     picked: list[Tensor] = []       # greedy: the chain's tokens stay where the logits are
     prev: int | Tensor = anchor
-    for k in range(n):
-        logits_k = block.logits[k]
-        if draft.has_markov:
-            w1 = draft.markov_embed(prev if isinstance(prev, Tensor) else torch.tensor([prev]))
-            w1s.append(w1)
-            logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
-        if sampling.greedy:
-            prev = torch.argmax(biased(logits_k, sampling), dim=-1, keepdim=True)   # [1]: no host read
-            picked.append(prev)
-        else:
-            q_k = probs(biased(logits_k, sampling), sampling)
-            tok = sample(q_k, gen)
-            qs.append(q_k)
-            tokens.append(tok)
-            prev = tok
-        rows.append(logits_k)
+    walk = constraint.walk() if constraint is not None else None
+    try:
+        for k in range(n):
+            logits_k = block.logits[k]
+            if draft.has_markov:
+                w1 = draft.markov_embed(prev if isinstance(prev, Tensor) else torch.tensor([prev]))
+                w1s.append(w1)
+                logits_k = logits_k + draft.markov_bias(w1)[0].to(logits_k.dtype)
+            if walk is not None:
+                if sampling.greedy:
+                    tok, logits_k = walk.greedy(biased(logits_k, sampling))
+                else:
+                    logits_k = walk.mask(biased(logits_k, sampling))
+                    q_k = probs(logits_k, sampling)
+                    tok = sample(q_k, gen)
+                    qs.append(q_k)
+                walk.step(tok)
+                tokens.append(tok)
+                prev = tok
+            elif sampling.greedy:
+                prev = torch.argmax(biased(logits_k, sampling), dim=-1, keepdim=True)   # [1]: no host read
+                picked.append(prev)
+            else:
+                q_k = probs(biased(logits_k, sampling), sampling)
+                tok = sample(q_k, gen)
+                qs.append(q_k)
+                tokens.append(tok)
+                prev = tok
+            rows.append(logits_k)
+    finally:
+        if walk is not None:
+            walk.close()
     if picked:
         tokens = torch.cat(picked).tolist()     # one host read for the whole block
     confidence = None
@@ -68,17 +91,31 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
 
 
 def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], samplings: Sequence[Sampling],
-          gens: Sequence[torch.Generator | None]) -> list[Proposal]:
+          gens: Sequence[torch.Generator | None],
+          constraints: Sequence[Constraint | None] | None = None) -> list[Proposal]:
     """`propose`'s Markov chain for several draft blocks at once (a server drafting many sequences
     in one forward): step k of every chain together, each sequence choosing with its own sampling
     and generator. One block takes exactly `propose`'s calls, so its proposal is `propose`'s;
     with several, a step's Markov rows are one product, whose rows may round in the last bit
     unlike a one-row product (a GEMV): greedy chains (the target judges their tokens, so their
     output cannot change) may go together, a sampled one (its draws must be the seed's) goes
-    alone (decoder.propose_many). -> one Proposal per block."""
+    alone (decoder.propose_many). `constraints`: each sequence's grammar (or None), as `propose`
+    takes it. -> one Proposal per block."""
     n_seq = len(blocks)
     if not n_seq:
         return []
+    walks: list[Walk | None] = [c.walk() if c is not None else None for c in (constraints or [None] * n_seq)]
+    try:
+        return _chain(draft, blocks, anchors, samplings, gens, walks)
+    finally:
+        for w in walks:
+            if w is not None:
+                w.close()
+
+
+def _chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], samplings: Sequence[Sampling],
+           gens: Sequence[torch.Generator | None], walks: Sequence[Walk | None]) -> list[Proposal]:
+    n_seq = len(blocks)
     n = blocks[0].logits.shape[0]
     logits = torch.stack([b.logits for b in blocks]) if n_seq > 1 else blocks[0].logits[None]
     rows: list[Tensor] = []
@@ -93,16 +130,27 @@ def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], sa
             w1s.append(w1)
             logits_k = logits_k + draft.markov_bias(w1).to(logits_k.dtype)
         best = torch.argmax(logits_k, dim=-1).tolist() if any(s.greedy for s in samplings) else []
+        masked = []
         for i, s in enumerate(samplings):
-            if s.greedy:
-                tok = int(best[i]) if not s.logit_bias else int(torch.argmax(biased(logits_k[i], s)).item())
-            else:
-                q_k = probs(biased(logits_k[i], s), s)
+            walk = walks[i]
+            row = logits_k[i]
+            if walk is not None:
+                if s.greedy:
+                    tok, row = walk.greedy(biased(row, s))
+                else:
+                    row = walk.mask(biased(row, s))
+            elif s.greedy:
+                tok = int(best[i]) if not s.logit_bias else int(torch.argmax(biased(row, s)).item())
+            if not s.greedy:
+                q_k = probs(row if walk is not None else biased(row, s), s)
                 tok = sample(q_k, gens[i])
                 qs[i].append(q_k)
+            if walk is not None:
+                walk.step(tok)
             tokens[i].append(tok)
             prev[i] = tok
-        rows.append(logits_k)
+            masked.append(row)
+        rows.append(torch.stack(masked) if any(w is not None for w in walks) else logits_k)
     out = []
     for i, block in enumerate(blocks):
         confidence = None
