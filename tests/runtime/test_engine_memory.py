@@ -11,8 +11,9 @@ Bound: peak RSS <= (RSS of the same interpreter after importing the engine) + th
 bytes (the default quantized trunk holds those, mapped) + cache budget + MARGIN, with
 MARGIN = two experts as the cache holds them (the one being read while the previous one is
 still referenced; with the torch kernel a third, for the BLAS's repacked copy of bf16 weights)
-+ 192 MiB (dequantization scratch, the float pieces of the trunk, torch's
-per-op buffers). With the native kernel the cache
++ 256 MiB (dequantization scratch, the float pieces of the trunk, torch's
+per-op buffers, the allocator's free pages: runs of the same code on one machine peak up to ~50
+MiB apart). Holding every expert would exceed the bound by hundreds of MiB. With the native kernel the cache
 holds quantized experts, and keeps up to MAX_SPARE evicted buffers for reuse: those count too.
 """
 
@@ -62,11 +63,11 @@ def test_peak_rss_stays_within_trunk_cache_and_margin(k3_slice, kernel):
     if kernel == "native":
         one_quantized = sum(t.nbytes for t in experts[:3]) // experts[0].shape[2]
         assert sum(t.nbytes for t in experts) >= 4 * CACHE_MIB * MIB   # ... as quantized bytes too
-        margin = 2 * one_quantized + MAX_SPARE * one_quantized // 3 + 192 * MIB
+        margin = 2 * one_quantized + MAX_SPARE * one_quantized // 3 + 256 * MIB
     else:
         # + a third expert: a CPU BLAS may repack bf16 weights for its product (oneDNN does on
         # AVX-512-BF16/AMX CPUs), which measured ~40 MiB more there than on an AVX2 box.
-        margin = 3 * one_expert + 192 * MIB
+        margin = 3 * one_expert + 256 * MIB
 
     base = _run("import torch, k3kit.runtime.engine, k3kit.tokenizer.codec, "
                 "k3kit.adapters.kimi_k3, k3kit.commands.generate; "

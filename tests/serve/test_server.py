@@ -380,7 +380,7 @@ def test_bad_requests(world):
 
     c = client(s)
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=2, n=2)
+        c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=2, n=9)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=s.model_id, prompt=PROMPT, max_tokens=CTX)

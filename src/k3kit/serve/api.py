@@ -4,9 +4,9 @@ Bodies are parsed by pydantic in STRICT mode: a field of the wrong JSON type is 
 "5" for 5, no true for 1), which the app answers with HTTP 400 in OpenAI's error shape
 (FastAPI's default would be 422). Unknown fields are ignored, as OpenAI-compatible servers do:
 clients send `user`, `metadata`, `store`... Fields k3kit cannot honour are refused when they ask
-for something (n > 1, the legacy `functions`, echo) rather than silently
-ignored; tools, tool calls in the history and the chat template's switches are checked by
-k3kit.serve.tools. Sampling
+for something (several prompts in one request, the legacy `functions`, echo) rather than silently
+ignored; `n` (1-8 choices) is served as sibling sequences (k3kit.serve.responses); tools, tool
+calls in the history and the chat template's switches are checked by k3kit.serve.tools. Sampling
 fields: OpenAI's `temperature`, `top_p`, `seed`, `presence_penalty` and `frequency_penalty`
 ([-2, 2], over the tokens generated so far), `logit_bias` ({"token id": bias in [-100, 100]},
 added to the logits), and vLLM's `top_k`, `min_p` ([0, 1]) and `repetition_penalty` (> 0, 1 = off;
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from k3kit.runtime.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, make_sampling
-from k3kit.serve.scheduler import GenerationRequest
+from k3kit.serve.scheduler import GenerationRequest, next_request_id
 
 MAX_STOP = 16                # stop strings per request
 MAX_TOP_LOGPROBS = 20        # chat top_logprobs (OpenAI's limit)
@@ -268,8 +268,8 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
 
 
 def _check_sampling(body: _Sampled) -> None:
-    if body.n is not None and body.n != 1:
-        raise bad(f"n = {body.n}: only n = 1 is supported", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise bad(f"n = {body.n} is not in [1, {MAX_CHOICES}]", "n")
     t = body.temperature
     if t is not None and not 0.0 <= t <= 2.0:
         raise bad(f"temperature {t} is not in [0, 2]", "temperature")
@@ -385,3 +385,16 @@ def generation_request(body: _Sampled, prompt_ids: list[int], context_length: in
     return GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
                              stop=_stops(body), logprobs=_logprobs(body), draft=body.draft is not False,
                              cache_prompt=body.cache_prompt is not False)
+
+
+MAX_CHOICES = 8     # n: choices of one request, run together as sibling sequences
+
+
+def siblings(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The `n` choices of one request: `gen` and n - 1 copies under new ids, copy i drawing with seed
+    + i (mod 2**63), so seeded choices differ from each other and repeat from request to request
+    (greedy choices are the same text, as vLLM's are)."""
+    seed = gen.sampling.seed
+    return [gen] + [replace(gen, id=next_request_id(),
+                            sampling=replace(gen.sampling, seed=(seed + i) % (1 << 63)))
+                    for i in range(1, n)]

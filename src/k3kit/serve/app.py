@@ -42,8 +42,8 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,7 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3kit.errors import K3Error
-from k3kit.serve.access import AccessLog, AccessRecord, record_of
+from k3kit.serve.access import AccessLog, record_of
 from k3kit.serve.api import (
     APIError,
     ChatRequest,
@@ -66,20 +66,19 @@ from k3kit.serve.api import (
     completion_prompt,
     generation_request,
     output_spec,
+    siblings,
 )
 from k3kit.serve.grammar import request_grammar
 from k3kit.serve.page import STATIC_PREFIX, Page, is_public
-from k3kit.serve.scheduler import Event as SchedulerEvent
+from k3kit.serve.responses import SHUTTING_DOWN, Reply, collect, token_text
+from k3kit.serve.responses import stream as stream_events
 from k3kit.serve.scheduler import (
-    FinishEvent,
     GenerationRequest,
     QueueFull,
     RequestStream,
     Scheduler,
     SchedulerClosed,
     SchedulerStats,
-    TokenEvent,
-    TokenLogprob,
 )
 from k3kit.serve.stats import History, stats_body
 from k3kit.serve.tool_parsers import ChatOutput, output_parser
@@ -90,7 +89,6 @@ PUBLIC_PATHS = frozenset({"/health"})
 DEFAULT_MAX_BODY = 8 << 20
 DRAIN_POLL = 0.05            # s between two looks at the running requests while draining
 ABORT_GRACE = 5.0            # s the ended responses get to go out (a client that stopped reading)
-SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -146,31 +144,6 @@ async def drain(state: ServerState, timeout: float, hurry: Callable[[], bool] = 
         while state.running and loop.time() < deadline:   # each ends at its next await
             await asyncio.sleep(0.01)
     return ended
-
-
-async def _until(events: RequestStream, abort: asyncio.Event) -> AsyncGenerator[SchedulerEvent | None, None]:
-    """The stream's events up to its FinishEvent; one None, then the end, if `abort` is set first."""
-    stop = asyncio.ensure_future(abort.wait())
-    nxt: asyncio.Future[SchedulerEvent] | None = None
-    try:
-        while not abort.is_set():
-            nxt = asyncio.ensure_future(events.__anext__())
-            await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                continue               # abort is set
-            try:
-                ev = nxt.result()
-            except StopAsyncIteration:
-                return
-            nxt = None
-            yield ev
-            if isinstance(ev, FinishEvent):
-                return
-        yield None
-    finally:
-        for task in (stop, nxt):
-            if task is not None and not task.done():
-                task.cancel()
 
 
 class _Streamed(StreamingResponse):
@@ -294,49 +267,6 @@ def validation_error(e: RequestValidationError) -> APIError:
     return bad(f"{param}: {first.get('msg')}", param, "invalid_type")
 
 
-def _token_text(codec: TextCodec, token: int) -> str:
-    return codec.token_bytes[token].decode("utf-8", errors="replace")
-
-
-def _chat_logprobs(codec: TextCodec, lps: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
-    def entry(t: int, lp: float) -> dict[str, Any]:
-        return {"token": _token_text(codec, t), "logprob": lp, "bytes": list(codec.token_bytes[t])}
-    return [entry(x.token, x.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in x.top]} for x in lps]
-
-
-def _legacy_logprobs(codec: TextCodec, lps: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
-    tokens = [_token_text(codec, x.token) for x in lps]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{_token_text(codec, t): lp for t, lp in x.top} for x in lps],
-            "text_offset": offsets}
-
-
-def _usage(f: FinishEvent) -> dict[str, Any]:
-    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
-    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-            "total_tokens": f.prompt_tokens + f.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}
-
-
-def _cut_short() -> APIError:
-    """What a request still running when the shutdown timeout ran out is answered."""
-    return APIError(503, f"{SHUTTING_DOWN}: the request was still running when the shutdown timeout "
-                    "ran out", type="unavailable_error", code="shutting_down")
-
-
-def _finish_reason(f: FinishEvent) -> str:
-    return "length" if f.reason == "length" else "stop"
-
-
-def _sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
-
-
 async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
     """Wait for the client to go away (after its body was read, receive() waits for that)."""
     while True:
@@ -425,7 +355,7 @@ def build_app(state: ServerState) -> ASGIApp:
         _, codec = loaded()
         ids = codec.encode(body.content, add_bos=body.add_special)
         if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": _token_text(codec, t)} for t in ids]}
+            return {"tokens": [{"id": t, "piece": token_text(codec, t)} for t in ids]}
         return {"tokens": ids}
 
     @app.post("/detokenize")
@@ -448,17 +378,20 @@ def build_app(state: ServerState) -> ASGIApp:
             raise bad(str(e), "messages") from None
         gen = generation_request(body, codec.encode(text), state.context_length, codec.n_vocab)
         parser = output_parser(inputs.format, text, tools=inputs.tools, call_offset=inputs.call_offset)
-        output = None
+        outputs: list[ChatOutput | None] | None = None
         if parser is not None:
-            output = ChatOutput(parser)
             gen = replace(gen, shown=codec.control_ids(parser.markers))
+            more = (output_parser(inputs.format, text, tools=inputs.tools, call_offset=inputs.call_offset)
+                    for _ in range(1, body.n or 1))
+            outputs = [ChatOutput(parser), *(ChatOutput(p) for p in more if p is not None)]
         grammar = await request_grammar(codec, output_spec(body), chat=inputs, prompt=text,
                                         parallel_tool_calls=body.parallel_tool_calls)
         if grammar is not None:
             gen = replace(gen, grammar=grammar)
-        return await respond(scheduler, codec, gen, request, chat=True, stream=bool(body.stream),
+        return await respond(scheduler, codec, siblings(gen, body.n or 1), request, chat=True,
+                             stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                             output=output)
+                             outputs=outputs)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -476,154 +409,56 @@ def build_app(state: ServerState) -> ASGIApp:
         grammar = await request_grammar(codec, output_spec(body))
         if grammar is not None:
             gen = replace(gen, grammar=grammar)
-        return await respond(scheduler, codec, gen, request, chat=False, stream=bool(body.stream),
+        return await respond(scheduler, codec, siblings(gen, body.n or 1), request, chat=False,
+                             stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
-    async def respond(scheduler: Scheduler, codec: TextCodec, gen: GenerationRequest, request: Request, *,
+    async def respond(scheduler: Scheduler, codec: TextCodec, gens: list[GenerationRequest],
+                      request: Request, *,
                       chat: bool, stream: bool, include_usage: bool,
-                      output: ChatOutput | None = None) -> Response:
+                      outputs: list[ChatOutput | None] | None = None) -> Response:
+        """Submit the request's choices together (all or none: a full queue is a 429 for all) and
+        answer with their merged events (k3kit.serve.responses)."""
+        streams: list[RequestStream] = []
         try:
-            events = scheduler.submit(gen)
-        except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-        except SchedulerClosed as e:
+            for gen in gens:
+                streams.append(scheduler.submit(gen))
+        except (QueueFull, SchedulerClosed) as e:
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, QueueFull):
+                raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
             raise APIError(503, str(e), type="unavailable_error", code="shutting_down") from None
-        state.running.add(gen.id)
+        ids = [g.id for g in gens]
+        state.running.update(ids)
 
         async def ended() -> None:
-            state.running.discard(gen.id)
-            await events.aclose()        # not finished: the scheduler drops the sequence
+            state.running.difference_update(ids)
+            for s in streams:
+                await s.aclose()        # not finished: the scheduler drops the sequence
 
-        rid = ("chatcmpl-" if chat else "cmpl-") + gen.id
+        rid = ("chatcmpl-" if chat else "cmpl-") + gens[0].id
         rec = record_of(request.scope)
         if rec is not None:
             rec.request_id = rid
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
+        reply = Reply(codec, rid, int(time.time()), state.model_id, chat, include_usage, rec,
+                      outputs or [None] * len(gens), state.abort)
         if stream:
-            return _Streamed(_stream(events, codec, rid, created, chat, include_usage, rec, output), ended,
-                             media_type="text/event-stream",
+            return _Streamed(stream_events(streams, reply), ended, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_watch_disconnect(request, lambda: scheduler.cancel(gen.id)))
-        text: list[str] = []
-        lps: list[TokenLogprob] = []
-        finish: FinishEvent | None = None
-        generated = 0
+
+        def cancel() -> None:
+            for i in ids:
+                scheduler.cancel(i)
+        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
         try:
-            async with aclosing(_until(events, state.abort)) as until:
-                async for ev in until:
-                    if ev is None:           # the shutdown timeout ran out first
-                        if rec is not None:
-                            rec.finished("shutdown", len(gen.prompt_ids), generated)
-                        raise _cut_short()
-                    if isinstance(ev, TokenEvent):
-                        text.append(ev.text)
-                        lps.extend(ev.logprobs or ())
-                        generated += len(ev.tokens)
-                        if rec is not None and ev.tokens:
-                            rec.token()
-                    else:
-                        finish = ev
-                        if rec is not None:
-                            rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+            body = await collect(streams, reply, len(gens[0].prompt_ids))
         finally:
             watcher.cancel()
             with suppress(asyncio.CancelledError):
                 await watcher
             await ended()
-        assert finish is not None
-        if finish.reason == "error":
-            raise APIError(500, f"generation failed: {finish.error}", type="server_error")
-        if finish.reason == "cancelled":     # nobody is listening any more (or the server is closing)
-            raise APIError(503, "the request was cancelled", type="unavailable_error", code="cancelled")
-        content = "".join(text)
-        logprobs: Any = None
-        if gen.logprobs is not None:
-            logprobs = ({"content": _chat_logprobs(codec, tuple(lps))} if chat
-                        else _legacy_logprobs(codec, tuple(lps), 0))
-        reason = _finish_reason(finish)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if output is not None:
-            output.feed(content)
-            output.finish()
-            message, reason = output.message(), output.finish_reason(reason)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
-        if chat:
-            choice["message"] = message
-        else:
-            choice["text"] = content
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                             "choices": [choice], "usage": _usage(finish)})
-
-    async def _stream(events: RequestStream, codec: TextCodec, rid: str, created: int, chat: bool,
-                      include_usage: bool, rec: AccessRecord | None,
-                      output: ChatOutput | None = None) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        offset = 0
-        seen = 0             # tokens streamed, for the access log of a stream the client left
-
-        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-            c = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
-            if include_usage:
-                c["usage"] = None
-            return c
-
-        try:
-            if chat:
-                yield _sse(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}))
-            async with aclosing(_until(events, state.abort)) as until:
-                async for ev in until:
-                    if ev is None:           # the shutdown timeout ran out first: say so, then [DONE]
-                        if rec is not None:
-                            rec.finished("shutdown", len(events.request.prompt_ids), seen)
-                        yield _sse(_cut_short().body())
-                        break
-                    if isinstance(ev, TokenEvent):
-                        if rec is not None and ev.tokens:
-                            rec.token()
-                            seen += len(ev.tokens)
-                        if not ev.text and not ev.logprobs:
-                            continue
-                        logprobs: Any = None
-                        if ev.logprobs:
-                            logprobs = ({"content": _chat_logprobs(codec, ev.logprobs)} if chat
-                                        else _legacy_logprobs(codec, ev.logprobs, offset))
-                        offset += len(ev.text)
-                        body: dict[str, Any] = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
-                        if output is not None:
-                            delta = output.feed(ev.text)
-                            if delta is None and logprobs is None:
-                                continue
-                            body = {"delta": delta or {"content": ""}}
-                        yield _sse(chunk({"index": 0, **body, "logprobs": logprobs, "finish_reason": None}))
-                        continue
-                    if rec is not None:
-                        rec.finished(ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-                    if ev.reason in ("error", "cancelled"):
-                        err = APIError(500 if ev.reason == "error" else 503,
-                                       f"generation failed: {ev.error}" if ev.reason == "error"
-                                       else "the request was cancelled",
-                                       type="server_error" if ev.reason == "error" else "unavailable_error")
-                        yield _sse(err.body())
-                        break
-                    end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
-                    reason = _finish_reason(ev)
-                    if output is not None:
-                        last = output.finish()
-                        if last is not None:
-                            yield _sse(chunk({"index": 0, "delta": last, "logprobs": None,
-                                              "finish_reason": None}))
-                        reason = output.finish_reason(reason)
-                    yield _sse(chunk({"index": 0, **end, "logprobs": None, "finish_reason": reason}))
-                    if include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                    "choices": [], "usage": _usage(ev)})
-            yield _sse("[DONE]")
-        finally:
-            if rec is not None and rec.finish_reason is None:     # the client went away first
-                rec.finished("cancelled", len(events.request.prompt_ids), seen)
-            await events.aclose()      # a client that went away: the scheduler drops the sequence
+        return JSONResponse(body)
 
     gate = Gate(app, state)
     return AccessLog(gate, state.access_log) if state.access_log is not None else gate
