@@ -70,12 +70,11 @@ from k3kit.serve.api import (
 )
 from k3kit.serve.grammar import request_grammar
 from k3kit.serve.page import STATIC_PREFIX, Page, is_public
-from k3kit.serve.responses import SHUTTING_DOWN, Reply, collect, token_text
+from k3kit.serve.responses import SHUTTING_DOWN, Choices, Reply, collect, token_text
 from k3kit.serve.responses import stream as stream_events
 from k3kit.serve.scheduler import (
     GenerationRequest,
     QueueFull,
-    RequestStream,
     Scheduler,
     SchedulerClosed,
     SchedulerStats,
@@ -419,13 +418,13 @@ def build_app(state: ServerState) -> ASGIApp:
                       outputs: list[ChatOutput | None] | None = None) -> Response:
         """Submit the request's choices together (all or none: a full queue is a 429 for all) and
         answer with their merged events (k3kit.serve.responses)."""
-        streams: list[RequestStream] = []
+        if len(gens) > 1 and gens[0].cache_prompt and scheduler.stats().prompt_cache:
+            gens = [replace(gens[0], share_prompt=True), *gens[1:]]      # the others wait for its prompt
+        choices = Choices(scheduler, gens)
         try:
-            for gen in gens:
-                streams.append(scheduler.submit(gen))
+            choices.submit(1 if gens[0].share_prompt else len(gens))
         except (QueueFull, SchedulerClosed) as e:
-            for s in streams:
-                await s.aclose()
+            await choices.close()
             if isinstance(e, QueueFull):
                 raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
             raise APIError(503, str(e), type="unavailable_error", code="shutting_down") from None
@@ -434,8 +433,7 @@ def build_app(state: ServerState) -> ASGIApp:
 
         async def ended() -> None:
             state.running.difference_update(ids)
-            for s in streams:
-                await s.aclose()        # not finished: the scheduler drops the sequence
+            await choices.close()        # not finished: the scheduler drops the sequence
 
         rid = ("chatcmpl-" if chat else "cmpl-") + gens[0].id
         rec = record_of(request.scope)
@@ -444,15 +442,11 @@ def build_app(state: ServerState) -> ASGIApp:
         reply = Reply(codec, rid, int(time.time()), state.model_id, chat, include_usage, rec,
                       outputs or [None] * len(gens), state.abort)
         if stream:
-            return _Streamed(stream_events(streams, reply), ended, media_type="text/event-stream",
+            return _Streamed(stream_events(choices, reply), ended, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        def cancel() -> None:
-            for i in ids:
-                scheduler.cancel(i)
-        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+        watcher = asyncio.create_task(_watch_disconnect(request, choices.cancel))
         try:
-            body = await collect(streams, reply, len(gens[0].prompt_ids))
+            body = await collect(choices, reply)
         finally:
             watcher.cancel()
             with suppress(asyncio.CancelledError):

@@ -8,8 +8,10 @@ prompt is prefilled, and keeping what a finished request ran.
   from the saved logits: no row runs.
 * Prefill (`_prefill_point`): a prompt is cut at every `interval`-th position (the chunks end
   there) and at its end; after each such chunk the recurrent state is copied with the last row's
-  logits. Cutting changes no bit on a model whose rows do not depend on how a prompt is split
-  into passes (K3 on the CPU in the ggml arithmetic: tested).
+  logits. A request with `share_prompt` (the first of `n` siblings) puts its prompt's state in the
+  cache at the prompt's end: the siblings, submitted when its first token comes, restore it whole.
+  Cutting changes no bit on a model whose rows do not depend on how a prompt is split into
+  passes (K3 on the CPU in the ggml arithmetic: tested).
 * Retirement (`_store`): the tokens the sequence ran (prompt + completion, less the last
   sampled token, which never ran), its positional rows, its points plus one at its end, and its
   ring rows go into the cache. A drafting sequence that stopped in the middle of an accepted
@@ -84,8 +86,24 @@ class PromptCaching:
             return
         if seq.fed % seq.interval and seq.fed != len(seq.prompt):
             return
-        st = model.sequence_state(seq.opened, positional=False)
+        share = seq.fed == len(seq.prompt) and seq.request.share_prompt and seq.request.cache_prompt
+        st = model.sequence_state(seq.opened, positional=share)
         seq.points.append(Point(seq.fed, st.recurrent, logits_row.detach().to("cpu", copy=True)))
+        if share and self.prompt_cache is not None:      # siblings wait for it (n > 1)
+            self.prompt_cache.insert(seq.prompt, st.positional, seq.points, self._ring_rows(seq, seq.fed),
+                                     base=seq.base)
+
+    @staticmethod
+    def _ring_rows(seq: _Seq, n: int) -> RingRows | None:
+        """The drafter's feature rows of `seq` up to position `n`, if it drafts."""
+        if seq.dec is None:
+            return None
+        r = seq.dec.ring
+        end = min(r.length, n)
+        if r.start >= end:
+            return None
+        data, scale = r.export(r.start, end)
+        return RingRows(r.start, data, scale, r.storage)
 
     def _store(self, seq: _Seq) -> None:
         """Keep what the finished `seq` ran (before its state is closed)."""
@@ -102,11 +120,4 @@ class PromptCaching:
             points.append(Point(n, st.recurrent))
         else:                            # committed past the reported tokens (a draft block's tail)
             n = len(known)
-        ring = None
-        if seq.dec is not None:
-            r = seq.dec.ring
-            end = min(r.length, n)
-            if r.start < end:
-                data, scale = r.export(r.start, end)
-                ring = RingRows(r.start, data, scale, r.storage)
-        pc.insert(known[:n], st.positional, points, ring, base=seq.base)
+        pc.insert(known[:n], st.positional, points, self._ring_rows(seq, n), base=seq.base)

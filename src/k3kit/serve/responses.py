@@ -1,12 +1,16 @@
 """OpenAI's response bodies for one generation request of `n` choices, from their schedulers' events.
 
 A request with `n` > 1 is `n` sibling GenerationRequests (k3kit.serve.api.siblings: the same
-prompt, choice i drawing with seed + i) submitted together, so the batching scheduler runs them
-in the same passes; their events are merged here in arrival order and each goes out under its
-choice's `index`. Usage counts the prompt once and the completion tokens of every choice, as
-OpenAI bills `n`. A streamed response opens every choice with its role delta, ends each with its
-own finish_reason, and sends `[DONE]` once all have ended; an error in any choice ends the whole
-response (an error event, then `[DONE]`), as one failed generation would.
+prompt, choice i drawing with seed + i). Where the scheduler keeps a prompt cache, the first is
+submitted alone with `share_prompt` (its state goes into the cache as soon as its prompt is
+prefilled) and the others when its first token comes: they restore the whole prompt from the
+cache, so the prompt runs once; without a cache they are submitted together. Either way the
+batching scheduler runs them in the same passes; their events are merged here in arrival order
+and each goes out under its choice's `index`. Usage counts the prompt once and the completion
+tokens of every choice, as OpenAI bills `n`. A streamed response opens every choice with its role
+delta, ends each with its own finish_reason, and sends `[DONE]` once all have ended; an error in
+any choice ends the whole response (an error event, then `[DONE]`), as one failed generation
+would.
 """
 
 from __future__ import annotations
@@ -21,11 +25,55 @@ from typing import Any
 from k3kit.serve.access import AccessRecord
 from k3kit.serve.api import APIError
 from k3kit.serve.scheduler import Event as SchedulerEvent
-from k3kit.serve.scheduler import FinishEvent, RequestStream, TokenEvent, TokenLogprob
+from k3kit.serve.scheduler import (
+    FinishEvent,
+    GenerationRequest,
+    QueueFull,
+    RequestStream,
+    Scheduler,
+    SchedulerClosed,
+    TokenEvent,
+    TokenLogprob,
+)
 from k3kit.serve.tool_parsers import ChatOutput
 from k3kit.tokenizer.codec import TextCodec
 
 SHUTTING_DOWN = "the server is shutting down"
+
+
+class Choices:
+    """The sibling requests of one response and the event streams of those submitted so far."""
+
+    def __init__(self, scheduler: Scheduler, gens: list[GenerationRequest]) -> None:
+        self.scheduler, self.gens = scheduler, gens
+        self.streams: list[RequestStream] = []
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the later choices wait for the first's prompt (submitted by `submit_rest`)."""
+        return len(self.streams) < len(self.gens)
+
+    def submit(self, upto: int) -> None:
+        """Submit choices up to `upto` (QueueFull / SchedulerClosed as the scheduler raises them)."""
+        for gen in self.gens[len(self.streams):upto]:
+            self.streams.append(self.scheduler.submit(gen))
+
+    def submit_rest(self) -> None:
+        try:
+            self.submit(len(self.gens))
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except SchedulerClosed as e:
+            raise APIError(503, str(e), type="unavailable_error", code="shutting_down") from None
+
+    def cancel(self) -> None:
+        for gen in self.gens:
+            self.scheduler.cancel(gen.id)
+
+    async def close(self) -> None:
+        """Close every stream: a request not finished is dropped by the scheduler."""
+        for s in self.streams:
+            await s.aclose()
 
 
 @dataclass
@@ -79,34 +127,47 @@ class _Ended:
         self.error = error
 
 
-async def merged(streams: list[RequestStream],
+async def merged(choices: Choices,
                  abort: asyncio.Event) -> AsyncGenerator[tuple[int, SchedulerEvent | None], None]:
-    """(choice index, event) of every stream as they arrive; (i, None) where `abort` cut stream i."""
-    if len(streams) == 1:          # one choice: no task, no queue
-        async with aclosing(until(streams[0], abort)) as one:
+    """(choice index, event) of every choice as they arrive; (i, None) where `abort` cut choice i.
+    Submits the waiting choices once the first choice's first event is a token."""
+    if len(choices.gens) == 1:          # one choice: no task, no queue
+        async with aclosing(until(choices.streams[0], abort)) as one:
             async for ev in one:
                 yield 0, ev
         return
     queue: asyncio.Queue[tuple[int, SchedulerEvent | None | _Ended]] = asyncio.Queue()
+    tasks: list[asyncio.Task[None]] = []
 
     async def pump(i: int, stream: RequestStream) -> None:
         ended = _Ended()
         try:
             async with aclosing(until(stream, abort)) as evs:
                 async for ev in evs:
+                    if i == 0 and choices.waiting and ev is not None and (
+                            isinstance(ev, TokenEvent) or ev.reason not in ("error", "cancelled")):
+                        start(len(tasks))
                     await queue.put((i, ev))
         except Exception as e:     # handed to the consumer, which raises it
             ended = _Ended(e)
         finally:
             queue.put_nowait((i, ended))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    left = len(tasks)
+    def start(first: int) -> None:
+        choices.submit_rest()
+        for i in range(first, len(choices.streams)):
+            tasks.append(asyncio.create_task(pump(i, choices.streams[i])))
+
+    if choices.waiting:
+        tasks.append(asyncio.create_task(pump(0, choices.streams[0])))
+    else:
+        start(0)
+    ended = 0
     try:
-        while left:
+        while ended < len(tasks):
             i, item = await queue.get()
             if isinstance(item, _Ended):
-                left -= 1
+                ended += 1
                 if item.error is not None:
                     raise item.error
                 continue
@@ -176,14 +237,15 @@ def _logged(rec: AccessRecord | None, finishes: list[FinishEvent]) -> None:
                      finishes[0].cached_tokens)
 
 
-async def collect(streams: list[RequestStream], reply: Reply, prompt_tokens: int) -> dict[str, Any]:
+async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
     """The non-streamed body: every choice's text (or message), finish reason and logprobs."""
-    n = len(streams)
+    n = len(choices.gens)
+    prompt_tokens = len(choices.gens[0].prompt_ids)
     texts: list[list[str]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finishes: list[FinishEvent | None] = [None] * n
     generated = 0
-    async with aclosing(merged(streams, reply.abort)) as events:
+    async with aclosing(merged(choices, reply.abort)) as events:
         async for i, ev in events:
             if ev is None:           # the shutdown timeout ran out first
                 if reply.rec is not None:
@@ -198,17 +260,17 @@ async def collect(streams: list[RequestStream], reply: Reply, prompt_tokens: int
             else:
                 finishes[i] = ev
     done = [f for f in finishes if f is not None]
-    assert len(done) == n
     _logged(reply.rec, done)
     for f in done:
         err = _failed(f)
         if err is not None:
             raise err
-    choices = []
+    assert len(done) == n
+    bodies = []
     for i, f in enumerate(done):
         content = "".join(texts[i])
         logprobs: Any = None
-        if streams[i].request.logprobs is not None:
+        if choices.gens[i].logprobs is not None:
             logprobs = ({"content": chat_logprobs(reply.codec, tuple(lps[i]))} if reply.chat
                         else legacy_logprobs(reply.codec, tuple(lps[i]), 0))
         reason = finish_reason(f)
@@ -223,19 +285,19 @@ async def collect(streams: list[RequestStream], reply: Reply, prompt_tokens: int
             choice["message"] = message
         else:
             choice["text"] = content
-        choices.append(choice)
+        bodies.append(choice)
     return {"id": reply.rid, "object": reply.object, "created": reply.created, "model": reply.model_id,
-            "choices": choices, "usage": usage(done)}
+            "choices": bodies, "usage": usage(done)}
 
 
-async def stream(streams: list[RequestStream], reply: Reply) -> AsyncIterator[bytes]:
+async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed response, `data: [DONE]` last."""
     obj = reply.object + (".chunk" if reply.chat else "")
-    n = len(streams)
+    n = len(choices.gens)
     offsets = [0] * n
     finishes: list[FinishEvent | None] = [None] * n
     seen = 0             # tokens streamed, for the access log of a stream the client left
-    prompt_tokens = len(streams[0].request.prompt_ids)
+    prompt_tokens = len(choices.gens[0].prompt_ids)
 
     def chunk(choice: dict[str, Any]) -> dict[str, Any]:
         c = {"id": reply.rid, "object": obj, "created": reply.created, "model": reply.model_id,
@@ -249,7 +311,7 @@ async def stream(streams: list[RequestStream], reply: Reply) -> AsyncIterator[by
             for i in range(n):
                 yield sse(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}))
-        async with aclosing(merged(streams, reply.abort)) as events:
+        async with aclosing(merged(choices, reply.abort)) as events:
             async for i, ev in events:
                 if ev is None:           # the shutdown timeout ran out first: say so, then [DONE]
                     if reply.rec is not None:
@@ -300,8 +362,10 @@ async def stream(streams: list[RequestStream], reply: Reply) -> AsyncIterator[by
                     yield sse({"id": reply.rid, "object": obj, "created": reply.created,
                                "model": reply.model_id, "choices": [], "usage": usage(done)})
         yield sse("[DONE]")
+    except APIError as e:          # a later choice refused (queue full, shutting down)
+        yield sse(e.body())
+        yield sse("[DONE]")
     finally:
         if reply.rec is not None and reply.rec.finish_reason is None:     # the client went away first
             reply.rec.finished("cancelled", prompt_tokens, seen)
-        for s in streams:
-            await s.aclose()      # a client that went away: the scheduler drops the sequence
+        await choices.close()      # a client that went away: the scheduler drops the sequence

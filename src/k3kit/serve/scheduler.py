@@ -49,6 +49,7 @@ class GenerationRequest:
     cache_prompt: bool = True             # False: neither reuse nor keep this prompt's state (prompt cache)
     shown: frozenset[int] = frozenset()   # control tokens decoded as their text (a chat format's markers)
     grammar: Grammar | None = None        # the output must follow it (k3kit.runtime.constraint)
+    share_prompt: bool = False            # put the prompt's state in the prompt cache once prefilled (n > 1)
 
     def sampler(self) -> Sampler:
         """A fresh Sampler for this request: its sampling, its prompt (penalties) and, with a
