@@ -198,7 +198,7 @@ class K3Adapter(SequenceSnapshots):
             if isinstance(layer, KDAState):
                 layer.S, layer.conv = layer.S.to(dev), layer.conv.to(dev)
             else:
-                layer.kv, layer.pe = layer.kv.to(dev), layer.pe.to(dev)
+                layer.to_(dev)
         return st
 
     def reset(self) -> None:

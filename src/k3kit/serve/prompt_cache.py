@@ -60,7 +60,7 @@ def default_budget(available: int) -> int:
     return min(DEFAULT_BUDGET_CAP, max(0, available) // 4)
 
 
-FORMAT = "k3kit-prompt-cache-1"
+FORMAT = "k3kit-prompt-cache-2"   # 2: MLA latents saved as attention uses them (rounded)
 HEAD_BYTES = 8 << 20      # of each model file hashed into its identity (GGUF metadata and tensor table)
 
 

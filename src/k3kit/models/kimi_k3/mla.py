@@ -91,31 +91,22 @@ class MLA(nn.Module):
         c = rms_norm(kv_pe[..., :L], self.kv_a_norm, eps)       # [B, T, L]
         k_pe = kv_pe[..., L:]                                    # [B, T, pe]
 
+        # llama.cpp's unabsorbed path multiplies kv_b with the latent rows: rounded once, as cached
+        c = ggml_input_round(c, self.ggml_inputs.get("kv_b"))
         if cache is not None:
             offset = cache.length
             cache.append(c, k_pe)
-            c_all, pe_all = cache.view()
+            K = cache.keys()                                     # [B, S, L + pe]
             if c.requires_grad:
                 # the cache holds detached copies; keep this chunk's own rows differentiable
-                c_all = torch.cat((c_all[:, :offset], c), dim=1)
-                pe_all = torch.cat((pe_all[:, :offset], k_pe), dim=1)
+                K = torch.cat((K[:, :offset], torch.cat((c, k_pe), dim=-1)), dim=1)
         else:
-            offset, c_all, pe_all = 0, c, k_pe
+            offset, K = 0, torch.cat((c, k_pe), dim=-1)
+        c_all = K[..., :L]
 
-        rnd = self.ggml_inputs
-        if rnd.get("kv_b"):     # llama.cpp's unabsorbed path multiplies kv_b with the latent rows
-            c_all = ggml_input_round(c_all, rnd["kv_b"])
         q_abs = absorb_q(self, q_nope)
         Q = torch.cat((q_abs, q_pe), dim=-1)                     # [B, T, H, L + pe]
-        K = torch.cat((c_all, pe_all), dim=-1)                   # [B, S, L + pe]
-        scores = torch.einsum("bthc,bsc->bhts", Q, K) * (1.0 / math.sqrt(nope + pe_dim))
-        S = K.shape[1]
-        if T > 1:           # one row sees every cached row: its mask is all true
-            rows = offset + torch.arange(T, device=x.device)
-            allowed = torch.arange(S, device=x.device)[None, :] <= rows[:, None]
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        lat = torch.einsum("bhts,bsl->bthl", probs, c_all)       # [B, T, H, L]
+        lat = attend(Q, K, c_all, offset, 1.0 / math.sqrt(nope + pe_dim))   # [B, T, H, L]
         out = value_heads(self, lat)                             # [B, T, H * v]
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
@@ -234,28 +225,37 @@ def value_rows(mla: MLA, lat: Tensor) -> Tensor:
     return torch.cat([value_heads(mla, lat[i][None, None])[0] for i in range(lat.shape[0])])
 
 
+def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Tensor:
+    """Causal attention of T rows after `offset` cached ones over latent keys: Q [B, T, H, C],
+    K [B, S, C] (S = offset + T), values c_all [B, S, L] -> [B, T, H, L].
+
+    Scores stay in the queries' (row, head) order, so neither product needs its operand copied
+    into another layout (an einsum to [B, H, T, S] and back copied the scores twice: as much time
+    as the softmax on a long context); the products are the same batched GEMMs of the same
+    shapes, and the floats the same. Only the last T columns can be masked: a row sees every
+    cached position (one row sees all, and needs no mask)."""
+    B, T, H, C = Q.shape
+    S = K.shape[1]
+    scores = torch.bmm(Q.reshape(B, T * H, C), K.transpose(1, 2)).view(B, T, H, S) * scale
+    if T > 1:
+        future = torch.ones(T, T, dtype=torch.bool, device=Q.device).triu(1)
+        scores[..., offset:].masked_fill_(future[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs.view(B, T * H, S), c_all).view(B, T, H, c_all.shape[-1])
+
+
 def attend_latent(mla: MLA, cache: MLACache, q_abs: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor) -> Tensor:
     """One sequence's attention over its latents: append the rows' latents to `cache`, attend
     with the absorbed queries q_abs [B, T, H, L] (+ q_pe [B, T, H, pe]); the attended latents
     [B, T, H, L], before W_vb (value_heads)."""
     cfg = mla.cfg
-    T = q_abs.shape[1]
     offset = cache.length
-    cache.append(c, k_pe)
-    c_all, pe_all = cache.view()
-    rnd = mla.ggml_inputs
-    if rnd.get("kv_b"):
-        c_all = ggml_input_round(c_all, rnd["kv_b"])
+    cache.append(ggml_input_round(c, mla.ggml_inputs.get("kv_b")), k_pe)   # the kv_b operand, as cached
+    K = cache.keys()
+    c_all = K[..., :cfg.kv_lora_rank]
     Q = torch.cat((q_abs, q_pe), dim=-1)
-    K = torch.cat((c_all, pe_all), dim=-1)
     scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    scores = torch.einsum("bthc,bsc->bhts", Q, K) * scale
-    if T > 1:               # one row sees every cached row: its mask is all true
-        rows = offset + torch.arange(T, device=q_abs.device)
-        allowed = torch.arange(K.shape[1], device=q_abs.device)[None, :] <= rows[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhts,bsl->bthl", probs, c_all)
+    return attend(Q, K, c_all, offset, scale)
 
 
 def attend_rows(mla: MLA, cache: MLACache, q: Tensor, c: Tensor, k_pe: Tensor) -> Tensor:

@@ -33,28 +33,56 @@ class KDAState:
 
 
 class MLACache:
-    """Growable latent cache [B, length, kv_lora] + [B, length, rope] with O(1) truncation."""
+    """Growable latent cache with O(1) truncation: per position, the latent c (kv_lora wide) and
+    the shared key part pe, side by side in one buffer `rows` [B, capacity, kv_lora + rope].
+
+    Side by side because attention multiplies every cached position by [q_abs | q_pe] each pass:
+    `keys()` is that key matrix as a view, with no per-pass concatenation of the whole context
+    (which, with the per-pass rounding of c that it replaces, cost as much as the products on a
+    short prefill after a long cached prompt). The latents are stored as attention uses them:
+    rounded as ggml rounds the kv_b operand when the trunk asks for it (mla.attend_latent), so
+    what `view()` returns and a saved state holds are those rounded latents."""
 
     def __init__(self, batch: int, kv_lora: int, rope: int, device: torch.device | str = "cpu",
                  capacity: int = 64, dtype: torch.dtype = torch.float32):
-        self.kv = torch.zeros(batch, capacity, kv_lora, device=device, dtype=dtype)
-        self.pe = torch.zeros(batch, capacity, rope, device=device, dtype=dtype)
+        self.rows = torch.zeros(batch, capacity, kv_lora + rope, device=device, dtype=dtype)
+        self.kv_lora = kv_lora
         self.length = 0
+
+    @property
+    def kv(self) -> Tensor:
+        """The latents [B, capacity, kv_lora] (a view of `rows`)."""
+        return self.rows[..., :self.kv_lora]
+
+    @property
+    def pe(self) -> Tensor:
+        """The shared key parts [B, capacity, rope] (a view of `rows`)."""
+        return self.rows[..., self.kv_lora:]
+
+    def to_(self, device: torch.device | str) -> None:
+        """Move the buffer to `device` (in place of the attribute)."""
+        self.rows = self.rows.to(device)
 
     def append(self, kv: Tensor, pe: Tensor) -> None:
         n = kv.shape[1]
         need = self.length + n
-        if need > self.kv.shape[1]:
-            cap = max(need, 2 * self.kv.shape[1])
-            grow = cap - self.kv.shape[1]
-            self.kv = torch.cat((self.kv, self.kv.new_zeros(self.kv.shape[0], grow, self.kv.shape[2])), 1)
-            self.pe = torch.cat((self.pe, self.pe.new_zeros(self.pe.shape[0], grow, self.pe.shape[2])), 1)
-        self.kv[:, self.length:need] = kv.detach()
-        self.pe[:, self.length:need] = pe.detach()
+        if need > self.rows.shape[1]:
+            cap = max(need, 2 * self.rows.shape[1])
+            # rows past `length` are never read: no zeros
+            grow = self.rows.new_empty(self.rows.shape[0], cap - self.rows.shape[1], self.rows.shape[2])
+            self.rows = torch.cat((self.rows, grow), 1)
+        self.rows[:, self.length:need, :self.kv_lora] = kv.detach()
+        self.rows[:, self.length:need, self.kv_lora:] = pe.detach()
         self.length = need
 
     def view(self) -> tuple[Tensor, Tensor]:
-        return self.kv[:, :self.length], self.pe[:, :self.length]
+        """(latents [B, length, kv_lora], pe [B, length, rope]) of the cached positions."""
+        k = self.keys()
+        return k[..., :self.kv_lora], k[..., self.kv_lora:]
+
+    def keys(self) -> Tensor:
+        """[latent | pe] of every cached position, [B, length, kv_lora + rope] (a view)."""
+        return self.rows[:, :self.length]
 
     def truncate(self, length: int) -> None:
         """Roll back by position: keep the first `length` rows."""
@@ -64,7 +92,7 @@ class MLACache:
 
     def clone(self) -> MLACache:
         c = MLACache.__new__(MLACache)
-        c.kv, c.pe, c.length = self.kv.clone(), self.pe.clone(), self.length
+        c.rows, c.kv_lora, c.length = self.rows.clone(), self.kv_lora, self.length
         return c
 
 
@@ -93,7 +121,7 @@ class K3State:
     @property
     def batch(self) -> int:
         first = self.layers[0]
-        return first.S.shape[0] if isinstance(first, KDAState) else first.kv.shape[0]
+        return first.S.shape[0] if isinstance(first, KDAState) else first.rows.shape[0]
 
     def clone(self) -> K3State:
         return K3State([layer.clone() for layer in self.layers], self.pos)
@@ -128,5 +156,5 @@ class K3State:
             if isinstance(x, KDAState):
                 total += x.S.nbytes + x.conv.nbytes
             else:
-                total += x.length * (x.kv.shape[2] + x.pe.shape[2]) * x.kv.shape[0] * x.kv.element_size()
+                total += x.length * x.rows.shape[2] * x.rows.shape[0] * x.rows.element_size()
         return total
