@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--reply-tokens", type=int, default=100)
     ap.add_argument("--conversations", default="1,8")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--interval", type=int, default=0,
+                    help="tokens between recurrent copies (default: the server's, from the state size)")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -125,7 +127,7 @@ def main() -> int:
         warm = argparse.Namespace(**{**vars(args), "exchanges": 1})
         run_turns(session, None, warm, n, text)          # touch the weights and the expert cache first
         off = run_turns(session, None, args, n, text)
-        interval = default_interval(m.recurrent_bytes, m.positional_row_bytes)
+        interval = args.interval or default_interval(m.recurrent_bytes, m.positional_row_bytes)
         on = run_turns(session, PromptCache(2 << 30, interval), args, n, text)
         result["rows"][n] = {"off": off, "on": on}
         name = Path(model).name + (" + DSpark" if args.draft else "")

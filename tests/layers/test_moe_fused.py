@@ -145,3 +145,22 @@ def test_experts_with_many_rows_run_alone():
     assert moe.fused == 0
     moe.run_experts(x[:1], ids[:1], w[:1], Provider(store, resident=True))
     assert moe.fused == 1
+
+
+def test_small_experts_run_fused_at_any_row_count(monkeypatch):
+    """Experts of at most FUSED_SMALL_WEIGHTS weights per matrix (the mini's) run fused however
+    many rows each has, with the per-expert path's bits; larger ones (above) do not."""
+    monkeypatch.setattr(moe_mod, "FUSED_SMALL_WEIGHTS", H * FF)       # this module's experts are "small"
+    store = make_store(T.MXFP4, T.MXFP4)
+    store.get(0, range(E))
+    x, ids, w = routing(moe_mod.FUSED_MAX_ROWS * 3, seed=2, experts=K + 1)
+    outs = []
+    for resident in (True, False):
+        moe = Spy(E, H, FF, 0, with_experts=False)
+        outs.append(moe.run_experts(x, ids, w, Provider(store, resident=resident)))
+        assert moe.fused == int(resident)
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    monkeypatch.setattr(moe_mod, "FUSED_SMALL_WEIGHTS", H * FF - 1)
+    moe = Spy(E, H, FF, 0, with_experts=False)
+    moe.run_experts(x, ids, w, Provider(store, resident=True))
+    assert moe.fused == 0

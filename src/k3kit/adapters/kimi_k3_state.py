@@ -18,6 +18,8 @@ from k3kit.models.kimi_k3.config import K3ModelConfig
 from k3kit.models.kimi_k3.state import K3State, KDAState
 from k3kit.runtime.protocols import SequenceState
 
+RESTORE_HEADROOM = 1024    # MLA positions a restored state holds room for: a conversation's next turn
+
 
 class SequenceSnapshots:
     """sequence_state / load_sequence_state over the adapter's per-handle K3States."""
@@ -81,6 +83,7 @@ class SequenceSnapshots:
             else:
                 if pos:
                     dev = layer.kv.device
+                    layer.reserve(pos + RESTORE_HEADROOM)
                     layer.append(rows[pi][:pos].to(dev).unsqueeze(0), rows[pi + 1][:pos].to(dev).unsqueeze(0))
                 pi += 2
         st.pos = pos

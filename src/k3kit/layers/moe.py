@@ -56,6 +56,10 @@ from k3kit.kernels.qmatmul import QuantizedMatrix, experts_fusable, experts_matm
 # matters for decode rows and small serving passes; an expert with more rows (prefill) runs alone, where
 # matmul_q8 may take paths of its own for many rows (e.g. AMX tiles).
 FUSED_MAX_ROWS = 8
+# Experts whose matrices hold at most this many weights run fused at any row count: their
+# products are microseconds of arithmetic, less than a call's own cost (the mini's 128 x 64
+# experts: a 55-row pass after a long restored prompt 33 -> 25 ms); K3's are 1,000x larger.
+FUSED_SMALL_WEIGHTS = 1 << 14
 
 
 class MatmulWeight(Protocol):
@@ -133,6 +137,7 @@ class RoutedMoE(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_experts = n_experts
+        self.d_in, self.d_ff = d_in, d_ff
         self.has_experts = with_experts
         if with_experts:
             self.gate_exps = nn.Parameter(torch.zeros(n_experts, d_ff, d_in))
@@ -219,8 +224,9 @@ class RoutedMoE(nn.Module):
         fetched: list[ExpertWeights] | None = None
         resident = getattr(experts, "resident", None)
         if (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
-                and x.device.type == "cpu" and max(groups.counts, default=0) <= FUSED_MAX_ROWS
-                and resident is not None and resident(self.layer, groups.experts)):
+                and x.device.type == "cpu" and resident is not None
+                and (max(groups.counts, default=0) <= FUSED_MAX_ROWS or self._small_experts())
+                and resident(self.layer, groups.experts)):
             fetched = [experts.get(self.layer, e) for e in groups.experts]
             y = self._run_fused(x, groups, fetched)
             if y is not None:
@@ -239,6 +245,10 @@ class RoutedMoE(nn.Module):
         if not self.exact_order:
             return out
         return _sum_slots(slots)
+
+    def _small_experts(self) -> bool:
+        """Whether each expert matrix holds at most FUSED_SMALL_WEIGHTS weights."""
+        return self.d_in * self.d_ff <= FUSED_SMALL_WEIGHTS
 
     def _run_fused(self, x: Tensor, groups: RouteGroups, fetched: list[ExpertWeights]) -> Tensor | None:
         """Every expert's rows in two native products (gate and up together, then down), rows in

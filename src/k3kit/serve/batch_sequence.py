@@ -58,11 +58,14 @@ class _Seq:
         return self.fed >= len(self.prompt)
 
     def next_rows(self, chunk: int) -> list[int]:
-        """The rows of its next pass: the last token, or the next prompt chunk (which ends on the
-        prompt cache's next point, where there is one)."""
+        """The rows of its next pass: the last token, or the next prompt chunk. While at least two
+        intervals of the prompt are left, a chunk ends on the prompt cache's next point; a shorter
+        tail (a conversation's new turn after a hit) runs whole: a cut there would cost a pass
+        (about a decode step) on every turn to save at most two intervals of recompute for a
+        later request that leaves the conversation inside it."""
         if self.decoding:
             return [self.out.last]
         end = self.fed + chunk
-        if self.interval is not None:
+        if self.interval is not None and len(self.prompt) - self.fed >= 2 * self.interval:
             end = min(end, (self.fed // self.interval + 1) * self.interval)
         return self.prompt[self.fed:end]

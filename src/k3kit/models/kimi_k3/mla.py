@@ -225,23 +225,41 @@ def value_rows(mla: MLA, lat: Tensor) -> Tensor:
     return torch.cat([value_heads(mla, lat[i][None, None])[0] for i in range(lat.shape[0])])
 
 
+SCORE_BUDGET = 1 << 20    # score elements per product (4 MB in float32): rows are taken this many at a time
+
+
 def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Tensor:
     """Causal attention of T rows after `offset` cached ones over latent keys: Q [B, T, H, C],
     K [B, S, C] (S = offset + T), values c_all [B, S, L] -> [B, T, H, L].
 
     Scores stay in the queries' (row, head) order, so neither product needs its operand copied
     into another layout (an einsum to [B, H, T, S] and back copied the scores twice: as much time
-    as the softmax on a long context); the products are the same batched GEMMs of the same
-    shapes, and the floats the same. Only the last T columns can be masked: a row sees every
-    cached position (one row sees all, and needs no mask)."""
+    as the softmax on a long context). Rows go a few at a time, each group's scores at most
+    SCORE_BUDGET elements: a long prompt's scores (T x H x S: 2.6 GB for 512 K3 rows at 20k
+    positions) never exist whole, and a group's stay in the caches from the product through
+    the scale, the mask and the softmax to the second product (1.5x faster on the mini at 4k
+    positions). Every row attends over all S columns, later ones masked, so a row's floats do
+    not depend on the group it falls in."""
     B, T, H, C = Q.shape
     S = K.shape[1]
-    scores = torch.bmm(Q.reshape(B, T * H, C), K.transpose(1, 2)).view(B, T, H, S) * scale
-    if T > 1:
-        future = torch.ones(T, T, dtype=torch.bool, device=Q.device).triu(1)
-        scores[..., offset:].masked_fill_(future[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs.view(B, T * H, S), c_all).view(B, T, H, c_all.shape[-1])
+    L = c_all.shape[-1]
+    if T == 1:                                 # one row sees every position: no mask, one group
+        scores = torch.bmm(Q.reshape(B, H, C), K.transpose(1, 2)).mul_(scale)
+        return torch.bmm(torch.softmax(scores, dim=-1), c_all).view(B, 1, H, L)
+    out = Q.new_empty(B, T, H, L)
+    Kt = K.transpose(1, 2)
+    step = max(1, SCORE_BUDGET // (B * H * S))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        t = b - a
+        scores = torch.bmm(Q[:, a:b].reshape(B, t * H, C), Kt).view(B, t, H, S).mul_(scale)
+        first = offset + a + 1                 # the first column row a must not see
+        if first < S:                          # row a + i sees columns before first + i
+            future = torch.ones(t, S - first, dtype=torch.bool, device=Q.device).triu()
+            scores[..., first:].masked_fill_(future[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, a:b] = torch.bmm(probs.view(B, t * H, S), c_all).view(B, t, H, L)
+    return out
 
 
 def attend_latent(mla: MLA, cache: MLACache, q_abs: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor) -> Tensor:

@@ -63,14 +63,20 @@ class MLACache:
         """Move the buffer to `device` (in place of the attribute)."""
         self.rows = self.rows.to(device)
 
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` positions without growing again (a restored state reserves its
+        next turn: growing copies every cached row, on a long context as long as a short pass)."""
+        if capacity > self.rows.shape[1]:
+            B, _, W = self.rows.shape
+            rows = self.rows.new_empty(B, capacity, W)    # rows past `length` are never read: no zeros
+            rows[:, :self.length] = self.rows[:, :self.length]
+            self.rows = rows
+
     def append(self, kv: Tensor, pe: Tensor) -> None:
         n = kv.shape[1]
         need = self.length + n
         if need > self.rows.shape[1]:
-            cap = max(need, 2 * self.rows.shape[1])
-            # rows past `length` are never read: no zeros
-            grow = self.rows.new_empty(self.rows.shape[0], cap - self.rows.shape[1], self.rows.shape[2])
-            self.rows = torch.cat((self.rows, grow), 1)
+            self.reserve(max(need, 2 * self.rows.shape[1]))
         self.rows[:, self.length:need, :self.kv_lora] = kv.detach()
         self.rows[:, self.length:need, self.kv_lora:] = pe.detach()
         self.length = need
