@@ -1,7 +1,8 @@
 """An agent workload with and without the prompt cache: time to first token and expert payload per turn.
 
     python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--exchanges 8]
-        [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--plot PNG] [--json]
+        [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--interval N]
+        [--expert-cache-mib M] [--plot PNG] [--json]
 
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
 instructions, text of the standard library), then `--exchanges` exchanges (turns of the
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from k3kit.adapters.session import open_session
+from k3kit.errors import K3Error
 from k3kit.mini.paths import shipped_draft, shipped_gguf
 from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.sampling import Sampling
@@ -49,27 +51,57 @@ def cut(codec, text: str, tokens: int, start: int = 0) -> str:
     return codec.decode_bytes(ids).decode(errors="replace")
 
 
+class Conversation:
+    """One client's conversation and its next prompt. With a chat template the messages are
+    rendered and tokenized again every turn, as a client does; a synthetic file (random
+    vocabulary, no template) keeps token ids instead: the reply's own tokens, then the next
+    message's as plain "role: content" text (its random tokens' text would not tokenize back to
+    them, and every turn would miss the cache where a real model's conversation hits it)."""
+
+    def __init__(self, codec, system: str):
+        self.codec = codec
+        self.templated = True
+        try:
+            codec.chat.render([{"role": "system", "content": system}], add_generation_prompt=True)
+        except K3Error:
+            self.templated = False
+        self.messages = [{"role": "system", "content": system}]
+        self.ids: list[int] = [] if self.templated else list(codec.encode(f"system: {system}\n"))
+
+    def ask(self, content: str) -> list[int]:
+        """Add a user message; the prompt of the request that answers it."""
+        self.messages.append({"role": "user", "content": content})
+        if self.templated:
+            return list(self.codec.encode(self.codec.chat.render(self.messages, add_generation_prompt=True)))
+        self.ids += self.codec.encode(f"user: {content}\nassistant: ", add_bos=False)
+        return list(self.ids)
+
+    def answer(self, text: str, tokens: list[int]) -> None:
+        """Add the model's reply (its text and the tokens that produced it)."""
+        self.messages.append({"role": "assistant", "content": text})
+        self.ids += tokens
+
+
 def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str) -> list[dict]:
     codec = session.codec
     sched = BatchScheduler(session.model, codec, loaded=session.target, max_batch=256, max_queue=64,
                            prompt_cache=cache, step_factory=args.step)
     system = cut(codec, text, args.system_tokens)
-    convs = [[{"role": "system", "content": system}] for _ in range(n_conv)]
+    convs = [Conversation(codec, system) for _ in range(n_conv)]
     rows = []
     try:
         for t in range(args.exchanges):
-            for i, c in enumerate(convs):
-                c.append({"role": "user", "content": cut(codec, text, args.tool_tokens,
-                                                         start=(1 + t * n_conv + i) * 4000)})
-            reqs = [GenerationRequest(tuple(codec.encode(codec.chat.render(c, add_generation_prompt=True))),
-                                      args.reply_tokens, Sampling()) for c in convs]
+            asks = [cut(codec, text, args.tool_tokens, start=(1 + t * n_conv + i) * 4000)
+                    for i in range(n_conv)]
+            reqs = [GenerationRequest(tuple(c.ask(a)), args.reply_tokens, Sampling())
+                    for c, a in zip(convs, asks, strict=True)]
             before = session.target.stats().bytes_read
             ttft, cached, replies = asyncio.run(_serve(sched, reqs))
             rows.append({"turn": t + 1, "prompt_tokens": statistics.median(len(r.prompt_ids) for r in reqs),
                          "ttft_s": statistics.median(ttft), "cached_tokens": statistics.median(cached),
                          "expert_bytes": session.target.stats().bytes_read - before})
-            for c, reply in zip(convs, replies, strict=True):
-                c.append({"role": "assistant", "content": reply})
+            for c, (reply, tokens) in zip(convs, replies, strict=True):
+                c.answer(reply, tokens)
     finally:
         sched.close()
     return rows
@@ -81,14 +113,15 @@ async def _serve(sched, reqs):
         streams = [sched.submit(r) for r in reqs]
 
     async def one(stream):
-        first, cached, toks = None, 0, []
+        first, cached, toks, ids = None, 0, [], []
         async for ev in stream:
             if isinstance(ev, TokenEvent):
                 first = first if first is not None else time.perf_counter() - t0
                 toks.append(ev.text)
+                ids += ev.tokens
             elif isinstance(ev, FinishEvent):
                 cached = ev.cached_tokens
-        return first or 0.0, cached, "".join(toks)
+        return first or 0.0, cached, ("".join(toks), ids)
     out = await asyncio.gather(*[one(s) for s in streams])
     return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
@@ -105,6 +138,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--interval", type=int, default=0,
                     help="tokens between recurrent copies (default: the server's, from the state size)")
+    ap.add_argument("--expert-cache-mib", type=float, default=LoadOptions.expert_cache_mib,
+                    help="the expert LRU's budget (a file larger than it streams experts every turn)")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -112,7 +147,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     model = args.model or str(shipped_gguf())
-    session = open_session(model, LoadOptions(), draft=shipped_draft() if args.draft else None)
+    session = open_session(model, LoadOptions(expert_cache_mib=args.expert_cache_mib),
+                           draft=shipped_draft() if args.draft else None)
     args.step = None
     if args.draft:
         from k3kit.runtime.speculative import SpeculativeDecoder

@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_serve as bs  # noqa: E402
-from bench_prompt_cache import cut, stdlib_text  # noqa: E402
+from bench_prompt_cache import Conversation, cut, stdlib_text  # noqa: E402
 
 from k3kit.bench.llama_cpp import server_repack_args  # noqa: E402
 from k3kit.mini.paths import shipped_gguf  # noqa: E402
@@ -106,24 +106,24 @@ def post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 class Workload:
-    """The conversations' texts and their growing message lists (one per client)."""
+    """The clients' conversations (bench_prompt_cache.Conversation: a model without a chat template
+    gets its replies' text tokenized again, which a random model's tokens do not survive: run this
+    on a model with a template)."""
 
     def __init__(self, codec: TextCodec, args: argparse.Namespace):
         self.codec, self.args = codec, args
         self.text = stdlib_text()
         system = cut(codec, self.text, args.system_tokens)
-        self.convs = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
+        self.convs = [Conversation(codec, system) for _ in range(args.conversations)]
 
     def next_prompts(self, t: int) -> list[list[int]]:
         n = len(self.convs)
-        for i, c in enumerate(self.convs):
-            c.append({"role": "user", "content": cut(self.codec, self.text, self.args.tool_tokens,
-                                                     start=(1 + t * n + i) * 4000)})
-        return [self.codec.encode(self.codec.chat.render(c, add_generation_prompt=True)) for c in self.convs]
+        return [c.ask(cut(self.codec, self.text, self.args.tool_tokens, start=(1 + t * n + i) * 4000))
+                for i, c in enumerate(self.convs)]
 
     def replies(self, texts: list[str]) -> None:
         for c, reply in zip(self.convs, texts, strict=True):
-            c.append({"role": "assistant", "content": reply})
+            c.answer(reply, self.codec.encode(reply, add_bos=False))
 
 
 def run_turn(server: bs.Server, work: Workload, t: int, llama: bool) -> list[Turn]:
@@ -157,7 +157,8 @@ def commands(args: argparse.Namespace, which: str, port: int, cache_dir: Path) -
                 "--expert-cache-mib", str(args.expert_cache_mib)]
     binary = bs.llama_server_binary(args)
     if binary is None:
-        raise SystemExit("no llama-server: build it with `python benchmarks/llama_server.py` or pass --llama-server")
+        raise SystemExit("no llama-server: build it with `python benchmarks/llama_server.py` "
+                         "or pass --llama-server")
     cmd = [str(binary), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(n), "-c", str(args.ctx * n), "--cont-batching", "-t", str(args.threads),
            "-tb", str(args.threads), *server_repack_args(False)]
@@ -175,7 +176,8 @@ def run_server(args: argparse.Namespace, which: str, codec: TextCodec, out: Path
         for t in range(args.exchanges):
             turns = run_turn(server, work, t, llama)
             rows.append(summary(t + 1, turns))
-            print(f"{which} turn {t + 1}: TTFT {rows[-1]['ttft_s']:.3f} s, cached {rows[-1]['cached']}", flush=True)
+            print(f"{which} turn {t + 1}: TTFT {rows[-1]['ttft_s']:.3f} s, cached {rows[-1]['cached']}",
+                  flush=True)
         if llama and args.slot_save:
             for i in range(args.conversations):
                 post(port, f"/slots/{i}?action=save", {"filename": f"slot{i}.bin"})
@@ -215,7 +217,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=12288, help="context per conversation (both servers)")
     ap.add_argument("--expert-cache-mib", type=int, default=4096)
-    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: benchmarks/llama_server.py's)")
+    ap.add_argument("--llama-server", default=None,
+                    help="llama-server binary (default: benchmarks/llama_server.py's)")
     ap.add_argument("--slot-save", action="store_true",
                     help="llama-server saves its slots before the restart and restores them after it")
     ap.add_argument("--servers", default="k3kit,llama-server")
@@ -230,14 +233,16 @@ def main() -> int:
     from k3kit.gguf.shards import Model
     with Model.open(args.model) as m:
         codec = TextCodec(m.kv, str(args.model))
-    result: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
+    machine = f"{platform.processor() or platform.machine()}, {args.threads} threads"
+    result: dict[str, Any] = {"machine": machine,
                               "model": args.model.name, "conversations": args.conversations, "servers": {}}
     names = [s for s in args.servers.split(",") if s]
     for which in names:
         if which not in ("k3kit", "llama-server"):
             raise SystemExit(f"--servers: unknown server {which!r}")
         result["servers"][which] = run_server(args, which, codec, out)
-    print(f"\n{args.conversations} conversation(s), {args.model.name}, {args.threads} thread(s): median TTFT (s)")
+    print(f"\n{args.conversations} conversation(s), {args.model.name}, {args.threads} thread(s): "
+          "median TTFT (s)")
     print("| turn | prompt tokens | " + " | ".join(f"{n} TTFT (cached)" for n in names)
           + (" | llama-server / k3kit |" if len(names) == 2 else " |"))
     print("|---|---|" + "---|" * len(names) + ("---|" if len(names) == 2 else ""))
@@ -246,7 +251,7 @@ def main() -> int:
     lines.append((result["servers"][names[0]]["restart"], [result["servers"][n]["restart"] for n in names]))
     for first, rs in lines:
         label = str(first["turn"]) + (" (restart)" if first["turn"] > args.exchanges else "")
-        cells = " | ".join(f"{r['ttft_s']:.3f} ({r['cached'] if r['cached'] is not None else '?'})" for r in rs)
+        cells = " | ".join(f"{r['ttft_s']:.3f} ({'?' if r['cached'] is None else r['cached']})" for r in rs)
         ratio = f" | {rs[1]['ttft_s'] / max(rs[0]['ttft_s'], 1e-9):.1f}x" if len(rs) == 2 else ""
         print(f"| {label} | {first['prompt_tokens']:.0f} | {cells}{ratio} |")
     if args.json:
