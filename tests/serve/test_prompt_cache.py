@@ -5,6 +5,7 @@ conversation at a time and twenty together), while later turns restore most of t
 from __future__ import annotations
 
 import pytest
+import torch
 from scheduling import serve_and_close, serve_together
 
 from k3kit.runtime.sampling import Sampling
@@ -155,3 +156,72 @@ def test_budget_evicts_least_recently_used(spec_session):
     st = pc.stats()
     assert st["evictions"] >= 1 and st["ram_bytes"] <= pc.budget
     assert 1 <= st["entries"] <= 3
+
+
+def _chunk_ends(start: int, length: int, chunk: int, interval: int) -> list[int]:
+    """Where the scheduler's prompt chunks should end: on a point while two intervals or more
+    are left, else after `chunk` rows or at the prompt's end."""
+    ends, fed = [], start
+    while fed < length:
+        end = fed + chunk
+        if length - fed >= 2 * interval:
+            end = min(end, (fed // interval + 1) * interval)
+        fed = min(end, length)
+        ends.append(fed)
+    return ends
+
+
+def test_points_every_interval_and_a_short_tail_in_one_pass(spec_session, monkeypatch):
+    """A long prompt's chunks end on the cache's points; a later request's short new tail after
+    its hit runs in one pass (not cut at the point inside it), and gives the cold tokens."""
+    codec, model = spec_session.codec, spec_session.model
+    interval, chunk = 16, 64
+    first = tuple(codec.encode(SYSTEM))
+    second = first + tuple(codec.encode(" ".join(ASKS), add_bos=False))[:25]
+    assert len(first) > 4 * interval and len(second) - len(first) >= 17
+    assert (len(first) // interval + 1) * interval < len(second)       # a point falls inside the tail
+    passes: list[list[int]] = []
+    for name in ("verify_batch", "forward_batch"):
+        orig = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda rows, *a, _orig=orig, **kw: (
+            passes.append([len(r) for _, r in rows]), _orig(rows, *a, **kw))[1])
+    pc = PromptCache(256 << 20, interval)
+    sched = _Recording(model, codec, max_batch=chunk, prompt_cache=pc)
+    try:
+        serve_together(sched, [GenerationRequest(first, 2, Sampling())])
+        fed = [0]
+        for p in passes:                       # the prompt's passes, then one row per decode step
+            if fed[-1] < len(first):
+                fed.append(fed[-1] + p[0])
+        assert fed[1:] == _chunk_ends(0, len(first), chunk, interval)
+        passes.clear()
+        req = GenerationRequest(second, 3, Sampling())
+        got = serve_together(sched, [req])[0]
+    finally:
+        sched.close()
+    assert sched.last_cached[req.id] == len(first)
+    assert passes[0] == [len(second) - len(first)]                      # the whole tail at once
+    cold = _Recording(model, codec, max_batch=chunk)
+    try:
+        assert serve_together(cold, [GenerationRequest(second, 3, Sampling())])[0] == got
+    finally:
+        cold.close()
+
+
+def test_warm_up_leaves_no_state_and_changes_no_logit(spec_session):
+    """The server's start-up pass runs on a throwaway sequence: none stays open, and a prompt's
+    logits after it are the bits they were before it."""
+    from k3kit.serve.server import warm_up
+    model = spec_session.model
+    prompt = list(spec_session.codec.encode(SYSTEM))[:40]
+
+    def logits():
+        seq = model.open_sequence()
+        try:
+            return model.forward_batch([(seq, prompt)])
+        finally:
+            model.close_sequence(seq)
+    before, open_before = logits(), model.sequences
+    warm_up(model)
+    assert model.sequences == open_before
+    assert torch.equal(logits(), before)

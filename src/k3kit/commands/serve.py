@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM/SIGINT, seconds the running requests get to finish (30) while "
                         "new ones are answered 503; then streams end with an error event and [DONE], "
                         "the rest with a 503, and the server exits (0). A second signal: no wait")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the warm-up pass at start (a few rows of one token, before /health "
+                             "says ready) that keeps a fresh process's one-time costs off the first request")
     add_model_arguments(parser)
     add_draft_arguments(parser)
 
@@ -151,5 +154,5 @@ def run(args: argparse.Namespace) -> int:
                          prompt_cache_mib=prompt_cache_mib(args), prompt_cache_dir=args.prompt_cache_dir,
                          prompt_cache_disk_mib=args.prompt_cache_disk_mib,
                          prompt_cache_interval=args.prompt_cache_interval,
-                         shutdown_timeout=args.shutdown_timeout)
+                         shutdown_timeout=args.shutdown_timeout, warmup=not args.no_warmup)
     return serve(path, load, config)

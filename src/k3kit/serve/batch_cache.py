@@ -7,11 +7,14 @@ prompt is prefilled, and keeping what a finished request ran.
   and marks those prompt tokens as fed. A hit at the prompt's very end samples the first token
   from the saved logits: no row runs.
 * Prefill (`_prefill_point`): a prompt is cut at every `interval`-th position (the chunks end
-  there) and at its end; after each such chunk the recurrent state is copied with the last row's
-  logits. A request with `share_prompt` (the first of `n` siblings) puts its prompt's state in the
-  cache at the prompt's end: the siblings, submitted when its first token comes, restore it whole.
-  Cutting changes no bit on a model whose rows do not depend on how a prompt is split into
-  passes (K3 on the CPU in the ggml arithmetic: tested).
+  there) while two intervals or more of it are left to run, and at its end; after each such
+  chunk the recurrent state is copied with the last row's logits. A shorter tail (a
+  conversation's new turn after a hit) is not cut for points (_Seq.next_rows). A request with
+  `share_prompt` (the first of `n` siblings) puts its prompt's state in the cache at the
+  prompt's end: the siblings, submitted when its first token comes, restore it whole.
+  Where a prompt is cut changes no token in the tests (tests/serve/test_prompt_cache.py: cached
+  against cold runs, greedy and seeded, AR and DSpark); a row's attention runs over the
+  positions its pass holds, so its last float bits may depend on the cut (float near-ties).
 * Retirement (`_store`): the tokens the sequence ran (prompt + completion, less the last
   sampled token, which never ran), its positional rows, its points plus one at its end, and its
   ring rows go into the cache. A drafting sequence that stopped in the middle of an accepted

@@ -67,6 +67,7 @@ class ServeConfig:
     prompt_cache_disk_mib: float = 16384.0   # bytes the directory may hold (0: no limit)
     prompt_cache_interval: int | None = None  # tokens between recurrent copies (None: from the state size)
     shutdown_timeout: float = 30.0      # s the running requests get after SIGTERM/SIGINT
+    warmup: bool = True                 # one short pass before ready (warm_up)
 
 
 UVICORN_GRACE = 5     # s uvicorn gives connections after the drain (only responses already ending remain)
@@ -80,6 +81,26 @@ def serve_context(model_context: int, requested: int | None) -> int:
     if not 1 <= requested <= model_context:
         raise K3Error(f"--ctx {requested}: must be in [1, {model_context}] (the model's context)")
     return requested
+
+
+WARMUP_ROWS = 16       # rows of the warm-up pass: past the kernels' many-row threshold (AMX from 12)
+
+
+def warm_up(model: object) -> None:
+    """One pass of WARMUP_ROWS copies of one token and one decode row on a throwaway sequence,
+    before the server says ready: a fresh process's first passes pay one-time costs (kernel and
+    allocator first use: +60 ms on the mini's first 311-row pass after a restart) that belong to
+    start-up, as llama-server's own warm-up run keeps them off its first request. Copies of one
+    token route alike, so a model whose experts stream from disk reads a few experts per layer,
+    not a layer's worth."""
+    if not isinstance(model, BatchedModel):
+        return
+    seq = model.open_sequence()
+    try:
+        model.forward_batch([(seq, [0] * WARMUP_ROWS)])
+        model.forward_batch([(seq, [0])])
+    finally:
+        model.close_sequence(seq)
 
 
 def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
@@ -253,6 +274,8 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
             session, step = load()
             holder["session"] = session
             ctx = serve_context(session.model.context_length, config.ctx)
+            if config.warmup:
+                warm_up(session.model)
             sched = scheduler_for(session, step, config)
             holder["scheduler"] = sched
             state.ready(sched, session.codec, ctx, draft=getattr(sched, "step_factory", None) is not None)
