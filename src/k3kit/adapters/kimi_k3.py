@@ -498,6 +498,10 @@ class K3Adapter(SequenceSnapshots):
     def expert_stats(self) -> ExpertStats:
         return self.store.stats()
 
+    def preload_experts(self) -> bool:
+        """Read every routed expert into the cache if they all fit it (ExpertStore.load_all_if_fits)."""
+        return self.store.load_all_if_fits()
+
     @property
     def expert_kernel(self) -> str:
         """'native-avx512' (quantized cache, native kernel and its vector path) or 'torch'."""

@@ -343,6 +343,17 @@ class ExpertStore(ReadAhead):
                                                              populate=False)
         return {e: self._fetch(layer, e) for e in ids}
 
+    def load_all_if_fits(self) -> bool:
+        """Read every expert into the cache when all of them fit its budget (a model smaller than
+        its cache: the mini, a small slice), so the first request pays no misses and takes the
+        resident paths; a larger model is left to fill as it runs. -> whether they were read."""
+        total = sum(self.n_experts(layer) * self.cached_expert_nbytes(layer) for layer in self.layers)
+        if total > self.cache_bytes:
+            return False
+        for layer in self.layers:
+            self.get(layer, range(self.n_experts(layer)))
+        return True
+
     def pin(self, layer: int, experts: Iterable[int]) -> None:
         """Load (if needed) and keep these experts resident regardless of the budget."""
         for e, tensors in self.get(layer, experts).items():
