@@ -137,3 +137,33 @@ def test_entry_bigger_than_the_ram_budget_goes_to_disk(tmp_path):
     assert hit is not None and hit.pos == 256 and pc.stats()["disk_hits"] == 1
     assert isinstance(pc.disk.load(next(iter(pc.disk.index))), Entry)
     assert os.listdir(tmp_path)
+
+
+def test_preload_reads_saved_entries_into_ram_and_skips_a_corrupt_one(spec_session, tmp_path):
+    """After a restart, preload puts the directory's entries in RAM (within half the budget);
+    the first restore from one counts as a disk hit and gives the cold run's tokens; a flipped
+    byte is found by preload and the file is never used."""
+    codec = spec_session.codec
+    prompts = [_prompt(codec, "import os"), _prompt(codec, "class Stack:")]
+    longer = prompts[0] + tuple(codec.encode(" and more text to run after the saved prompt"))
+    cold_long, _ = _serve(spec_session, PromptCache(0, 256), longer)
+    first = _cache(spec_session, tmp_path)
+    for p in prompts:
+        _serve(spec_session, first, p)
+    assert first.flush() == 2
+    again = _cache(spec_session, tmp_path)
+    assert again.preload() == 2 and len(again.entries) == 2
+    assert again.stats()["disk_hits"] == 0                    # read ahead, not yet used
+    toks, st = _serve(spec_session, again, longer)
+    assert toks == cold_long and st["disk_hits"] == 1 and st["cached_tokens"] >= len(prompts[0])
+
+    paths = sorted(tmp_path.glob(f"*{SUFFIX}"), key=lambda q: q.stat().st_mtime)
+    raw = bytearray(paths[-1].read_bytes())
+    raw[-100] ^= 0x10
+    paths[-1].write_bytes(bytes(raw))
+    third = _cache(spec_session, tmp_path)
+    assert third.preload() == 1 and third.stats()["disk_skipped"] == 1 and len(third.disk.index) == 1
+    assert all(e.disk != paths[-1] for e in third.entries.values())
+
+    small = PromptCache(1, 256, directory=tmp_path, identity="model-a")   # half of 1 byte: room for none
+    assert small.preload() == 0 and not small.entries

@@ -136,6 +136,7 @@ class Entry:
     ring: RingRows | None = None
     used: float = field(default_factory=time.monotonic)
     disk: Path | None = None              # where it is written, if it is
+    preloaded: bool = False               # read from the directory at start-up, not yet hit
 
     @property
     def key(self) -> str:
@@ -237,6 +238,9 @@ class PromptCache:
                 self.counters.misses += 1
                 return None
             e.used = time.monotonic()
+            if e.preloaded:                    # its first restore: the directory's, read ahead
+                e.preloaded = False
+                self.counters.disk_hits += 1
             pt = e.points[pos]
             ring_rows = None
             if window is not None and e.ring is not None:
@@ -330,6 +334,35 @@ class PromptCache:
             self.counters.evictions += 1
             if self.disk is not None and e.disk is None:
                 self.disk.write(e)
+
+    def preload(self) -> int:
+        """Read the directory's newest entries into RAM while they fit half the budget (the rest
+        stays for this run's own), so the first turns after a restart find their states in RAM,
+        as llama-server's restored slots are, instead of reading and checking a file while the
+        request waits. One entry at a time under the lock; an entry a lookup already took, or a
+        corrupt one (skipped with its warning), is passed over. -> entries read."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            keys = sorted(self.disk.index, key=lambda k: -self.disk.index[k].mtime)   # type: ignore[union-attr]
+        room, n = self.budget // 2, 0
+        for key in keys:
+            with self._lock:
+                d = self.disk.index.get(key)
+                if key in self.entries or d is None:
+                    continue
+                if d.nbytes > room:
+                    break
+                e = self.disk.load(key)
+                if e is None:
+                    continue
+                e.preloaded = True
+                e.used = 0.0                   # the first to go if this run's own need the room
+                self.entries[key] = e
+                room -= e.nbytes
+                n += 1
+                self._trim()
+        return n
 
     def flush(self) -> int:
         """Write every RAM entry not yet on disk (shutdown); -> entries written."""

@@ -108,6 +108,18 @@ def warm_up(model: object) -> None:
         model.close_sequence(seq)
 
 
+def preload_prompt_cache(sched: Scheduler) -> None:
+    """The newest entries of --prompt-cache-dir into RAM before ready (PromptCache.preload): the
+    first turns after a restart then restore as fast as any other."""
+    pc = getattr(sched, "prompt_cache", None)
+    if not isinstance(pc, PromptCache) or pc.disk is None or not pc.disk.index:
+        return
+    t0 = time.perf_counter()
+    n = pc.preload()
+    log.info("prompt cache: %d of %d saved entries read into RAM (%.2fs)", n, len(pc.disk.index),
+             time.perf_counter() - t0)
+
+
 def scheduler_for(session: Session, step: StepFactory | None, config: ServeConfig) -> Scheduler:
     """Continuous batching when the model holds several sequences (with a draft: batched speculative
     verification, see k3kit.serve.batch); the serial worker for a model without that."""
@@ -283,6 +295,8 @@ def serve(path: str | os.PathLike[str], load: Loader, config: ServeConfig,
                 warm_up(session.model)
             sched = scheduler_for(session, step, config)
             holder["scheduler"] = sched
+            if config.warmup:
+                preload_prompt_cache(sched)
             state.ready(sched, session.codec, ctx, draft=getattr(sched, "step_factory", None) is not None)
         except BaseException as e:     # reported by the main thread once uvicorn has stopped
             holder["error"] = e
