@@ -70,14 +70,7 @@ def complete(port: int, model_id: str, ids: list[int], max_tokens: int, slot: in
         r = conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            obj = json.loads(data)
+        for obj in bs.sse_events(r):
             details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 cached = int(details["cached_tokens"])

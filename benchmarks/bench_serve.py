@@ -52,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,6 +282,18 @@ class Result:
     text: str
 
 
+def sse_events(response: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a streamed completion's `data:` lines, up to `data: [DONE]`."""
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 def complete(server: Server, prompt: str, max_tokens: int) -> Result:
     """One streamed greedy completion; tokens from the final usage chunk, else one per chunk.
 
@@ -297,14 +310,7 @@ def complete(server: Server, prompt: str, max_tokens: int) -> Result:
         r = conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            obj = json.loads(data)
+        for obj in sse_events(r):
             if obj.get("usage"):
                 usage = obj["usage"]
             for c in obj.get("choices") or ():

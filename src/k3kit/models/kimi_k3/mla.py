@@ -238,8 +238,9 @@ def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Te
     SCORE_BUDGET elements: a long prompt's scores (T x H x S: 2.6 GB for 512 K3 rows at 20k
     positions) never exist whole, and a group's stay in the caches from the product through
     the scale, the mask and the softmax to the second product (1.5x faster on the mini at 4k
-    positions). Every row attends over all S columns, later ones masked, so a row's floats do
-    not depend on the group it falls in."""
+    positions). Every row attends over all S columns, later ones masked, so a group's bounds
+    change only how many rows each product holds (on the mini's widths no bit; at some wider
+    ones the GEMM's last bits follow the row count, as they follow a pass's)."""
     B, T, H, C = Q.shape
     S = K.shape[1]
     L = c_all.shape[-1]
