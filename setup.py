@@ -39,5 +39,14 @@ setup(
             extra_link_args=["-fopenmp"],
             optional=True,
         ),
+        Extension(
+            "k3kit.kernels._fused",
+            sources=["src/k3kit/kernels/_fused.c"],
+            # row-wise norms, the attn-res mix and situ in one call each (kernels/fused.py;
+            # without it the torch ops run). -ffp-contract=off: each product and sum rounded.
+            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],
+            extra_link_args=["-fopenmp", "-lm"],
+            optional=True,
+        ),
     ]
 )

@@ -115,6 +115,8 @@ def main() -> None:
         ("shipped mini K3 + drafter (6 layers)", paths.shipped_gguf(), paths.shipped_draft())]
     print(f"threads {args.threads}; {args.tokens} tokens timed then {args.tokens} counted per phase; "
           f"median of {args.reps} runs per tree, trees alternated")
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         if not args.no_slice:
             from dataclasses import replace

@@ -337,3 +337,32 @@ def test_draft_that_does_not_fit_the_target_is_refused(tmp_path):
     finally:
         draft.close()
         target.close()
+
+
+def test_verify_rows_have_the_bits_of_ar_rows(mini):
+    """A verify block's logits are, row for row, the bits of one-row AR steps over the same tokens
+    (attention runs a block's rows as decode rows; in ggml's arithmetic one last bit can move an
+    int8 rounding of a later product, which is what made the block and AR part before)."""
+    target, _, prompts = mini
+    ar = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=256)).model
+    try:
+        # AR's own continuations (a draft that is right), prompts' tokens (one that is wrong), and
+        # the shipped drafter's second block after prompts[2], where they used to part at row 1
+        blocks = [(2, [606, 329, 390, 62, 198, 738, 329, 390])]
+        for i, p in enumerate(prompts[:8]):
+            ar.reset()
+            rows = [int(torch.argmax(ar.forward(p)[-1]))]
+            for _ in range(7):
+                rows.append(int(torch.argmax(ar.forward([rows[-1]])[-1])))
+            blocks += [(i, rows), (i, prompts[i + 1][:8])]
+        for i, rows in blocks:
+            target.reset()
+            ar.reset()
+            target.forward(prompts[i])
+            ar.forward(prompts[i])
+            block = target.verify(rows, capture=False).logits
+            target.commit(0)
+            single = torch.stack([ar.forward([r], all_logits=True)[-1] for r in rows])
+            assert torch.equal(block, single), (i, rows)
+    finally:
+        ar.close()

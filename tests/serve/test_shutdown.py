@@ -96,7 +96,8 @@ def test_sigterm_ends_a_long_stream_with_an_error_event_and_done():
 def test_sigint_lets_a_short_stream_finish():
     s = Server(["--shutdown-timeout", "120"]).wait_ready()
     try:
-        conn, resp = start_stream(s.url, max_tokens=40)
+        # long enough to outlast the 0.3 s below at any decode speed here (~250 tok/s on the mini)
+        conn, resp = start_stream(s.url, max_tokens=400)
         s.proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
         refused = refused_or_503(s.url)
@@ -106,7 +107,7 @@ def test_sigint_lets_a_short_stream_finish():
         usage = got[-2]["usage"]
         assert got[-2]["choices"] == [] and usage["prompt_tokens_details"] == {"cached_tokens": 0}
         reasons = [c["finish_reason"] for e in got[:-2] for c in e["choices"] if c["finish_reason"]]
-        assert reasons == ["length"] and usage["completion_tokens"] == 40
+        assert reasons == ["length"] and usage["completion_tokens"] == 400
         assert all("error" not in e for e in got)
         code = stopped(s, 30)                          # without waiting out the 120 s
     finally:

@@ -7,8 +7,9 @@ stream until the device has caught up. This module measures both for any callabl
 machine:
 
 * ops: every aten op the step dispatches, counted by a `TorchDispatchMode` (`OpCounter`), by
-  name (`aten.mul`, `aten.view`, ...). The native kernels (k3kit.kernels' `_qmatmul`, `_kda`)
-  are called through numpy and are not aten ops: they are counted apart (`native_calls`).
+  name (`aten.mul`, `aten.view`, ...). The native kernels (k3kit.kernels' `_qmatmul`, `_kda`,
+  `_fused`) are called with buffers or addresses and are not aten ops: they are counted apart
+  (`native_calls`).
 * syncs: `aten._local_scalar_dense` (what `.item()`, `bool()`, `int()`, `float()` of a tensor
   dispatch) plus `Tensor.tolist()` calls. `tolist()` on a CPU tensor dispatches nothing at all
   (it reads the memory directly), and on a device tensor one `_to_copy` to the CPU, never a
@@ -150,13 +151,15 @@ class _Clock:
 
 
 # (module, attribute) pairs: where the native extensions are called from
-_NATIVE_CALLERS = (("k3kit.kernels.qmatmul", "_qmatmul"), ("k3kit.kernels.kda_step", "_kda"))
+_NATIVE_CALLERS = (("k3kit.kernels.qmatmul", "_qmatmul"), ("k3kit.kernels.kda_step", "_kda"),
+                   ("k3kit.kernels.fused", "_fused"))
 
 
 @contextmanager
 def native_clock() -> Iterator[_Clock]:
-    """Time every call into the native kernels (`_qmatmul`, `_kda`) while inside. The modules that
-    call them are found among those loaded (a model has loaded them; bench never imports kernels)."""
+    """Time every call into the native kernels (`_qmatmul`, `_kda`, `_fused`) while inside. The
+    modules that call them are found among those loaded (a model has loaded them; bench never
+    imports kernels)."""
     acc = _Clock(now=clock())
     callers = ((sys.modules.get(name), attr) for name, attr in _NATIVE_CALLERS)
     saved = [(m, m.__dict__.get(attr), attr) for m, attr in callers if m is not None]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from k3kit.kernels.qmatmul import buf
 
 try:
     from k3kit.kernels import _kda
@@ -52,16 +53,25 @@ def rows(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, q: Tensor | N
     dv = v.shape[-1]
     if inplace and not S.is_contiguous():
         raise ValueError("kda_step.rows: an in-place state must be contiguous")
-    src = S.detach().contiguous()
+    src = _plain(S)
     out = src if inplace else torch.empty_like(src)
-    e = torch.exp(g.detach().contiguous())      # torch's exp: S * e rounds as delta_step's S * decay
+    e = torch.exp(_plain(g))                    # torch's exp: S * e rounds as delta_step's S * decay
     o = torch.empty(B, T, H, dv, dtype=torch.float32) if q is not None else None
     n_threads = torch.get_num_threads() if threads is None else threads
+    k, v, beta = _plain(k), _plain(v), _plain(beta)
+    qc = None if q is None else _plain(q)
 
-    _kda.kda_rows(src.numpy(), out.numpy(), _np(q), _np(k), _np(v), e.numpy(), _np(beta), _np(o),
+    _kda.kda_rows(buf(src), buf(out), _buf(qc), buf(k), buf(v), buf(e), buf(beta), _buf(o),
                   B, T, H, dk, dv, 1.0 / math.sqrt(dv), simd, n_threads)
     return o, out
 
 
-def _np(t: Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.detach().contiguous().numpy()
+def _plain(t: Tensor) -> Tensor:
+    """t without autograd history, contiguous; no op when it already is (detach is an op)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _buf(t: Tensor | None) -> object:
+    return None if t is None else buf(t)

@@ -143,6 +143,21 @@ def keep_freed_heap() -> bool:
     return _heap_kept
 
 
+_BUF_TYPES: dict[int, type[ctypes.Array[ctypes.c_char]]] = {}
+
+
+def buf(t: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
+    """A buffer over a contiguous CPU tensor's memory, for the extension's `y*` / `w*` arguments.
+
+    `t.numpy()` is an aten op (a detach) and costs twice as much host time; a decode step passes
+    ~200 buffers. The caller keeps `t` alive for the call (the buffer does not own it)."""
+    n = t.numel() * t.element_size()
+    kind = _BUF_TYPES.get(n)
+    if kind is None:
+        kind = _BUF_TYPES.setdefault(n, ctypes.c_char * n)
+    return kind.from_address(t.data_ptr())
+
+
 def native_max_rows(qtype: GGMLQuantizationType, dtype: torch.dtype) -> int:
     """Rows up to which `QuantizedMatrix.matmul` runs the native kernel for this compute dtype
     (0: never, the type has no kernel or the extension is not built)."""
@@ -285,7 +300,7 @@ class QuantizedMatrix:
         if 0 < m <= native_max_rows(self.qtype, self.dtype) and x.device.type == "cpu":
             xf = x.detach().to(torch.float32).contiguous()
             y = torch.empty(m, self.out_features, dtype=torch.float32)
-            _qmatmul.matmul(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), self.out_features,
+            _qmatmul.matmul(int(self.qtype), self._raw_np, buf(xf), buf(y), self.out_features,
                             self.in_features, m, -1, torch.get_num_threads())
             return y.to(x.dtype)
         return self._gemm(x)
@@ -296,7 +311,7 @@ class QuantizedMatrix:
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.to(torch.float32).contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
-        _qmatmul.matmul_q8(self._qtype_id, self._raw_np, xf.numpy(), y.numpy(), self.out_features,
+        _qmatmul.matmul_q8(self._qtype_id, self._raw_np, buf(xf), buf(y), self.out_features,
                            self.in_features, x.numel() // self.in_features, -1, torch.get_num_threads(), 1,
                            I8_PATH)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -397,7 +412,7 @@ class QuantizedHeads:
             xf = xf.to(torch.float32).contiguous()
         m = x.shape[1]
         y = torch.empty(heads, m, n_out, dtype=torch.float32)
-        _qmatmul.matmul_heads(int(self.qtype), self._raw_np, xf.numpy(), y.numpy(), heads, n_out, n_in, m,
+        _qmatmul.matmul_heads(int(self.qtype), self._raw_np, buf(xf), buf(y), heads, n_out, n_in, m,
                               self.nbytes // heads, int(self.arith == "ggml"), -1, torch.get_num_threads())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -440,6 +455,6 @@ def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor
         raise ValueError(f"experts_matmul_q8: x {tuple(x.shape)} does not fit {sum(counts)} rows of "
                          f"{first.in_features}")
     y = torch.empty(per, xf.shape[0], first.out_features, dtype=torch.float32)
-    _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in flat], xf.numpy(), y.numpy(), list(counts),
+    _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in flat], buf(xf), buf(y), list(counts),
                         first.out_features, first.in_features, per, torch.get_num_threads())
     return y

@@ -15,11 +15,18 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from k3kit.kernels import fused
+
 Style = Literal["ggml", "hf"]
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, style: Style = "ggml") -> Tensor:
-    """RMS-normalise the last dim of `x`, then scale by `weight` (None: no weight)."""
+    """RMS-normalise the last dim of `x`, then scale by `weight` (None: no weight).
+
+    "ggml" rows of float32 on the CPU without a gradient take the native step (ggml's arithmetic:
+    the squares summed in double; k3kit.kernels.fused), everything else these torch ops."""
+    if style == "ggml" and (y := fused.rms_norm(x, weight, eps)) is not None:
+        return y
     var = x.pow(2).mean(dim=-1, keepdim=True)
     # `.reciprocal()`, not `1.0 / t`: Python's reflected division is reciprocal() * 1.0, the same
     # floats and one op more (a decode step runs ~50 of these norms)

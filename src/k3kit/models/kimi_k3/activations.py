@@ -10,12 +10,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3kit.kernels import fused
+
 
 def situ(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     """situ(g, u) = beta*tanh(g/beta)*sigmoid(g) * lb*tanh(u/lb); lb <= 0 leaves u as is.
 
     Both branches are soft clamps: the gate saturates at +-beta, the linear branch at +-lb.
+    Float32 on the CPU without a gradient: one native pass (k3kit.kernels.fused).
     """
+    if (y := fused.situ(gate, up, beta, linear_beta)) is not None:
+        return y
     a = torch.tanh(gate * (1.0 / beta)) * beta
     a = a * torch.sigmoid(gate)
     if linear_beta > 0.0:
@@ -28,5 +33,8 @@ def l2_norm(x: Tensor, eps: float) -> Tensor:
 
     llama.cpp builds it as rms_norm(x, eps/n) / sqrt(n) (build_gdn_l2_norm), which is this
     with eps inside the root; the eps is the model's RMS eps, not a separate constant.
+    Float32 on the CPU without a gradient: one native pass, the sum in double.
     """
+    if (y := fused.l2_norm(x, eps)) is not None:
+        return y
     return x * torch.sqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps).reciprocal()   # = 1.0 / sqrt

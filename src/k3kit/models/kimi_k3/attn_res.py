@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3kit.kernels import fused
 from k3kit.layers.norm import rms_norm
 
 
@@ -30,6 +31,8 @@ def res_mix(bank: list[Tensor], cur: Tensor, score_w: Tensor, eps: float) -> Ten
         probs = torch.softmax(torch.cat((sc_src, sc_cur), dim=-1), dim=-1)
         out = (src * probs[..., :-1, None]).sum(dim=-2)
         return out + cur * probs[..., -1:]
+    if (native := fused.res_mix(bank, cur, score_w, eps)) is not None:   # one native call per mix
+        return native
     # inference: the checkpoints and the stream scored as one tensor. Each score is its own row's
     # norm and dot (row-wise reductions: the same floats), in half the ops.
     both = torch.stack((*bank, cur), dim=-2)                             # [..., n_ckpt + 1, H]

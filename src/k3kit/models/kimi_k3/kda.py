@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3kit.kernels import kda_step
+from k3kit.kernels import fused, kda_step
 from k3kit.layers.norm import rms_norm
 
 from .activations import l2_norm
@@ -275,6 +275,12 @@ def detached(t: Tensor) -> Tensor:
     return t.detach() if t.requires_grad else t
 
 
+def gated_norm(o: Tensor, weight: Tensor, eps: float, gate: Tensor) -> Tensor:
+    """rms_norm(o, weight) * gate, the output's norm and gate: one native pass where it runs."""
+    y = fused.rms_norm(o, weight, eps, gate)
+    return y if y is not None else rms_norm(o, weight, eps) * gate
+
+
 def short_convs(kda: KDA, window: Tensor, conv_in: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The q, k and v short convs and SiLU of `causal_conv`, in one pass over the three when the
     result has the same bits: window [B, 3, K-1, C], conv_in [B, T, 3, C] -> (q, k, v [B, T, H, d]
@@ -287,6 +293,9 @@ def short_convs(kda: KDA, window: Tensor, conv_in: Tensor) -> tuple[Tensor, Tens
     cfg = kda.cfg
     B, T = conv_in.shape[:2]
     H, D, C = cfg.num_heads, cfg.kda_head_dim, cfg.kda_dim
+    if (native := fused.short_conv(window, conv_in, kda.conv_taps_by_row())) is not None:
+        out, new_window = native       # one pass, q/k/v each contiguous (SiLU in C: its own bits)
+        return out[0].view(B, T, H, D), out[1].view(B, T, H, D), out[2].view(B, T, H, D), new_window
     convs = (kda.q_conv, kda.k_conv, kda.v_conv)
     split = 3 * B * T * C >= _GRAIN and torch.get_num_threads() > 1
     if torch.is_grad_enabled() or C % _VECTOR_ELEMS or split:
@@ -329,6 +338,7 @@ class KDA(nn.Module):
         # with a state (decode, prefill, speculative) the step loop runs either way
         self.chunked = False
         self._taps: tuple[tuple[int, ...], list[Tensor]] | None = None   # conv_taps' cache
+        self._taps_rows: tuple[tuple[int, ...], Tensor] | None = None      # conv_taps_by_row's cache
         self._rate: tuple[tuple[int, int], Tensor] | None = None         # decay_rate's cache
 
     def decay_rate(self) -> Tensor:
@@ -352,6 +362,16 @@ class KDA(nn.Module):
                 taps = [w[:, None, :, j].contiguous() for j in range(w.shape[-1])]
             self._taps = (key, taps)
         return self._taps[1]
+
+    def conv_taps_by_row(self) -> Tensor:
+        """The q/k/v conv weights as [3, K, C] (tap j of every channel in a row: what the native
+        short conv reads), made once and again only when a conv weight changes."""
+        key = tuple(w._version for w in (self.q_conv, self.k_conv, self.v_conv)) + (self.q_conv.data_ptr(),)
+        if self._taps_rows is None or self._taps_rows[0] != key:
+            with torch.no_grad():
+                rows = torch.stack((self.q_conv, self.k_conv, self.v_conv)).transpose(1, 2).contiguous()
+            self._taps_rows = (key, rows)
+        return self._taps_rows[1]
 
     def empty_state(self, batch: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32) -> KDAState:
@@ -418,7 +438,7 @@ class KDA(nn.Module):
             rows = KDARows(detached(conv_in), detached(k), detached(v), detached(g), detached(beta), final)
 
         gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, D)
-        o = rms_norm(o, self.o_norm, cfg.rms_norm_eps) * gate
+        o = gated_norm(o, self.o_norm, cfg.rms_norm_eps, gate)
         return self.o_proj(o.reshape(B, T, H * D)), rows
 
 
@@ -461,7 +481,7 @@ def recur_rows(kda: KDA, state: KDAState, conv_in: Tensor, g: Tensor, beta: Tens
 def output_rows(kda: KDA, o: Tensor, gate: Tensor) -> Tensor:
     """The row-wise tail: o_proj(RMSNorm_d(o) * gate) for o, gate [B, T, H, d]."""
     B, T = o.shape[:2]
-    o = rms_norm(o, kda.o_norm, kda.cfg.rms_norm_eps) * gate
+    o = gated_norm(o, kda.o_norm, kda.cfg.rms_norm_eps, gate)
     return kda.o_proj(o.reshape(B, T, -1))
 
 
@@ -486,7 +506,7 @@ def forward_wy(kda: KDA, x: Tensor, chunk: int | None = None) -> tuple[Tensor, K
     S0 = x.new_zeros(B, H, D, D)
     o, _ = delta_rule_wy(S0, q, k, outs[2], g, beta, C)
     gate = torch.sigmoid(kda.g_proj(x)).view(B, T, H, D)
-    o = rms_norm(o, kda.o_norm, cfg.rms_norm_eps) * gate
+    o = gated_norm(o, kda.o_norm, cfg.rms_norm_eps, gate)
     return kda.o_proj(o.reshape(B, T, H * D)), None
 
 

@@ -228,6 +228,10 @@ def value_rows(mla: MLA, lat: Tensor) -> Tensor:
 SCORE_BUDGET = 1 << 20    # score elements per product (4 MB in float32): rows are taken this many at a time
 
 
+# up to this many rows (a verify block, a short chunk) attend one row at a time, as decode rows
+ROWWISE_MAX = 16
+
+
 def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Tensor:
     """Causal attention of T rows after `offset` cached ones over latent keys: Q [B, T, H, C],
     K [B, S, C] (S = offset + T), values c_all [B, S, L] -> [B, T, H, L].
@@ -247,6 +251,12 @@ def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Te
     if T == 1:                                 # one row sees every position: no mask, one group
         scores = torch.bmm(Q.reshape(B, H, C), K.transpose(1, 2)).mul_(scale)
         return torch.bmm(torch.softmax(scores, dim=-1), c_all).view(B, 1, H, L)
+    if T <= ROWWISE_MAX and not torch.is_grad_enabled():
+        # a verify block (or a short chunk): each row as a decode row of its own, over the columns
+        # it sees, so its floats are the ones an AR step of that row gets (a GEMM's sums follow
+        # its row count: in ggml's arithmetic one last bit can move an int8 rounding downstream)
+        return torch.cat([attend(Q[:, a:a + 1], K[:, :offset + a + 1], c_all[:, :offset + a + 1], offset + a,
+                                 scale) for a in range(T)], dim=1)
     out = Q.new_empty(B, T, H, L)
     Kt = K.transpose(1, 2)
     step = max(1, SCORE_BUDGET // (B * H * S))

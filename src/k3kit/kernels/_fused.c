@@ -1,0 +1,252 @@
+/* Row-wise elementwise steps of a K3 layer, each one call instead of 4-12 torch ops.
+ *
+ * Why it exists: on a decode row the arithmetic of a norm or a gate is a few hundred floats, and
+ * torch spends more time dispatching its 4-12 ops (and Python building them) than computing them;
+ * a K3 decode step runs ~8 norms, 2 residual mixes and a gate per layer. These functions do each
+ * step in one pass over a row, called from k3kit.kernels.fused with the tensors' addresses (a
+ * tensor's `.numpy()` is itself an aten op; the wrapper checks dtype, device, contiguity and
+ * shapes before it passes an address).
+ *
+ * The contract (tests/kernels/test_fused.py):
+ * - Every row is computed by one thread in one fixed order, whatever the other rows are: a row's
+ *   results are the same alone, batched, and for any thread count (batch invariance).
+ * - The norms follow ggml's ggml_compute_forward_rms_norm_f32: the squares x*x rounded to float,
+ *   summed in double (here in 8 double lanes, then the lanes in order: within double rounding of
+ *   ggml's one running sum, so float results agree with ggml's except where a double-rounded sum
+ *   sits on a float rounding boundary), mean = (float)(sum / n), scale = 1.0f / sqrtf(mean + eps),
+ *   y = x * scale * w. torch's float32 mean differs from that in the last bit at times; against
+ *   the torch steps results agree to float32 rounding.
+ * - No FMA anywhere (-ffp-contract=off): each product and sum rounds as it is written.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8
+/* rows * width below this run on the calling thread (a thread team costs more than the work) */
+#define PARALLEL_FROM 65536
+/* the most checkpoints a residual mix takes (K3: one per block of layers, 93 / block size) */
+#define MAX_BANK 64
+
+static double sum_squares(const float *x, int64_t n) {
+    double acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += (double)(x[i + l] * x[i + l]);
+    for (int l = 0; i < n; i++, l++) acc[l] += (double)(x[i] * x[i]);
+    double s = 0.0;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    return s;
+}
+
+/* ggml's rms scale of a row: 1 / sqrt(mean(x^2) + eps), the mean rounded to float */
+static float rms_scale(const float *x, int64_t n, float eps) {
+    const float mean = (float)(sum_squares(x, n) / (double)n);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+static int threads_for(int64_t rows, int64_t width, int threads) {
+    if (threads < 1 || rows * width < PARALLEL_FROM) return 1;
+    return rows < threads ? (int)rows : threads;
+}
+
+/* y = x * scale(x) * w [* gate], row by row; w may be NULL (no weight), gate NULL (none) */
+static void norm_rows(const float *x, const float *w, const float *gate, float *y, int64_t rows, int64_t n,
+                      float eps, int l2, int threads) {
+    const int nt = threads_for(rows, n, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        const float scale = l2 ? 1.0f / sqrtf((float)sum_squares(xr, n) + eps) : rms_scale(xr, n, eps);
+        const float *gr = gate ? gate + r * n : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            float v = xr[i] * scale;
+            if (w) v = v * w[i];
+            if (gr) v = v * gr[i];
+            yr[i] = v;
+        }
+    }
+}
+
+static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* K3's situ: beta * tanh(g / beta) * sigmoid(g) * (lb > 0 ? lb * tanh(u / lb) : u) */
+static void situ_rows(const float *g, const float *u, float *y, int64_t n, float beta, float lb, int threads) {
+    const int nt = threads_for(n, 1, threads);
+    const float ib = 1.0f / beta, il = lb > 0.0f ? 1.0f / lb : 0.0f;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t i = 0; i < n; i++) {
+        float a = tanhf(g[i] * ib) * beta;
+        a = a * sigmoidf(g[i]);
+        const float up = lb > 0.0f ? tanhf(u[i] * il) * lb : u[i];
+        y[i] = a * up;
+    }
+}
+
+/* The attn-res mix of one row: scores s_i = sum_j (x_ij * scale(x_i)) * w_j over the bank's rows
+ * and the current row (last), p = softmax(s), y = sum_i p_i x_i over the bank in order, + p_cur cur. */
+static void mix_rows(const float *const *bank, int64_t nb, const float *cur, const float *w, float *y,
+                     int64_t rows, int64_t n, float eps, int threads) {
+    const int nt = threads_for(rows, n * (nb + 1), threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float s[MAX_BANK + 1];
+        for (int64_t b = 0; b <= nb; b++) {
+            const float *xr = (b < nb ? bank[b] : cur) + r * n;
+            const float scale = rms_scale(xr, n, eps);
+            double acc[LANES] = {0};
+            int64_t i = 0;
+            for (; i + LANES <= n; i += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] += (double)((xr[i + l] * scale) * w[i + l]);
+            for (int l = 0; i < n; i++, l++) acc[l] += (double)((xr[i] * scale) * w[i]);
+            double t = 0.0;
+            for (int l = 0; l < LANES; l++) t += acc[l];
+            s[b] = (float)t;
+        }
+        float mx = s[0];
+        for (int64_t b = 1; b <= nb; b++) mx = s[b] > mx ? s[b] : mx;
+        float tot = 0.0f;
+        for (int64_t b = 0; b <= nb; b++) {
+            s[b] = expf(s[b] - mx);
+            tot = tot + s[b];
+        }
+        for (int64_t b = 0; b <= nb; b++) s[b] = s[b] / tot;
+        float *yr = y + r * n;
+        const float *cr = cur + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            float v = bank[0][r * n + i] * s[0];
+            for (int64_t b = 1; b < nb; b++) v = v + bank[b][r * n + i] * s[b];
+            yr[i] = v + cr[i] * s[nb];
+        }
+    }
+}
+
+/* KDA's three depthwise causal convs + SiLU for B sequences: window [B, 3, K-1, C] (past inputs),
+ * x [B, T, 3, C], taps [3, K, C] (tap j of each channel); out [3, B, T, C] (q, k, v after SiLU, each
+ * contiguous), new_window [B, 3, K-1, C]. y[t] = xx[t] w_0 + xx[t+1] w_1 + ... in that order (the
+ * torch steps' products and sums), then y / (1 + exp(-y)). */
+static void conv_rows(const float *window, const float *x, const float *taps, float *out, float *new_window,
+                      int64_t B, int64_t T, int64_t C, int64_t K, int threads) {
+    const int nt = threads_for(B * 3, T * C * K, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t u = 0; u < B * 3; u++) {
+        const int64_t b = u / 3, i = u % 3;
+        const float *win = window + (b * 3 + i) * (K - 1) * C;
+        const float *w = taps + i * K * C;
+        /* xx[s] is the window's row s for s < K-1, else x's row s - (K-1) */
+#define XX(s) ((s) < K - 1 ? win + (s) * C : x + ((b * T + (s) - (K - 1)) * 3 + i) * C)
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + ((i * B + b) * T + t) * C;
+            const float *x0 = XX(t);
+            for (int64_t c = 0; c < C; c++) o[c] = x0[c] * w[c];
+            for (int64_t j = 1; j < K; j++) {
+                const float *xj = XX(t + j), *wj = w + j * C;
+                for (int64_t c = 0; c < C; c++) o[c] = o[c] + xj[c] * wj[c];
+            }
+            for (int64_t c = 0; c < C; c++) o[c] = o[c] / (1.0f + expf(-o[c]));
+        }
+        float *nw = new_window + (b * 3 + i) * (K - 1) * C;
+        for (int64_t s = 0; s < K - 1; s++) memcpy(nw + s * C, XX(T + s), (size_t)C * sizeof(float));
+#undef XX
+    }
+}
+
+#define PTR(T, a) ((T *)(uintptr_t)(a))
+
+/* rms_norm(x, w, gate, y, rows, n, eps, l2=0, threads=1): addresses of contiguous float32 buffers
+ * (w [n], gate [rows, n], x and y [rows, n]; w and gate 0 for none; y may be x). l2: the delta
+ * rule's L2 norm (sum instead of mean, no weight). */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    Py_ssize_t x, w, gate, y, rows, n;
+    float eps;
+    int l2 = 0, threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnf|ii", &x, &w, &gate, &y, &rows, &n, &eps, &l2, &threads)) return NULL;
+    if (!x || !y || rows < 0 || n < 1) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: bad buffers or sizes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    norm_rows(PTR(const float, x), PTR(const float, w), PTR(const float, gate), PTR(float, y), rows, n, eps, l2,
+              threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* situ(g, u, y, n, beta, lb, threads=1): n elements (addresses of float32 buffers; y may be g or u) */
+static PyObject *py_situ(PyObject *self, PyObject *args) {
+    Py_ssize_t g, u, y, n;
+    float beta, lb;
+    int threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnff|i", &g, &u, &y, &n, &beta, &lb, &threads)) return NULL;
+    if (!g || !u || !y || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "situ: bad buffers or sizes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    situ_rows(PTR(const float, g), PTR(const float, u), PTR(float, y), n, beta, lb, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* res_mix(bank, cur, w, y, rows, n, eps, threads=1): bank a tuple of 1..MAX_BANK addresses of
+ * [rows, n] float32 buffers, cur and y [rows, n] (y must not be an input), w [n]. */
+static PyObject *py_res_mix(PyObject *self, PyObject *args) {
+    PyObject *bank;
+    Py_ssize_t cur, w, y, rows, n;
+    float eps;
+    int threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!nnnnnf|i", &PyTuple_Type, &bank, &cur, &w, &y, &rows, &n, &eps, &threads))
+        return NULL;
+    const Py_ssize_t nb = PyTuple_GET_SIZE(bank);
+    if (nb < 1 || nb > MAX_BANK || !cur || !w || !y || rows < 0 || n < 1) {
+        PyErr_Format(PyExc_ValueError, "res_mix: bad buffers or sizes (1..%d checkpoints)", MAX_BANK);
+        return NULL;
+    }
+    const float *ptrs[MAX_BANK];
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const Py_ssize_t a = PyLong_AsSsize_t(PyTuple_GET_ITEM(bank, b));
+        if (a == -1 && PyErr_Occurred()) return NULL;
+        ptrs[b] = PTR(const float, a);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mix_rows(ptrs, nb, PTR(const float, cur), PTR(const float, w), PTR(float, y), rows, n, eps, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* short_conv(window, x, taps, out, new_window, B, T, C, K, threads=1): addresses (see conv_rows);
+ * new_window must not overlap window or x. */
+static PyObject *py_short_conv(PyObject *self, PyObject *args) {
+    Py_ssize_t window, x, taps, out, new_window, B, T, C, K;
+    int threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnn|i", &window, &x, &taps, &out, &new_window, &B, &T, &C, &K, &threads))
+        return NULL;
+    if (!window || !x || !taps || !out || !new_window || B < 0 || T < 0 || C < 1 || K < 2) {
+        PyErr_SetString(PyExc_ValueError, "short_conv: bad buffers or sizes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    conv_rows(PTR(const float, window), PTR(const float, x), PTR(const float, taps), PTR(float, out),
+              PTR(float, new_window), B, T, C, K, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"short_conv", py_short_conv, METH_VARARGS, "KDA's q/k/v causal convs and SiLU."},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "ggml's RMS norm (or the L2 norm) of rows, times a weight and a gate."},
+    {"situ", py_situ, METH_VARARGS, "K3's situ activation over n elements."},
+    {"res_mix", py_res_mix, METH_VARARGS, "K3's attn-res mix of rows over a bank of checkpoints."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&module); }

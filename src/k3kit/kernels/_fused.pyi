@@ -1,0 +1,19 @@
+"""Types of the native extension built from _fused.c (optional: it may not be built).
+
+Buffers are addresses (`Tensor.data_ptr()`) of contiguous float32 memory; k3kit.kernels.fused
+checks them before it calls."""
+
+def rms_norm(x: int, w: int, gate: int, y: int, rows: int, n: int, eps: float, l2: int = 0,
+             threads: int = 1, /) -> None:
+    """y = x * scale(x) * w * gate per row of n (w, gate 0: none); l2: the L2 norm's scale."""
+
+def situ(g: int, u: int, y: int, n: int, beta: float, lb: float, threads: int = 1, /) -> None:
+    """K3's situ over n elements."""
+
+def res_mix(bank: tuple[int, ...], cur: int, w: int, y: int, rows: int, n: int, eps: float,
+            threads: int = 1, /) -> None:
+    """K3's attn-res mix of rows over 1-64 banked checkpoints."""
+
+def short_conv(window: int, x: int, taps: int, out: int, new_window: int, B: int, T: int, C: int, K: int,
+               threads: int = 1, /) -> None:
+    """KDA's q/k/v depthwise causal convs + SiLU: out [3, B, T, C], the new window [B, 3, K-1, C]."""

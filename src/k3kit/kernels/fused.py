@@ -1,0 +1,110 @@
+"""Row-wise steps of a K3 layer in one native call each (the `_fused` extension).
+
+A decode row's norms, residual mixes and gates are a few hundred floats of arithmetic under 4-12
+torch ops each, and on a decode step torch's dispatch and the Python that builds those ops cost
+more than the arithmetic (k3kit.bench.host measures it). `_fused` (built from `_fused.c` at
+install) does each step in one pass per row, given the tensors' addresses: `Tensor.numpy()` is
+an aten op of its own, `data_ptr()` is not. Every function here checks what it passes (float32,
+CPU, contiguous, sizes) and returns None where it cannot run, and the caller runs its torch ops:
+with a gradient (training), on a GPU, without the extension, or on an unusual layout.
+
+Numerics (see `_fused.c`): the norms are ggml's (squares summed in double, the mean rounded to
+float), so they agree with llama.cpp's at least as well as the torch ops did; each row is computed
+alone in a fixed order, so a row's bits do not depend on the rows beside it or the thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+try:
+    from k3kit.kernels import _fused
+except ImportError:  # built without a C compiler: the torch ops
+    _fused = None  # type: ignore[assignment]
+
+
+def available() -> bool:
+    """Whether the extension is built."""
+    return _fused is not None
+
+
+def _ok(*ts: Tensor) -> bool:
+    """Whether the native step runs on these tensors: float32 on the CPU, no gradient wanted.
+
+    The choice never depends on layout (a non-contiguous input is made contiguous): a row must
+    take the same step whether it came alone (often a contiguous view) or among others."""
+    return _fused is not None and not torch.is_grad_enabled() and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+def _c(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, gate: Tensor | None = None) -> Tensor | None:
+    """ggml's RMS norm of x's rows, times weight [n] and gate (x's shape), or None (run torch)."""
+    n = x.shape[-1] if x.dim() else 0
+    if n == 0 or not _ok(x) or (weight is not None and not (_ok(weight) and weight.shape == (n,))) \
+            or (gate is not None and not (_ok(gate) and gate.shape == x.shape)):
+        return None
+    x, weight, gate = _c(x), weight if weight is None else _c(weight), gate if gate is None else _c(gate)
+    y = torch.empty_like(x)
+    _fused.rms_norm(x.data_ptr(), weight.data_ptr() if weight is not None else 0,
+                    gate.data_ptr() if gate is not None else 0, y.data_ptr(), x.numel() // n, n, eps, 0,
+                    torch.get_num_threads())
+    return y
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor | None:
+    """x / sqrt(sum(x^2) + eps) over the last dim (sum in double), or None (run torch)."""
+    n = x.shape[-1] if x.dim() else 0
+    if n == 0 or not _ok(x):
+        return None
+    x = _c(x)
+    y = torch.empty_like(x)
+    _fused.rms_norm(x.data_ptr(), 0, 0, y.data_ptr(), x.numel() // n, n, eps, 1, torch.get_num_threads())
+    return y
+
+
+def situ(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor | None:
+    """K3's situ activation elementwise, or None (run torch)."""
+    if not _ok(gate, up) or gate.shape != up.shape:
+        return None
+    gate, up = _c(gate), _c(up)
+    y = torch.empty_like(gate)
+    _fused.situ(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel(), beta, linear_beta,
+                torch.get_num_threads())
+    return y
+
+
+def res_mix(bank: Sequence[Tensor], cur: Tensor, score_w: Tensor, eps: float) -> Tensor | None:
+    """The attn-res mix of `cur`'s rows over the banked checkpoints (each cur's shape), or None."""
+    n = cur.shape[-1] if cur.dim() else 0
+    if not bank or len(bank) > 64 or n == 0 or not _ok(cur, score_w, *bank) or score_w.shape != (n,) \
+            or any(b.shape != cur.shape for b in bank):
+        return None
+    cur, score_w, bank = _c(cur), _c(score_w), [_c(b) for b in bank]
+    y = torch.empty_like(cur)
+    _fused.res_mix(tuple(b.data_ptr() for b in bank), cur.data_ptr(), score_w.data_ptr(), y.data_ptr(),
+                   cur.numel() // n, n, eps, torch.get_num_threads())
+    return y
+
+
+def short_conv(window: Tensor, x: Tensor, taps: Tensor) -> tuple[Tensor, Tensor] | None:
+    """KDA's q, k and v causal convs and SiLU: window [B, 3, K-1, C], x [B, T, 3, C], taps [3, K, C]
+    -> (out [3, B, T, C], new window [B, 3, K-1, C]), or None (run torch)."""
+    if not _ok(window, x, taps) or x.dim() != 4 or window.dim() != 4:
+        return None
+    B, T, three, C = x.shape
+    K = taps.shape[1]
+    if three != 3 or tuple(window.shape) != (B, 3, K - 1, C) or tuple(taps.shape) != (3, K, C) or K < 2:
+        return None
+    window, x, taps = _c(window), _c(x), _c(taps)
+    out = torch.empty(3, B, T, C)
+    new_window = torch.empty(B, 3, K - 1, C)
+    _fused.short_conv(window.data_ptr(), x.data_ptr(), taps.data_ptr(), out.data_ptr(), new_window.data_ptr(),
+                      B, T, C, K, torch.get_num_threads())
+    return out, new_window

@@ -1,0 +1,161 @@
+"""The native row-wise steps (k3kit.kernels.fused): ggml's norm arithmetic, batch invariance, and
+agreement with the torch steps they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3kit.kernels import fused
+from k3kit.layers.norm import rms_norm
+from k3kit.models.kimi_k3 import activations
+from k3kit.models.kimi_k3.attn_res import res_mix
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="the _fused extension is not built")
+
+EPS = 1e-6
+
+
+def ggml_rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float, l2: bool = False) -> np.ndarray:
+    """ggml's rms_norm: float squares summed in double (8 lanes, as _fused.c), the mean rounded to
+    float, scale = 1 / sqrtf(mean + eps), y = x * scale * w, each step rounded to float32."""
+    x = x.astype(np.float32)
+    n = x.shape[-1]
+    sq = (x * x).astype(np.float64)
+    full = n - n % 8
+    lanes = sq[..., :full].reshape(*x.shape[:-1], -1, 8).sum(axis=-2, dtype=np.float64) if full else \
+        np.zeros((*x.shape[:-1], 8))
+    tail = sq[..., full:]
+    lanes = lanes.copy()
+    lanes[..., :tail.shape[-1]] += tail
+    total = np.zeros(x.shape[:-1])
+    for lane in range(8):
+        total = total + lanes[..., lane]
+    if l2:
+        scale = np.float32(1.0) / np.sqrt(total.astype(np.float32) + np.float32(eps))
+    else:
+        mean = (total / n).astype(np.float32)
+        scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+    y = x * scale.astype(np.float32)[..., None]
+    return y if w is None else y * w.astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.mark.parametrize("n", [7, 64, 256, 7168])
+def test_rms_norm_is_ggml_arithmetic(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=g) * 3
+    w = torch.randn(n, generator=g)
+    y = fused.rms_norm(x, w, EPS)
+    assert y is not None
+    assert np.array_equal(y.numpy(), ggml_rms_norm(x.numpy(), w.numpy(), EPS))
+    torch_steps = x * torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS).reciprocal() * w
+    torch.testing.assert_close(y, torch_steps, rtol=2e-6, atol=1e-6)
+    l2 = fused.l2_norm(x, EPS)
+    assert l2 is not None and np.array_equal(l2.numpy(), ggml_rms_norm(x.numpy(), None, EPS, l2=True))
+
+
+def test_gated_norm_and_layouts():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, 64, generator=g)
+    w, gate = torch.randn(64, generator=g), torch.rand(2, 3, 4, 64, generator=g)
+    y = fused.rms_norm(x, w, EPS, gate)
+    assert y is not None
+    assert torch.equal(y, torch.from_numpy(ggml_rms_norm(x.numpy(), w.numpy(), EPS)) * gate)
+    # a non-contiguous view gets the same bits as its contiguous copy
+    big = torch.randn(3, 128, generator=g)
+    view = big[:, ::2]
+    assert not view.is_contiguous()
+    assert torch.equal(fused.rms_norm(view, None, EPS), fused.rms_norm(view.contiguous(), None, EPS))
+
+
+def test_rows_are_the_same_alone_in_company_and_on_any_thread_count():
+    g = torch.Generator().manual_seed(2)
+    n, rows = 512, 300          # rows * n past the threading threshold
+    x, w = torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    bank = [torch.randn(rows, n, generator=g) for _ in range(3)]
+    up = torch.randn(rows, n, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append((fused.rms_norm(x, w, EPS), fused.res_mix(bank, x, w, EPS),
+                         fused.situ(x, up, 2.0, 3.0)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    for r in (0, 17, rows - 1):
+        one = slice(r, r + 1)
+        assert torch.equal(fused.rms_norm(x[one], w, EPS), outs[0][0][one])
+        assert torch.equal(fused.res_mix([b[one] for b in bank], x[one], w, EPS), outs[0][1][one])
+        assert torch.equal(fused.situ(x[one], up[one], 2.0, 3.0), outs[0][2][one])
+
+
+def _torch_res_mix(bank, cur, w, eps):
+    both = torch.stack((*bank, cur), dim=-2)
+    normed = both * torch.sqrt(both.pow(2).mean(-1, keepdim=True) + eps).reciprocal()
+    probs = torch.softmax((normed * w).sum(-1), dim=-1)
+    return (both[..., :-1, :] * probs[..., :-1, None]).sum(-2) + cur * probs[..., -1:]
+
+
+@pytest.mark.parametrize("n_bank", [1, 2, 5])
+def test_res_mix_agrees_with_the_torch_steps(n_bank):
+    g = torch.Generator().manual_seed(n_bank)
+    cur = torch.randn(2, 3, 96, generator=g)
+    bank = [torch.randn(2, 3, 96, generator=g) for _ in range(n_bank)]
+    w = torch.randn(96, generator=g) * 0.3
+    y = res_mix(bank, cur, w, EPS)
+    torch.testing.assert_close(y, _torch_res_mix(bank, cur, w, EPS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear_beta", [0.0, 4.0])
+def test_situ_agrees_with_the_torch_steps(linear_beta):
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(1000, generator=g) * 6, torch.randn(1000, generator=g) * 6
+    y = activations.situ(gate, up, 3.0, linear_beta)
+    a = torch.tanh(gate * (1.0 / 3.0)) * 3.0 * torch.sigmoid(gate)
+    u = torch.tanh(up * (1.0 / linear_beta)) * linear_beta if linear_beta > 0 else up
+    torch.testing.assert_close(y, a * u, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_runs_where_the_native_step_does_not():
+    x = torch.randn(4, 32)
+    with torch.enable_grad():
+        assert fused.rms_norm(x, None, EPS) is None and fused.situ(x, x, 1.0, 0.0) is None
+        p = torch.ones(32, requires_grad=True)
+        y = rms_norm(x, p, EPS)
+        assert y.requires_grad                   # training keeps torch's differentiable ops
+    assert fused.rms_norm(x.double(), None, EPS) is None
+    assert fused.res_mix([], x, torch.ones(32), EPS) is None
+    assert fused.rms_norm(x, torch.ones(16), EPS) is None           # a weight of another width
+
+
+def test_short_conv_agrees_with_the_torch_convs_and_steps_row_by_row():
+    import torch.nn.functional as F
+
+    from k3kit.models.kimi_k3.kda import causal_conv
+    g = torch.Generator().manual_seed(4)
+    B, T, C, K = 2, 5, 48, 4
+    window, x = torch.randn(B, 3, K - 1, C, generator=g), torch.randn(B, T, 3, C, generator=g)
+    w = torch.randn(3, C, K, generator=g)                  # q/k/v conv weights [C, K] each
+    got = fused.short_conv(window, x, w.transpose(1, 2).contiguous())
+    assert got is not None
+    out, new_window = got
+    for i in range(3):
+        y, win = causal_conv(window[:, i], x[:, :, i], w[i])
+        torch.testing.assert_close(out[i], F.silu(y), rtol=1e-5, atol=1e-6)
+        assert torch.equal(new_window[:, i], win)         # the window is copied, never rounded
+    # one row at a time, the window carried along: the same bits as the block
+    win, rows = window, []
+    for t in range(T):
+        o, win = fused.short_conv(win, x[:, t:t + 1], w.transpose(1, 2).contiguous())
+        rows.append(o)
+    assert torch.equal(torch.cat(rows, dim=2), out) and torch.equal(win, new_window)
