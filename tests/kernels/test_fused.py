@@ -159,3 +159,14 @@ def test_short_conv_agrees_with_the_torch_convs_and_steps_row_by_row():
         o, win = fused.short_conv(win, x[:, t:t + 1], w.transpose(1, 2).contiguous())
         rows.append(o)
     assert torch.equal(torch.cat(rows, dim=2), out) and torch.equal(win, new_window)
+
+
+def test_situ_is_within_float_rounding_of_the_exact_function_and_its_tail_is_not_special():
+    x = torch.cat([torch.linspace(-30, 30, 200001), torch.linspace(-1e-3, 1e-3, 10001)])
+    y = fused.situ(x, torch.ones_like(x), 1.0, 0.0)
+    exact = torch.tanh(x.double()) * torch.sigmoid(x.double())
+    assert ((y.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max() < 1e-6
+    # a value's bits do not depend on where it sits (vector body or padded tail) nor on the length
+    for n in (1, 3, 8, 13, 100):
+        assert torch.equal(fused.situ(x[:n], torch.ones(n), 1.0, 0.0), y[:n])
+        assert torch.equal(fused.situ(x[-n:], torch.ones(n), 1.0, 0.0), y[-n:])
