@@ -7,13 +7,14 @@ set (torch + k3kit, ~235 MiB here), so a trunk held twice, or dequantized, canno
 margin. Synthesis ~10 s, one generate ~12 s on one core.
 
 Bound: peak RSS (the child's VmHWM) <= the file's trunk bytes + the expert cache budget + MARGIN,
-MARGIN = BASE + 2 quantized experts + MAX_SPARE spare projection buffers + 128 MiB, where
+MARGIN = BASE + 2 quantized experts + MAX_SPARE spare projection buffers + 160 MiB, where
 * BASE is the resident set of the same interpreter after importing the engine (measured in the
   same run: torch's and k3kit's code and tables, which no model choice changes);
 * 2 experts: the one being read while the previous is still referenced, beyond the budget;
 * MAX_SPARE buffers: evicted quantized projections the cache keeps to read the next miss into;
-* 128 MiB: activations and per-op buffers, the float pieces of the trunk (norms, router, MLA
-  kv_b, KDA convs: ~10 MiB in f32 here), the tokenizer, glibc's retention.
+* 160 MiB: activations and per-op buffers, the float pieces of the trunk (norms, router, MLA
+  kv_b, KDA convs: ~10 MiB in f32 here), the tokenizer, glibc's retention (which moves the
+  peak of the same command by up to ~65 MiB from run to run: 906-974 MiB measured here).
 The float trunk holds every trunk value in the compute dtype (f32 by default: 3.8x the Q8_0
 bytes, 1.7 GiB here); the test asserts that this alone exceeds the bound, so a regression to
 dequantizing the trunk fails it. (test_engine_quantized_trunk runs both trunks on one file.)
@@ -68,7 +69,7 @@ def test_peak_rss_is_the_files_trunk_bytes_plus_cache_and_margin(tmp_path):
     s = json.loads(r.stdout)["stats"]
     assert s["trunk"] == "quantized" and s["generated_tokens"] == 2
     assert s["trunk_bytes"] < trunk_file + 32 * MIB                   # the file's bytes (+ kv_b in f32)
-    margin = base_rss + 2 * one_expert + MAX_SPARE * one_expert // 3 + 128 * MIB
+    margin = base_rss + 2 * one_expert + MAX_SPARE * one_expert // 3 + 160 * MIB
     bound = trunk_file + CACHE_MIB * MIB + margin
     peak = s["peak_rss_bytes"]
     detail = (f"peak {peak / MIB:.0f} MiB <= trunk file {trunk_file / MIB:.0f} + cache {CACHE_MIB} + margin "
