@@ -77,8 +77,9 @@ class MLACache:
         need = self.length + n
         if need > self.rows.shape[1]:
             self.reserve(max(need, 2 * self.rows.shape[1]))
-        self.rows[:, self.length:need, :self.kv_lora] = kv.detach()
-        self.rows[:, self.length:need, self.kv_lora:] = pe.detach()
+        # detach only what carries a gradient (a detach is an op of its own on every decode row)
+        self.rows[:, self.length:need, :self.kv_lora] = kv.detach() if kv.requires_grad else kv
+        self.rows[:, self.length:need, self.kv_lora:] = pe.detach() if pe.requires_grad else pe
         self.length = need
 
     def view(self) -> tuple[Tensor, Tensor]:
