@@ -170,3 +170,18 @@ def test_situ_is_within_float_rounding_of_the_exact_function_and_its_tail_is_not
     for n in (1, 3, 8, 13, 100):
         assert torch.equal(fused.situ(x[:n], torch.ones(n), 1.0, 0.0), y[:n])
         assert torch.equal(fused.situ(x[-n:], torch.ones(n), 1.0, 0.0), y[-n:])
+
+
+def test_slot_sum_has_the_bits_of_the_torch_scatter_and_slot_sum():
+    from k3kit.layers.moe import _sum_slots, group_routes
+    g = torch.Generator().manual_seed(5)
+    N, k, E, d = 7, 3, 5, 24
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g)
+    groups = group_routes(ids)
+    y = torch.randn(N * k, d, generator=g)
+    slots = torch.zeros(N, k, d)
+    slots.index_put_((groups.rows, groups.cols), y * weights[groups.rows, groups.cols, None])
+    assert torch.equal(fused.slot_sum(y, groups.order, weights), _sum_slots(slots))
+    with pytest.raises(ValueError, match="permutation"):
+        fused.slot_sum(y, torch.zeros(N * k, dtype=torch.int64), weights)

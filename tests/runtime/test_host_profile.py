@@ -14,7 +14,7 @@ from k3kit.mini import paths
 from k3kit.runtime.loader import LoadOptions
 
 # Ops per layer of a steady decode step (aten ops dispatched, native kernel calls not included) on
-# the mini: ~83 (AR), ~102-106 (verify), ~217 (the 2-layer draft step). The bounds leave a little
+# the mini: ~76-83 (AR), ~100-106 (verify), ~217 (the 2-layer draft step). The bounds leave a little
 # room, not a regression. Without the `_fused` extension (no C compiler at install) the row-wise
 # steps run as torch ops: ~213 (AR) and ~220 (verify).
 AR_OPS_PER_LAYER = 95 if fused.available() else 275

@@ -230,6 +230,26 @@ static void conv_rows(const float *window, const float *x, const float *taps, fl
     }
 }
 
+/* The routed experts' outputs back onto their rows: y [P, d] in grouped order, order [P] (int64
+ * pair indices n * k + j), w [N, k] routing weights; out[n] = y_(n,0) w_(n,0) + y_(n,1) w_(n,1)
+ * + ... added in slot order j, each product rounded, then each sum (ggml's order; the torch steps'
+ * index_put of y * w and slot sum give the same bits). Every pair must be routed (P = N * k). */
+static void slot_rows(const float *y, const int64_t *order, const float *w, float *out, int64_t N, int64_t k,
+                      int64_t d, const int64_t *where) {
+    (void)order;                                         /* where[] is its inverse */
+    for (int64_t n = 0; n < N; n++) {
+        float *o = out + n * d;
+        const float *y0 = y + where[n * k] * d;
+        const float w0 = w[n * k];
+        for (int64_t c = 0; c < d; c++) o[c] = y0[c] * w0;
+        for (int64_t j = 1; j < k; j++) {
+            const float *yj = y + where[n * k + j] * d;
+            const float wj = w[n * k + j];
+            for (int64_t c = 0; c < d; c++) o[c] = o[c] + yj[c] * wj;
+        }
+    }
+}
+
 #define PTR(T, a) ((T *)(uintptr_t)(a))
 
 /* rms_norm(x, w, gate, y, rows, n, eps, l2=0, threads=1): addresses of contiguous float32 buffers
@@ -315,7 +335,37 @@ static PyObject *py_short_conv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* slot_sum(y, order, w, out, N, k, d): addresses (see slot_rows); order must be a permutation of
+ * 0 .. N*k-1 (checked). */
+static PyObject *py_slot_sum(PyObject *self, PyObject *args) {
+    Py_ssize_t y, order, w, out, N, k, d;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnn", &y, &order, &w, &out, &N, &k, &d)) return NULL;
+    if (!y || !order || !w || !out || N < 0 || k < 1 || d < 1) {
+        PyErr_SetString(PyExc_ValueError, "slot_sum: bad buffers or sizes");
+        return NULL;
+    }
+    const int64_t *ord = PTR(const int64_t, order);
+    int64_t *where = PyMem_Malloc((size_t)(N * k > 0 ? N * k : 1) * sizeof(int64_t));
+    if (where == NULL) return PyErr_NoMemory();
+    for (int64_t i = 0; i < N * k; i++) where[i] = -1;
+    for (int64_t i = 0; i < N * k; i++) {
+        if (ord[i] < 0 || ord[i] >= N * k || where[ord[i]] >= 0) {
+            PyMem_Free(where);
+            PyErr_SetString(PyExc_ValueError, "slot_sum: order is not a permutation of the pairs");
+            return NULL;
+        }
+        where[ord[i]] = i;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    slot_rows(PTR(const float, y), ord, PTR(const float, w), PTR(float, out), N, k, d, where);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(where);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"slot_sum", py_slot_sum, METH_VARARGS, "Routed experts' outputs onto their rows, weighted, in slot order."},
     {"short_conv", py_short_conv, METH_VARARGS, "KDA's q/k/v causal convs and SiLU."},
     {"rms_norm", py_rms_norm, METH_VARARGS, "ggml's RMS norm (or the L2 norm) of rows, times a weight and a gate."},
     {"situ", py_situ, METH_VARARGS, "K3's situ activation over n elements."},

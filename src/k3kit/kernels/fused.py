@@ -108,3 +108,16 @@ def short_conv(window: Tensor, x: Tensor, taps: Tensor) -> tuple[Tensor, Tensor]
     _fused.short_conv(window.data_ptr(), x.data_ptr(), taps.data_ptr(), out.data_ptr(), new_window.data_ptr(),
                       B, T, C, K, torch.get_num_threads())
     return out, new_window
+
+
+def slot_sum(y: Tensor, order: Tensor, weights: Tensor) -> Tensor | None:
+    """The routed experts' outputs y [N*k, d] (grouped: pair order[i] = n*k + j) onto their rows,
+    out[n] = sum over j in slot order of y * weights[n, j], or None (run torch)."""
+    if not _ok(y, weights) or order.dtype != torch.int64 or order.device.type != "cpu" or y.dim() != 2 \
+            or weights.dim() != 2 or order.numel() != weights.numel() or y.shape[0] != order.numel():
+        return None
+    y, order, weights = _c(y), _c(order), _c(weights)
+    N, k = weights.shape
+    out = torch.empty(N, y.shape[1])
+    _fused.slot_sum(y.data_ptr(), order.data_ptr(), weights.data_ptr(), out.data_ptr(), N, k, y.shape[1])
+    return out

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k3kit.kernels import fused
 from k3kit.kernels.qmatmul import QuantizedMatrix, experts_fusable, experts_matmul_q8
 
 # Rows per expert up to which a provider's resident experts run fused (`RoutedMoE._run_fused`):
@@ -229,6 +230,8 @@ class RoutedMoE(nn.Module):
                 and resident(self.layer, groups.experts)):
             fetched = [experts.get(self.layer, e) for e in groups.experts]
             y = self._run_fused(x, groups, fetched)
+            if y is not None and (summed := fused.slot_sum(y, groups.order, weights)) is not None:
+                return summed          # one native pass: the same products and sums as below
             if y is not None:
                 slots.index_put_((groups.rows, groups.cols), y * weights[groups.rows, groups.cols, None])
                 return _sum_slots(slots)
