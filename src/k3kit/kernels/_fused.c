@@ -233,10 +233,10 @@ static void conv_rows(const float *window, const float *x, const float *taps, fl
 /* The routed experts' outputs back onto their rows: y [P, d] in grouped order, order [P] (int64
  * pair indices n * k + j), w [N, k] routing weights; out[n] = y_(n,0) w_(n,0) + y_(n,1) w_(n,1)
  * + ... added in slot order j, each product rounded, then each sum (ggml's order; the torch steps'
- * index_put of y * w and slot sum give the same bits). Every pair must be routed (P = N * k). */
-static void slot_rows(const float *y, const int64_t *order, const float *w, float *out, int64_t N, int64_t k,
-                      int64_t d, const int64_t *where) {
-    (void)order;                                         /* where[] is its inverse */
+ * index_put of y * w and slot sum give the same bits). Every pair must be routed (P = N * k);
+ * where[n * k + j] is that pair's row of y (the inverse of order). */
+static void slot_rows(const float *y, const int64_t *where, const float *w, float *out, int64_t N, int64_t k,
+                      int64_t d) {
     for (int64_t n = 0; n < N; n++) {
         float *o = out + n * d;
         const float *y0 = y + where[n * k] * d;
@@ -358,7 +358,7 @@ static PyObject *py_slot_sum(PyObject *self, PyObject *args) {
         where[ord[i]] = i;
     }
     Py_BEGIN_ALLOW_THREADS
-    slot_rows(PTR(const float, y), ord, PTR(const float, w), PTR(float, out), N, k, d, where);
+    slot_rows(PTR(const float, y), where, PTR(const float, w), PTR(float, out), N, k, d);
     Py_END_ALLOW_THREADS
     PyMem_Free(where);
     Py_RETURN_NONE;
