@@ -75,8 +75,10 @@ def _generate(*extra: str) -> dict:
 
 
 def test_generate_with_the_legacy_file_equals_the_modern_one(legacy):
-    modern = _generate("--draft", str(shipped_draft()))
-    old = _generate("--draft", str(legacy))
+    """A fixed verify budget: `auto` widths and whether a pass drafts follow measured times, which
+    differ between two runs on a busy machine; the proposals are what must match."""
+    modern = _generate("--draft", str(shipped_draft()), "--verify-budget", "6")
+    old = _generate("--draft", str(legacy), "--verify-budget", "6")
     assert old["token_ids"] == modern["token_ids"] and old["text"] == modern["text"]
     # the same proposals, not only the same (target-decided) tokens
     assert {k: old["stats"][k] for k in SPEC_KEYS} == {k: modern["stats"][k] for k in SPEC_KEYS}
