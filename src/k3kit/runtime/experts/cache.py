@@ -4,7 +4,8 @@ The budget is in bytes of what the cache holds (dequantized tensors, or the quan
 of `QuantizedMatrix` weights), pinned experts included; an expert larger than the whole
 budget is returned to its caller but never kept. Evicted quantized buffers are kept (up to
 MAX_SPARE per size) for the next miss to read into: at steady state every miss evicts an
-expert of the same size, so misses stop paying the page faults of a fresh allocation.
+expert of the same size, so misses stop paying the page faults of a fresh allocation. Until
+then, multi-MB buffers come faulted in ahead from a `Grower` (k3kit.runtime.experts.grow).
 
 The ledger (`ExpertStats`) is where "payload per token" comes from: the store records every
 hit, miss and byte read here, the cache records its evictions, and `stats()` is a snapshot.
@@ -24,6 +25,8 @@ import torch
 
 from k3kit.kernels.qmatmul import QuantizedMatrix
 
+from .grow import MIN_BYTES as GROW_MIN_BYTES
+from .grow import Grower, spare_core
 from .io import DIRECT_ALIGN
 
 MIB = 1 << 20
@@ -76,7 +79,7 @@ class _Entry:
 class ExpertCache:
     """LRU of experts by (layer, expert), bounded by `budget` bytes, with the ledger."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, grow: bool = True) -> None:
         self.budget = budget
         self.ledger = ExpertStats()     # counters only; resident_* are filled in by stats()
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
@@ -92,6 +95,12 @@ class ExpertCache:
         # allocations of the buffers made for in-place O_DIRECT reads, by the buffer's address
         # (weak: an entry lives as long as the buffer, which holds its allocation)
         self._direct: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        # fresh buffers faulted in ahead while the cache fills (k3kit.runtime.experts.grow)
+        self.grower: Grower | None = Grower(self.room) if grow else None
+
+    def room(self) -> int:
+        """Bytes the cache may still take: the budget minus what it holds and has in flight."""
+        return self.budget - self._resident - self.in_flight
 
     # -- the ledger -------------------------------------------------------------------------
 
@@ -178,6 +187,8 @@ class ExpertCache:
         whether it does."""
         if self._resident + self.in_flight + extra <= self.budget:
             return True
+        if self.grower is not None:
+            self.grower.full()
         for key in list(self._entries):
             if self._resident + self.in_flight + extra <= self.budget:
                 break
@@ -220,12 +231,36 @@ class ExpertCache:
         """An n-byte tensor for a quantized miss: the bytes of an evicted expert nobody holds any
         more, else a fresh one. At steady state every miss evicts an expert of the same size, so
         misses stop paying the page faults of a fresh multi-MB allocation (measured here: the
-        fault-in of a fresh 5.8 MB buffer cost more than copying the slice into it).
+        fault-in of a fresh 5.8 MB buffer cost more than copying the slice into it). While the
+        cache fills, a multi-MB miss takes a buffer the grower faulted in ahead, else the least
+        recently used expert's (`_recycle_one`): the cache grows at the pace the grower's thread
+        faults memory in, and no miss waits for fresh pages.
 
         `misalign` (an O_DIRECT read of a slice at file offset o: o % DIRECT_ALIGN): the buffer
         then starts that many bytes into a page of its own allocation, which also holds the
         rest of the aligned span around it, so the read lands in place (`direct_span`) instead
         of in a scratch buffer copied from."""
+        buf = self._spare_buffer(n, misalign)
+        if buf is not None:
+            return buf
+        grower = self.grower if self.grower is not None and n >= GROW_MIN_BYTES and spare_core() else None
+        ready = grower.take(n) if grower is not None else None
+        if ready is None and grower is not None and not grower.filled and self._recycle_one(n):
+            buf = self._spare_buffer(n, misalign)
+            if buf is not None:
+                return buf
+        if misalign is None:
+            if ready is not None:
+                return torch.from_numpy(ready[:n])
+            return torch.from_numpy(np.empty(n, dtype=np.uint8))   # faults in faster than torch.empty here
+        span = -(-(misalign + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        base = ready if ready is not None else np.empty(span + DIRECT_ALIGN, dtype=np.uint8)
+        start = -base.ctypes.data % DIRECT_ALIGN + misalign
+        view = base[start:start + n]
+        self._direct[view.ctypes.data] = base
+        return torch.from_numpy(view)
+
+    def _spare_buffer(self, n: int, misalign: int | None) -> torch.Tensor | None:
         spare = self._spare.get(n, [])
         for i in range(len(spare) - 1, -1, -1):
             buf = spare[i]
@@ -235,14 +270,21 @@ class ExpertCache:
             del spare[i]
             if sys.getrefcount(buf) <= 2:   # this name and the call's argument: no one else holds it
                 return buf
-        if misalign is None:
-            return torch.from_numpy(np.empty(n, dtype=np.uint8))   # faults in faster than torch.empty here
-        span = -(-(misalign + n) // DIRECT_ALIGN) * DIRECT_ALIGN
-        base = np.empty(span + DIRECT_ALIGN, dtype=np.uint8)
-        start = -base.ctypes.data % DIRECT_ALIGN + misalign
-        view = base[start:start + n]
-        self._direct[view.ctypes.data] = base
-        return torch.from_numpy(view)
+        return None
+
+    def _recycle_one(self, n: int) -> bool:
+        """While the cache fills and nothing faulted in ahead is ready: evict the least recently
+        used expert that holds an n-byte buffer, for the miss to reuse, instead of taking fresh
+        memory on the miss's path (the grower's buffers make the cache grow meanwhile). The
+        trade: an expert that might have been hit again, against a first touch that costs more
+        than the read on lazily backed VMs (k3kit.runtime.experts.grow). Whether one was evicted."""
+        for key, entry in self._entries.items():
+            if entry.pinned or key in self.protect or key in self.mapped:
+                continue
+            if any(isinstance(w, QuantizedMatrix) and w.nbytes == n for w in entry.tensors):
+                self._drop(key)
+                return True
+        return False
 
     def direct_span(self, out: np.ndarray) -> tuple[memoryview, int] | None:
         """(the aligned span around `out`, `out`'s offset in it) if `out` is (the start of) a
@@ -263,6 +305,8 @@ class ExpertCache:
         """Drop every cached expert, pinned ones included (the ledger's counters stay)."""
         self._entries.clear()
         self._spare.clear()
+        if self.grower is not None:
+            self.grower.reset()
         self.unmapped.extend(self.mapped)
         self.mapped.clear()
         self._resident = self._pinned = 0

@@ -275,7 +275,10 @@ class ExpertStore(ReadAhead):
 
     @cache_bytes.setter
     def cache_bytes(self, n: int) -> None:
+        grows = int(n) > self._cache.budget
         self._cache.budget = int(n)
+        if grows and self._cache.grower is not None:
+            self._cache.grower.reset()      # room again: it fills
 
     def is_cached(self, layer: int, expert: int) -> bool:
         return (layer, int(expert)) in self._cache
@@ -412,6 +415,8 @@ class ExpertStore(ReadAhead):
     def close(self) -> None:
         self.clear()
         self._shutdown()
+        if self._cache.grower is not None:
+            self._cache.grower.close()
         for f in self._files.values():
             f.close()
         self._files.clear()
