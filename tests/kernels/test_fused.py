@@ -161,6 +161,25 @@ def test_short_conv_agrees_with_the_torch_convs_and_steps_row_by_row():
     assert torch.equal(torch.cat(rows, dim=2), out) and torch.equal(win, new_window)
 
 
+def test_short_conv_reads_a_strided_view_in_place_with_the_same_bits():
+    """conv_in as a [B, T, 3, C] view of [3, B*T, C] projections (what one fused product call
+    returns) is read through its strides, not copied; a view with uneven rows is made contiguous."""
+    g = torch.Generator().manual_seed(5)
+    B, T, C, K = 3, 4, 40, 4
+    window, planar = torch.randn(B, 3, K - 1, C, generator=g), torch.randn(3, B * T, C, generator=g)
+    taps = torch.randn(3, K, C, generator=g)
+    view = planar.as_strided((B, T, 3, C), (T * C, C, B * T * C, 1))
+    assert not view.is_contiguous()
+    want = fused.short_conv(window, view.contiguous(), taps)
+    got = fused.short_conv(window, view, taps)
+    assert want is not None and got is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    rows = view[:, 1:3]                       # rows of a batch 2 apart: not evenly strided across b
+    cut = fused.short_conv(window, rows, taps)
+    ref = fused.short_conv(window, rows.contiguous(), taps)
+    assert cut is not None and ref is not None and torch.equal(cut[0], ref[0])
+
+
 def test_situ_is_within_float_rounding_of_the_exact_function_and_its_tail_is_not_special():
     x = torch.cat([torch.linspace(-30, 30, 200001), torch.linspace(-1e-3, 1e-3, 10001)])
     y = fused.situ(x, torch.ones_like(x), 1.0, 0.0)

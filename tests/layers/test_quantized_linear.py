@@ -30,6 +30,7 @@ from k3kit.layers.quantized_linear import (
     GGMLWeight,
     QuantizedEmbedding,
     QuantizedLinear,
+    fused_products,
     quantized_modules,
     use_quantized_weights,
 )
@@ -297,3 +298,28 @@ def test_check_runs_once_before_the_first_product_and_embedding_reports_bad_rows
     assert bad == []
     emb(torch.tensor([3, 7, 7]))
     assert bad == [7]
+
+
+@pytest.mark.skipif(not qmatmul.native_available(), reason="the native kernels were not built")
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
+def test_fused_products_have_each_layers_bits(qtype):
+    """Several layers over one input in one native call: each output the bits of the layer's own
+    product; None where the call does not apply (before a layer's first product, a gradient, a
+    bias, float arithmetic, another shape)."""
+    layers = [QuantizedLinear(ggml_weight(qtype, N_IN, N_OUT, seed=s), torch.float32, arith="ggml")
+              for s in range(4)]
+    x = torch.randn(2, 3, N_IN)
+    with torch.no_grad():
+        layers[0].check = lambda: None                  # a loaded layer's pending first-product check
+        assert fused_products(layers, x) is None
+        want = [m(x) for m in layers]                   # runs (and clears) it
+        got = fused_products(layers, x)
+        assert got is not None and got.shape == (4, 6, N_OUT)
+        assert all(torch.equal(got[j].view(2, 3, N_OUT), want[j]) for j in range(4))
+        other = QuantizedLinear(ggml_weight(qtype, N_IN, 2 * N_OUT), torch.float32, arith="ggml")
+        other(x)
+        assert fused_products([*layers, other], x) is None
+        flt = QuantizedLinear(ggml_weight(qtype, N_IN, N_OUT), torch.float32, arith="float")
+        flt(x)
+        assert fused_products([layers[0], flt], x) is None
+    assert fused_products(layers, x) is None            # a gradient may be wanted

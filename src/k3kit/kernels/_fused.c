@@ -205,7 +205,7 @@ static void mix_rows(const float *const *bank, int64_t nb, const float *cur, con
  * contiguous), new_window [B, 3, K-1, C]. y[t] = xx[t] w_0 + xx[t+1] w_1 + ... in that order (the
  * torch steps' products and sums), then y / (1 + exp(-y)). */
 static void conv_rows(const float *window, const float *x, const float *taps, float *out, float *new_window,
-                      int64_t B, int64_t T, int64_t C, int64_t K, int threads) {
+                      int64_t B, int64_t T, int64_t C, int64_t K, int64_t rs, int64_t cs, int threads) {
     const int nt = threads_for(B * 3, T * C * K, threads);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t u = 0; u < B * 3; u++) {
@@ -213,7 +213,7 @@ static void conv_rows(const float *window, const float *x, const float *taps, fl
         const float *win = window + (b * 3 + i) * (K - 1) * C;
         const float *w = taps + i * K * C;
         /* xx[s] is the window's row s for s < K-1, else x's row s - (K-1) */
-#define XX(s) ((s) < K - 1 ? win + (s) * C : x + ((b * T + (s) - (K - 1)) * 3 + i) * C)
+#define XX(s) ((s) < K - 1 ? win + (s) * C : x + (b * T + (s) - (K - 1)) * rs + i * cs)
         for (int64_t t = 0; t < T; t++) {
             float *o = out + ((i * B + b) * T + t) * C;
             const float *x0 = XX(t);
@@ -316,21 +316,25 @@ static PyObject *py_res_mix(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* short_conv(window, x, taps, out, new_window, B, T, C, K, threads=1): addresses (see conv_rows);
- * new_window must not overlap window or x. */
+/* short_conv(window, x, taps, out, new_window, B, T, C, K, threads=1, rs=3C, cs=C): addresses (see
+ * conv_rows); x's row (b, t) of conv i starts at x + (b*T + t)*rs + i*cs floats (rs = 3C, cs = C:
+ * [B, T, 3, C] contiguous; rs = C, cs = B*T*C: [3, B*T, C]); new_window must not overlap window or x. */
 static PyObject *py_short_conv(PyObject *self, PyObject *args) {
-    Py_ssize_t window, x, taps, out, new_window, B, T, C, K;
+    Py_ssize_t window, x, taps, out, new_window, B, T, C, K, rs = -1, cs = -1;
     int threads = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnn|i", &window, &x, &taps, &out, &new_window, &B, &T, &C, &K, &threads))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnn|inn", &window, &x, &taps, &out, &new_window, &B, &T, &C, &K, &threads,
+                          &rs, &cs))
         return NULL;
-    if (!window || !x || !taps || !out || !new_window || B < 0 || T < 0 || C < 1 || K < 2) {
+    if (rs < 0) rs = 3 * C;
+    if (cs < 0) cs = C;
+    if (!window || !x || !taps || !out || !new_window || B < 0 || T < 0 || C < 1 || K < 2 || rs < C || cs < C) {
         PyErr_SetString(PyExc_ValueError, "short_conv: bad buffers or sizes");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     conv_rows(PTR(const float, window), PTR(const float, x), PTR(const float, taps), PTR(float, out),
-              PTR(float, new_window), B, T, C, K, threads);
+              PTR(float, new_window), B, T, C, K, rs, cs, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -15,8 +15,9 @@ def res_mix(bank: tuple[int, ...], cur: int, w: int, y: int, rows: int, n: int, 
     """K3's attn-res mix of rows over 1-64 banked checkpoints."""
 
 def short_conv(window: int, x: int, taps: int, out: int, new_window: int, B: int, T: int, C: int, K: int,
-               threads: int = 1, /) -> None:
-    """KDA's q/k/v depthwise causal convs + SiLU: out [3, B, T, C], the new window [B, 3, K-1, C]."""
+               threads: int = 1, rs: int = -1, cs: int = -1, /) -> None:
+    """KDA's q/k/v depthwise causal convs + SiLU: out [3, B, T, C], the new window [B, 3, K-1, C];
+    x's row (b, t) of conv i at x + (b*T + t)*rs + i*cs floats (defaults 3C and C: [B, T, 3, C])."""
 
 def slot_sum(y: int, order: int, w: int, out: int, N: int, k: int, d: int, /) -> None:
     """out [N, d] = the k weighted expert outputs of each row (y [N*k, d] in grouped order), in slot order."""

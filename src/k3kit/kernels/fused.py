@@ -95,18 +95,24 @@ def res_mix(bank: Sequence[Tensor], cur: Tensor, score_w: Tensor, eps: float) ->
 
 def short_conv(window: Tensor, x: Tensor, taps: Tensor) -> tuple[Tensor, Tensor] | None:
     """KDA's q, k and v causal convs and SiLU: window [B, 3, K-1, C], x [B, T, 3, C], taps [3, K, C]
-    -> (out [3, B, T, C], new window [B, 3, K-1, C]), or None (run torch)."""
+    -> (out [3, B, T, C], new window [B, 3, K-1, C]), or None (run torch). x is read in place when
+    its channels are contiguous and its rows evenly strided (a [B, T, 3, C] view of [3, B*T, C]
+    projections included), else made contiguous."""
     if not _ok(window, x, taps) or x.dim() != 4 or window.dim() != 4:
         return None
     B, T, three, C = x.shape
     K = taps.shape[1]
     if three != 3 or tuple(window.shape) != (B, 3, K - 1, C) or tuple(taps.shape) != (3, K, C) or K < 2:
         return None
-    window, x, taps = _c(window), _c(x), _c(taps)
+    rs, cs = x.stride(1), x.stride(2)
+    if x.stride(3) != 1 or (B > 1 and x.stride(0) != T * rs) or rs < C or cs < C:
+        x = x.contiguous()
+        rs, cs = 3 * C, C
+    window, taps = _c(window), _c(taps)
     out = torch.empty(3, B, T, C)
     new_window = torch.empty(B, 3, K - 1, C)
     _fused.short_conv(window.data_ptr(), x.data_ptr(), taps.data_ptr(), out.data_ptr(), new_window.data_ptr(),
-                      B, T, C, K, torch.get_num_threads())
+                      B, T, C, K, torch.get_num_threads(), rs, cs)
     return out, new_window
 
 

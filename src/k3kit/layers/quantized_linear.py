@@ -38,7 +38,7 @@ nn.Embedding modules of a built model (meta or not) given a module name -> bytes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +49,8 @@ from torch import Tensor, nn
 
 from k3kit.kernels import gpu
 from k3kit.kernels.dequant import dequantize, nbytes_for
-from k3kit.kernels.qmatmul import QuantizedMatrix
+from k3kit.kernels.qmatmul import QuantizedMatrix, _qmatmul, experts_fusable
+from k3kit.kernels.qmatmul import buf as qbuf
 
 T = GGMLQuantizationType
 
@@ -253,6 +254,35 @@ class QuantizedLinear(nn.Module):
             y[:, r0:r1] = xc @ w.t()
             del w                        # freed before the next chunk is made
         return y.to(x.device, x.dtype)
+
+
+def fused_products(linears: Sequence[nn.Module], x: Tensor) -> Tensor | None:
+    """x [..., n_in] through several QuantizedLinear of one ggml type and shape that share it as
+    input, in one native call (qmatmul's experts_q8 with one segment): float32 [len(linears),
+    rows, n_out] with y[j] = linears[j](x) (the same bits: each product is matmul_q8 on the same
+    rows), or None where the call does not apply (a gradient, a device, a bias, float
+    arithmetic, a non-contiguous x, or a layer whose first product has not run its corruption
+    check yet). The call quantizes x once instead of once per matrix and forks
+    the threads once; a KDA layer's q, k, v and output-gate projections are one call a token."""
+    if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    mats = []
+    for m in linears:
+        if not isinstance(m, QuantizedLinear) or m.check is not None or m.bias is not None:
+            return None
+        if m.matrix is None:
+            return None
+        mats.append(m.matrix)
+    if not experts_fusable(mats) or not x.is_contiguous():
+        return None
+    first = mats[0]
+    if not first.native or x.shape[-1] != first.in_features:
+        return None
+    rows = x.numel() // first.in_features
+    y = torch.empty(len(mats), rows, first.out_features)
+    _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in mats], qbuf(x), qbuf(y), [rows],
+                        first.out_features, first.in_features, len(mats), torch.get_num_threads())
+    return y
 
 
 def _use_triton(mode: str, qtype: GGMLQuantizationType, device: torch.device) -> bool:

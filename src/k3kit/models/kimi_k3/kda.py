@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from k3kit.kernels import fused, kda_step
 from k3kit.layers.norm import rms_norm
+from k3kit.layers.quantized_linear import fused_products
 
 from .activations import l2_norm
 from .config import K3ModelConfig
@@ -410,7 +411,7 @@ class KDA(nn.Module):
         else:
             keep = True
 
-        conv_in = torch.stack((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=2)  # [B,T,3,C]
+        conv_in, gate_in = project_qkvg(self, x)
         q, k, v, window = short_convs(self, state.conv, conv_in)
         q = l2_norm(q, cfg.rms_norm_eps)
         k = l2_norm(k, cfg.rms_norm_eps)
@@ -437,9 +438,23 @@ class KDA(nn.Module):
             final = detached(S) if recur is delta_rule else None     # the replay's exact steps only
             rows = KDARows(detached(conv_in), detached(k), detached(v), detached(g), detached(beta), final)
 
-        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, D)
+        gate = torch.sigmoid(gate_in).view(B, T, H, D)
         o = gated_norm(o, self.o_norm, cfg.rms_norm_eps, gate)
         return self.o_proj(o.reshape(B, T, H * D)), rows
+
+
+def project_qkvg(kda: KDA, x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [B, T, hidden] -> (conv_in [B, T, 3, C]: the raw q, k and v projections, the output
+    gate's projection [B, T, C], before its sigmoid). Quantized, without a gradient: one native
+    call for the four (layers.quantized_linear.fused_products, the same bits), conv_in a view of
+    its [3, B*T, C] rows that the native short conv reads in place; else four products."""
+    B, T, _ = x.shape
+    C = kda.cfg.kda_dim
+    y = fused_products((kda.q_proj, kda.k_proj, kda.v_proj, kda.g_proj), x)
+    if y is not None:      # one view op each: conv_in[b, t, i] is y[i, b*T + t]
+        return (y.as_strided((B, T, 3, C), (T * C, C, B * T * C, 1)),
+                y.as_strided((B, T, C), (T * C, C, 1), 3 * B * T * C))
+    return torch.stack((kda.q_proj(x), kda.k_proj(x), kda.v_proj(x)), dim=2), kda.g_proj(x)
 
 
 def project_rows(kda: KDA, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -448,10 +463,10 @@ def project_rows(kda: KDA, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     output gate [B, T, H, d]). Same products as forward's."""
     cfg = kda.cfg
     B, T, _ = x.shape
-    conv_in = torch.stack((kda.q_proj(x), kda.k_proj(x), kda.v_proj(x)), dim=2)
+    conv_in, gate_in = project_qkvg(kda, x)
     g = kda.decay(x)
     beta = _padded_sigmoid(kda.b_proj(x))
-    gate = torch.sigmoid(kda.g_proj(x)).view(B, T, cfg.num_heads, cfg.kda_head_dim)
+    gate = torch.sigmoid(gate_in).view(B, T, cfg.num_heads, cfg.kda_head_dim)
     return conv_in, g, beta, gate
 
 
