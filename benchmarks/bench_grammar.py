@@ -1,7 +1,13 @@
 """What structured output costs: decode tok/s of the shipped mini K3 free and under a JSON schema,
 plain (AR) and with its DSpark drafter, and the grammar's share of a decode step.
 
-    python benchmarks/bench_grammar.py [--tokens 128] [--rounds 3] [--threads 1] [--json]
+    python benchmarks/bench_grammar.py [--prompts chat|code] [--tokens 128] [--rounds 3] [--threads 1]
+                                        [--json]
+
+`--prompts chat` (the default) asks as an API client would: a user message rendered by the
+mini's Kimi-K3 template with `response_format: json_schema` (the schema in the template's system
+message) and thinking off, so the answer is the response channel; `code` continues Python
+snippets ("config = ", ...) where the model would not write JSON by itself.
 
 Each round runs every prompt through `k3kit.runtime.engine.generate` (the loop `k3kit generate`
 runs; greedy) in four configurations, in turns so that a drifting machine slows all alike: AR
@@ -51,6 +57,8 @@ SCHEMA: dict[str, Any] = {
         "ok": {"type": "boolean"}},
     "required": ["name", "id", "tags", "point", "ok"], "additionalProperties": False}
 PROMPTS = ["config = ", "data = json.loads(", "return ", "self.options = "]
+ASKS = ["Describe a user named Ada as JSON.", "Give me the record of item 42 as JSON.",
+        "Return the point (3, 4) with its tags as JSON.", "A new, hot item called lamp, as JSON."]
 CONFIGS = [("AR free", False, False), ("AR schema", False, True), ("DSpark free", True, False),
            ("DSpark schema", True, True)]
 
@@ -58,6 +66,19 @@ CONFIGS = [("AR free", False, False), ("AR schema", False, True), ("DSpark free"
 def machine() -> str:
     return (f"{cpu_info()}, {os.cpu_count()} CPUs, native kernels {qmatmul.native_simd()}, "
             f"{torch.get_num_threads()} torch thread(s)")
+
+
+def chat_prompt(codec: Any, ask: str) -> str:
+    """The served prompt of a chat request for `ask` under SCHEMA, as `k3kit serve` renders it."""
+    from k3kit.serve.api import ChatRequest
+    from k3kit.serve.tools import chat_inputs
+
+    body = ChatRequest.model_validate({
+        "messages": [{"role": "user", "content": ask}], "chat_template_kwargs": {"thinking": False},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}})
+    inputs = chat_inputs(body, codec.chat.source)
+    return codec.chat.render(inputs.messages, add_generation_prompt=True, tools=inputs.tools,
+                             **inputs.variables)
 
 
 def run_one(session: Any, prompt: list[int], grammar: Grammar | None, draft: bool,
@@ -85,6 +106,8 @@ def run_one(session: Any, prompt: list[int], grammar: Grammar | None, draft: boo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", choices=("chat", "code"), default="chat",
+                    help="chat requests with response_format (default) or code snippets")
     ap.add_argument("--tokens", type=int, default=128, help="max tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -98,7 +121,8 @@ def main() -> int:
         t0 = time.perf_counter()
         grammar = Vocabulary(codec.tokenizer.to_str(), codec.n_vocab, codec.stop_ids()).json_schema(SCHEMA)
         compile_s = time.perf_counter() - t0
-        prompts = [codec.encode(p) for p in PROMPTS]
+        texts = [chat_prompt(codec, a) for a in ASKS] if args.prompts == "chat" else PROMPTS
+        prompts = [codec.encode(p) for p in texts]
         # the schema's token counts: free runs decode exactly as many
         first = [run_one(session, p, grammar, False, args.tokens) for p in prompts]
         lengths = [len(r["tokens"]) for r in first]
@@ -141,7 +165,8 @@ def main() -> int:
               "DSpark schema / DSpark free": by["DSpark schema"]["tok_s"] / by["DSpark free"]["tok_s"],
               "DSpark free / AR free": by["DSpark free"]["tok_s"] / by["AR free"]["tok_s"],
               "DSpark schema / AR schema": by["DSpark schema"]["tok_s"] / by["AR schema"]["tok_s"]}
-    result = {"machine": machine(), "model": "shipped mini K3 + its DSpark drafter", "prompts": len(PROMPTS),
+    result = {"machine": machine(), "model": "shipped mini K3 + its DSpark drafter",
+              "prompt_kind": args.prompts, "prompts": len(prompts),
               "decoded_tokens": sum(lengths) - len(lengths), "rounds": args.rounds,
               "schema_compile_ms": compile_s * 1e3, "rows": rows, "ratios": ratios,
               "schema_outputs_complete": sum(complete), "same_tokens_ar_dspark": same,
@@ -150,7 +175,8 @@ def main() -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"machine: {result['machine']}")
-        print(f"{result['model']}; {len(PROMPTS)} prompts, {result['decoded_tokens']} decoded tokens per "
+        print(f"{result['model']}; {len(prompts)} {args.prompts} prompts, {result['decoded_tokens']} decoded "
+              "tokens per "
               f"configuration and round, greedy; median of {args.rounds} rounds; schema compiled in "
               f"{compile_s * 1e3:.1f} ms")
         print(f"| {'configuration':14s} | {'tok/s':>7s} | {'tok/pass':>8s} | {'step ms':>7s} "
@@ -166,7 +192,7 @@ def main() -> int:
         for k, v in ratios.items():
             print(f"{k}: {v:.2f}")
         print("greedy tokens: AR and DSpark the same" if same else "ERROR: AR and DSpark tokens differ")
-        print(f"schema outputs: {sum(complete)} of {len(PROMPTS)} complete within --tokens, "
+        print(f"schema outputs: {sum(complete)} of {len(prompts)} complete within --tokens, "
               + ("each a JSON object" if valid else "ERROR: one does not parse"))
     return 0 if same and valid else 1
 

@@ -301,6 +301,9 @@ def test_workloads():
         assert [len(p) for p in prompts] == [64, 64, 64] and prompts[0] != prompts[1]
     chat = resolve("chat", lambda: ())
     assert chat.chat and codec.chat_prompt(chat.texts[0]) != chat.texts[0]
+    whole = codec.encode(codec.chat_prompt(chat.texts[0]))
+    cut = fit(codec, chat, 16, 1, 1000)[0]          # the template's preamble is cut, the request kept
+    assert len(whole) > 16 and cut == whole[:1] + whole[-15:]
     natural = fit(codec, resolve("gsm8k", lambda: ()), 0, 2, 1000)
     assert natural[0] == codec.encode(resolve("gsm8k", lambda: ()).texts[0])
     docs = ["import os\n" * 400, "x = 1\n"]

@@ -45,8 +45,10 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         # the only glue between runtime and the architectures
         "adapters": ("runtime", "models", "layers", "kernels", "tokenizer", "convert", "gguf",
                      "errors", "_io"),
+        # training and shipping the mini; its chat data is rendered the way the server renders a
+        # request (serve.tools), so training text and served prompts cannot drift apart
         "mini": ("adapters", "models", "layers", "kernels", "runtime", "tokenizer", "convert", "gguf",
-                 "errors", "_io", "progress"),
+                 "serve", "errors", "_io", "progress"),
         # the HTTP server over a loaded model: never commands or mini (the CLI resolves paths)
         "serve": ("adapters", "runtime", "tokenizer", "gguf", "errors", "_io", "progress"),
         # `k3kit plan`: placement and speed from GGUF headers alone, so it runs anywhere in < 1 s

@@ -197,5 +197,5 @@ def test_llama_cpp_tokenizes_like_the_checkpoint_tokenizer(tmp_path):
     llm = llama_cpp.Llama(model_path=str(tmp_path / "t.gguf"), vocab_only=True, verbose=False)
     tok = mini_tokenizer()
     for text in ("import os\nfor i in range(10):\n\tprint(i, 'héllo', 3.14159)\n", "  x  = [1,22,333,4444]  ",
-                 "<|im_user|>user<|im_middle|>hi<|im_end|>"):
+                 "<|im_user|>user<|im_middle|>hi<|im_end|>", "<|open|>x<|sep|>y<|end_of_msg|>"):
         assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok.encode(text).ids, text

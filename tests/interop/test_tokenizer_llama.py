@@ -23,7 +23,7 @@ from k3kit.mini.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
-from k3kit.tokenizer.chat import render_kimi
+from k3kit.tokenizer.chat import KIMI_TEMPLATE, render_kimi
 from k3kit.tokenizer.codec import TextCodec, encode
 from k3kit.tokenizer.gguf_kv import tokenizer_from_kv
 
@@ -64,6 +64,8 @@ MIXED = [
     "<|im_user|>user<|im_middle|>hello<|im_end|><|im_assistant|>assistant<|im_middle|>",
     "text [BOS] more [EOS]text[MASK][PAD] <|im_system|>",
     "almost special <|im_end| and [BOS and <|im_middle|>>",
+    '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|><|open|>think<|sep|>',
+    "almost <|open| and <|sep|>> and <|end_of_msg|>[EOS]<|kimi_image_placeholder|>",
     # edge cases
     "",
     " ",
@@ -174,7 +176,7 @@ def test_vocab_metadata(pair):
     assert llama_cpp.llama_vocab_n_tokens(vocab) == n
     assert llama_cpp.llama_vocab_bos(vocab) == ids["bos"]
     assert llama_cpp.llama_vocab_eos(vocab) == ids["eos"]
-    assert llama_cpp.llama_vocab_eot(vocab) == ids["im_end"]
+    assert llama_cpp.llama_vocab_eot(vocab) == ids["end_of_msg"]
     assert llama_cpp.llama_vocab_pad(vocab) == ids["pad"] == n - 1
     assert llama_cpp.llama_vocab_mask(vocab) == ids["mask"] == n - 2
     assert llama_cpp.llama_vocab_get_add_bos(vocab) is True
@@ -186,7 +188,7 @@ def test_vocab_metadata(pair):
     for i in (0, 100, n - len(SPECIAL_TOKENS) - 1):
         assert not llama_cpp.llama_vocab_is_control(vocab, i)
     assert llama_cpp.llama_vocab_is_eog(vocab, ids["eos"])
-    assert llama_cpp.llama_vocab_is_eog(vocab, ids["im_end"])
+    assert llama_cpp.llama_vocab_is_eog(vocab, ids["end_of_msg"])
     assert not llama_cpp.llama_vocab_is_eog(vocab, ids["bos"])
 
 
@@ -213,8 +215,8 @@ def llama_chat(template: bytes, messages, add_ass: bool) -> str:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_llama_builtin(pair, add_generation_prompt):
     tok, _, llm = pair
-    stored = llama_cpp.llama_model_chat_template(llm.model, None)
-    assert stored == CHAT_TEMPLATE.encode()
+    assert llama_cpp.llama_model_chat_template(llm.model, None) == CHAT_TEMPLATE.encode()
+    stored = KIMI_TEMPLATE.encode()     # k3kit's built-in format for files without a template
     for messages in CONVERSATIONS:
         ours = render_kimi(messages, add_generation_prompt=add_generation_prompt)
         # llama.cpp recognises the template as its built-in kimi-k2 format and renders it natively.
@@ -224,11 +226,14 @@ def test_chat_template_matches_llama_builtin(pair, add_generation_prompt):
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_gguf_template_rendered_by_k3kit_matches_llama(pair, add_generation_prompt):
-    """k3kit renders the file's own template (sandboxed Jinja) as llama.cpp renders it."""
+    """k3kit renders a file's own template (sandboxed Jinja) as llama.cpp renders it: Kimi-K2's, which
+    llama.cpp's template API renders natively (Kimi-K3's own: tests/tokenizer/test_chat_k3_tools.py)."""
     _, path, _ = pair
-    codec = TextCodec(GGUFFile.open(path).kv, str(path))
+    kv = dict(GGUFFile.open(path).kv)
+    kv["tokenizer.chat_template"] = KV("tokenizer.chat_template", T.STRING, KIMI_TEMPLATE)
+    codec = TextCodec(kv, str(path))
     assert codec.has_chat_template
-    stored = CHAT_TEMPLATE.encode()
+    stored = KIMI_TEMPLATE.encode()
     for messages in CONVERSATIONS:
         assert codec.chat.render(messages, add_generation_prompt) == \
             llama_chat(stored, messages, add_generation_prompt)

@@ -21,8 +21,9 @@ from k3kit.mini.corpus import build_corpus
 from k3kit.mini.tokenizer import (
     BOS,
     CHAT_TEMPLATE,
+    CHAT_TOKENS,
+    END_OF_MSG,
     EOS,
-    IM_END,
     MASK,
     MAX_TOKEN_BYTES,
     PAD,
@@ -31,6 +32,7 @@ from k3kit.mini.tokenizer import (
     special_token_ids,
     tokenizer_manifest,
     train_tokenizer,
+    with_chat_tokens,
 )
 from k3kit.tokenizer.codec import encode
 from k3kit.tokenizer.gguf_kv import special_ids_from_kv
@@ -110,7 +112,7 @@ def test_kv_contents(tok):
     assert len(merges) == VOCAB - len(SPECIAL_TOKENS) - 256
     assert all(a + b in tokens for a, b in (m.split(" ") for m in merges))
     assert special_ids_from_kv(kv) == {"bos": tokens.index(BOS), "eos": tokens.index(EOS),
-                                       "eot": tokens.index(IM_END), "pad": VOCAB - 1, "mask": VOCAB - 2}
+                                       "eot": tokens.index(END_OF_MSG), "pad": VOCAB - 1, "mask": VOCAB - 2}
     assert kv["tokenizer.ggml.mask_token_id"].vtype == T.UINT32
     assert kv["tokenizer.ggml.add_bos_token"].value is True
     assert kv["tokenizer.chat_template"].value == CHAT_TEMPLATE
@@ -126,3 +128,42 @@ def test_manifest(tok):
     assert m["sha256"] == hashlib.sha256(blob.encode()).hexdigest()
     other = train_tokenizer(build_corpus(max_bytes=300_000).train_docs, VOCAB)
     assert tokenizer_manifest(other)["sha256"] != m["sha256"]
+
+
+# ---------------------------------------------------------------- K3's chat markers
+
+
+def test_chat_markers_are_single_control_tokens(tok):
+    ids = special_token_ids(tok)
+    text = '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
+    got = tok.encode(text, add_special_tokens=False).ids
+    assert got[0] == ids["open"] and got[-1] == ids["end_of_msg"]
+    assert got.count(ids["sep"]) == 2 and got.count(ids["close"]) == 1
+    assert tok.decode(got, skip_special_tokens=False) == text
+    assert "<|open|>" in CHAT_TEMPLATE and "<|end_of_msg|>" in CHAT_TEMPLATE
+
+
+def test_with_chat_tokens_renames_a_k2_tokenizer_and_keeps_everything_else(tok):
+    data = json.loads(tok.to_str())
+    k2 = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
+    rename = dict(zip(CHAT_TOKENS, k2, strict=False))
+    data["model"]["vocab"] = {rename.get(t, t): i for t, i in data["model"]["vocab"].items()}
+    for added in data["added_tokens"]:
+        added["content"] = rename.get(added["content"], added["content"])
+    from tokenizers import Tokenizer
+
+    old = Tokenizer.from_str(json.dumps(data))
+    assert old.token_to_id("<|open|>") is None and old.token_to_id("<|im_end|>") == VOCAB - 7
+    new = with_chat_tokens(old)
+    assert [new.token_to_id(t) for t in CHAT_TOKENS] == list(range(VOCAB - 7, VOCAB - 2))
+    assert new.token_to_id("<|im_end|>") is None
+    assert json.loads(new.to_str())["model"]["merges"] == json.loads(old.to_str())["model"]["merges"]
+    doc = build_corpus(max_bytes=50_000).train_docs[0]
+    assert new.encode(doc).ids == old.encode(doc).ids == tok.encode(doc).ids
+    assert new.encode("<|end_of_msg|>", add_special_tokens=False).ids == [VOCAB - 4]
+    assert with_chat_tokens(new) is new
+    broken = json.loads(tok.to_str())
+    vocab = broken["model"]["vocab"]
+    broken["model"]["vocab"] = {("x" if t == "<|open|>" else t): i for t, i in vocab.items()}
+    with pytest.raises(K3Error, match="five chat markers"):
+        with_chat_tokens(Tokenizer.from_str(json.dumps(broken)))

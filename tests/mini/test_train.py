@@ -97,7 +97,7 @@ def test_exported_checkpoint_is_the_evaluated_model(runs):
     assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
     assert tok.id_to_token(cfg["bos_token_id"]) == tcfg["bos_token"] == "[BOS]"
     assert tok.id_to_token(cfg["eos_token_id"]) == "[EOS]"
-    assert "<|im_assistant|>" in tcfg["chat_template"]
+    assert "<|open|>" in tcfg["chat_template"] and "<|end_of_msg|>" in tcfg["chat_template"]
 
 
 def test_resume_continues_the_same_run(runs, tmp_path):

@@ -14,8 +14,10 @@ synth file in bf16); ggml's arithmetic is held to llama.cpp in tests/interop ins
 Memory, on a K3-geometry slice (hidden 7168, 8 heads, 2 layers, 4 MXFP4 experts, Q8_0 trunk)
 in a subprocess: peak RSS <= (RSS of the interpreter after importing the engine) + the
 file's trunk bytes + expert cache budget + MARGIN, MARGIN = two quantized experts (the one
-read while the previous is referenced) + the cache's spare buffers + 128 MiB (torch's per-op
-buffers and activations, malloc retention, kv_b and norms dequantized); and below the float
+read while the previous is referenced) + the cache's spare buffers + 160 MiB (torch's per-op
+buffers and activations, kv_b and norms dequantized, and glibc's retention, which moves the peak of
+one command by up to ~65 MiB from run to run: 924-949 MiB on the same tree, as in
+test_trunk_memory); and below the float
 trunk's peak on the same run. Peaks are the child's VmHWM, not ru_maxrss: Linux carries the
 parent's peak into ru_maxrss across (v)fork + exec, so a child of a pytest process that has
 held 1 GiB would report >= 1 GiB whatever it did.
@@ -126,7 +128,7 @@ def test_peak_rss_is_the_files_trunk_bytes(tmp_path):
     experts = [t for t in f.tensors if "_exps." in t.name]
     trunk_file = sum(t.nbytes for t in f.tensors if "_exps." not in t.name)
     one_expert = sum(t.nbytes for t in experts[:3]) // experts[0].shape[2]
-    margin = 2 * one_expert + MAX_SPARE * one_expert // 3 + 128 * MIB
+    margin = 2 * one_expert + MAX_SPARE * one_expert // 3 + 160 * MIB
 
     _, base = _run_hwm("import torch, k3kit.runtime.engine, k3kit.tokenizer.codec, k3kit.adapters.kimi_k3, "
                        "k3kit.commands.generate; rc = 0")

@@ -140,12 +140,14 @@ class Page:
         self.context.close()
 
 
-def greedy_reply(server: Server, messages: list[dict], max_tokens: int) -> tuple[str, str]:
+def greedy_reply(server: Server, messages: list[dict], max_tokens: int) -> tuple[str, str, str]:
+    """(content, reasoning, finish reason) of the API's greedy answer."""
     status, body = raw(server.url, "POST", "/v1/chat/completions",
                        {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "top_p": 1},
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     assert status == 200, body
-    return body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]
+    msg = body["choices"][0]["message"]
+    return msg.get("content") or "", msg.get("reasoning_content") or "", body["choices"][0]["finish_reason"]
 
 
 def test_chat_page_in_chromium(browser, server, tmp_path):
@@ -169,8 +171,9 @@ def test_chat_page_in_chromium(browser, server, tmp_path):
         pg.wait_reply()
         conv = pg.stored()[0]
         reply = conv["messages"][1]
-        want, finish = greedy_reply(server, [{"role": "user", "content": question}], 24)
-        assert reply["content"] == want and reply["finish"] == finish and want
+        want, reasoning, finish = greedy_reply(server, [{"role": "user", "content": question}], 24)
+        assert (reply["content"], reply["reasoning"], reply["finish"]) == (want, reasoning, finish)
+        assert want or reasoning
         assert page.is_visible("#send") and not page.is_visible("#stop")
         ttft = float(pg.value("r-ttft"))
         assert 0 < ttft < 60_000
@@ -181,24 +184,27 @@ def test_chat_page_in_chromium(browser, server, tmp_path):
         sent = pg.sent[-1]
         assert sent["stream"] is True and sent["temperature"] == 0 and "draft" not in sent
 
-        # stop: a reply that would run long (its greedy text does not end before 400 tokens)
+        # stop: a reply that would run long (sampled hot with a fixed seed: checked below to run
+        # all 400 tokens)
         long_q = "Count from one to one thousand, one number per line."
-        history = [{"role": "user", "content": question}, {"role": "assistant", "content": want},
-                   {"role": "user", "content": long_q}]
-        _, long_finish = greedy_reply(server, history, 400)
-        assert long_finish == "length"
         before = wait_idle(server.url, KEY)
-        pg.settings(**{"max-tokens": "400"})
+        pg.settings(**{"max-tokens": "400", "temperature": "2", "seed": "2"})
         pg.ask(long_q)
-        page.wait_for_selector("#messages .msg.assistant:last-child .content:not(:empty)")
+        last = "#messages .msg.assistant:last-child"
+        page.wait_for_selector(f"{last} details.reasoning, {last} .content:not(:empty)")
         page.click("#stop")
         pg.wait_reply("stopped")
+        again = {k: v for k, v in pg.sent[-1].items() if k != "stream_options"} | {"stream": False}
+        status, full = raw(server.url, "POST", "/v1/chat/completions", again,
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        assert status == 200 and full["choices"][0]["finish_reason"] == "length", full
         after = wait_idle(server.url, KEY)
         cancelled = 'k3kit_requests_total{reason="cancelled"}'
         assert after[cancelled] == before[cancelled] + 1
         assert page.get_attribute("#r-finish", "data-value") == "stopped"
         stopped = pg.stored()[0]["messages"][3]
-        assert stopped["state"] == "stopped" and 0 < len(stopped["content"])
+        assert stopped["state"] == "stopped" and 0 < len(stopped["content"] + stopped["reasoning"])
+        pg.settings(temperature="0", seed="")
 
         # DSpark off: the request says draft: false and no target pass verifies a draft block for it
         page.uncheck("#set-draft")

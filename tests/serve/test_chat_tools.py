@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from k3kit.gguf.shards import Model  # noqa: E402
 from k3kit.serve.app import ServerState, build_app  # noqa: E402
 from k3kit.serve.scheduler import FinishEvent, GenerationRequest, RequestStream, SchedulerStats, TokenEvent  # noqa: E402
-from k3kit.tokenizer.chat import ChatTemplate  # noqa: E402
+from k3kit.tokenizer.chat import KIMI_TEMPLATE, ChatTemplate  # noqa: E402
 from k3kit.tokenizer.codec import TextCodec  # noqa: E402
 
 MINI = Path(__file__).resolve().parents[2] / "src/k3kit/mini/assets/mini-k3/mini-k3.gguf"
@@ -99,7 +99,11 @@ def served(codec):
 
 
 def prompt_of(stub: Scripted, codec: TextCodec) -> str:
-    return codec.decode_bytes(stub.requests[-1].prompt_ids).decode()
+    """The prompt's text, K3's marker tokens (control tokens of the mini) shown."""
+    ids = stub.requests[-1].prompt_ids
+    stream = codec.streamer(codec.control_ids([codec.vocab_tokens[i] for i in set(ids)
+                                               if not codec.token_bytes[i]]))
+    return "".join(stream.push(i) for i in ids) + stream.flush()
 
 
 def test_openai_client_gets_tool_calls_and_reasoning(served):
@@ -209,9 +213,10 @@ def test_bad_requests_are_400_naming_the_parameter(served, patch, param):
 def test_tools_refused_where_the_template_has_no_tool_format():
     model = Model.open(MINI)
     try:
-        codec = TextCodec(model.kv)          # the mini's own template: Kimi-K2's plain chat format
+        codec = TextCodec(model.kv)
     finally:
         model.close()
+    codec.chat = ChatTemplate(KIMI_TEMPLATE, where="test", vocab=codec.vocab_tokens)   # K2's plain format
     state = ServerState(model_id="k3")
     state.ready(Scripted("hi"), codec, 4096)
     with TestClient(build_app(state)) as http:

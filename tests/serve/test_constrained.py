@@ -4,11 +4,12 @@ optional fields) all validate with `jsonschema`; a hundred answers to "any JSON 
 greedy answers under a schema are the same tokens with DSpark as without; seeded sampling under a
 grammar repeats, with and without the draft.
 
-The mini is an 8M-parameter model trained on Python code: left alone it rarely writes JSON, and
-under a grammar it happily fills strings and digits for as long as it may. The schemas bound their
-strings (maxLength) and numbers (ranges, multipleOf) so that every answer completes within
-`max_tokens`; the "any JSON object" requests carry a logit bias towards `"` and `}` for the same
-reason (a client's knob like any other: the grammar still decides which tokens are allowed)."""
+The mini is an 8M-parameter model trained on Python code and on chats whose only JSON answers
+have one shape: after a code prompt it does not write these documents, and under a grammar it
+happily fills strings and digits for as long as it may. The schemas bound their strings
+(maxLength) and numbers (ranges, multipleOf) so that every answer completes within `max_tokens`;
+code prompts under "any JSON object" carry a logit bias towards `"` and `}` for the same reason (a
+client's knob like any other: the grammar still decides which tokens are allowed)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from k3kit.runtime.sampling import make_sampling  # noqa: E402
 from k3kit.runtime.speculative.schedule import DraftGuard  # noqa: E402
+from k3kit.serve.api import ChatRequest  # noqa: E402
 from k3kit.serve.batch import BatchScheduler  # noqa: E402
 from k3kit.serve.grammar import vocabulary  # noqa: E402
 from k3kit.serve.scheduler import FinishEvent, GenerationRequest, TokenEvent  # noqa: E402
 from k3kit.serve.serial import SerialScheduler  # noqa: E402
+from k3kit.serve.tools import chat_inputs  # noqa: E402
 
 NUMBER = {"type": "number", "minimum": -50, "maximum": 50, "multipleOf": 0.25}
 SCHEMAS: list[dict[str, Any]] = [
@@ -120,17 +123,43 @@ def test_a_hundred_schema_answers_validate(spec_session):
     assert valid == 0
 
 
+def chat_prompt(codec: Any, user: str) -> str:
+    """The served prompt for one user message asking for a JSON object, thinking off, rendered as
+    the server renders it (the file's Kimi-K3 template, `response_format` as its system message)."""
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": user}],
+                                       "response_format": {"type": "json_object"},
+                                       "chat_template_kwargs": {"thinking": False}})
+    inputs = chat_inputs(body, codec.chat.source)
+    return codec.chat.render(inputs.messages, add_generation_prompt=True, tools=inputs.tools,
+                             **inputs.variables)
+
+
+ASKS = ["Give the module and name of {m}.{n} as JSON.", "Describe {m}.{n} as a JSON object.",
+        "Return {m}.{n} as JSON with any fields you like."]
+NAMES = [("json", "loads"), ("os.path", "join"), ("re", "sub"), ("shutil", "copyfile"), ("csv", "reader"),
+         ("textwrap", "dedent"), ("heapq", "heappush"), ("bisect", "insort"), ("glob", "glob"),
+         ("random", "choice"), ("string", "capwords"), ("fnmatch", "fnmatch"), ("copy", "deepcopy"),
+         ("base64", "b64encode"), ("zlib", "crc32"), ("math", "isclose"), ("difflib", "ndiff"),
+         ("calendar", "isleap"), ("operator", "itemgetter"), ("socket", "create_connection")]
+
+
 def test_a_hundred_json_object_answers_parse(spec_session):
+    """`response_format: json_object` on chat prompts (sampled at temperature 0.7), a hundred
+    answers: each ends by the grammar and parses to an object; raw code prompts under the same
+    grammar, with a logit bias towards closing (the mini writes Python there), parse too."""
     codec = spec_session.codec
     grammar = vocabulary(codec).json_object()
+    reqs = [request(codec, chat_prompt(codec, ASKS[i % len(ASKS)].format(m=m, n=n)), grammar,
+                    temperature=0.7, seed=i)
+            for i, (m, n) in enumerate(NAMES * 4)]
     closing = {i: 3.0 for i, b in enumerate(codec.token_bytes) if b in (b'"', b"}")}
-    reqs = [request(codec, PROMPTS[i % len(PROMPTS)], grammar, temperature=1.0, seed=i, logit_bias=closing)
-            for i in range(100)]
+    reqs += [request(codec, PROMPTS[i % len(PROMPTS)], grammar, temperature=1.0, seed=i, logit_bias=closing,
+                     max_tokens=256) for i in range(20)]
     out = serve(ar(spec_session), reqs)
     for i, (_, text, reason) in enumerate(out):
         assert reason == "stop", f"answer {i} did not complete: {text!r}"
         assert isinstance(json.loads(text), dict), text
-    assert len({text for _, text, _ in out}) >= 20
+    assert len({text for _, text, _ in out}) >= 40
 
 
 def test_dspark_greedy_under_a_schema_is_ar(spec_session, spec_factory):

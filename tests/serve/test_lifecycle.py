@@ -38,7 +38,7 @@ from k3kit.serve.server import draining_server, flush_prompt_cache  # noqa: E402
 from k3kit.tokenizer.codec import TextCodec  # noqa: E402
 
 MINI = Path(__file__).resolve().parents[2] / "src/k3kit/mini/assets/mini-k3/mini-k3.gguf"
-CTX = 64
+CTX = 256         # a chat prompt in the K3 template starts with its thinking-effort system message
 CACHED = 7
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
@@ -242,7 +242,9 @@ def test_signal_drains_then_ends_what_still_runs(codec, hurry):
         events = sse(resp.read().decode())                    # the rest of the stream, to its end
         conn.close()
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events
-        assert any(e.get("choices") and e["choices"][0]["delta"].get("content") == "hi" for e in events[:-2])
+        # the K3 template's generation prompt opens the think channel: the stub's "hi" is reasoning
+        assert any(e.get("choices") and e["choices"][0]["delta"].get("reasoning_content") == "hi"
+                   for e in events[:-2])
         waiting.join(10)
         status, out = answer[0]
         assert status == 503 and out["error"]["code"] == "shutting_down", out

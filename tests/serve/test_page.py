@@ -137,7 +137,7 @@ def test_stats_endpoint_reads_what_metrics_exports(server, codec):
     url, state, sched, _ = server
     status, body = raw(url, "GET", "/v1/k3kit/stats", headers=auth())
     assert status == 200 and body["loaded"] is False and body["stats"] is None
-    state.ready(sched, codec, 64, draft=True)
+    state.ready(sched, codec, 256, draft=True)
     for n in (3, 5):
         status, out = raw(url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": n, "temperature": 0},
                           headers=auth())
@@ -178,7 +178,7 @@ def test_ratios_and_history():
 
 def test_access_log_one_line_per_request(server, codec):
     url, state, sched, lines = server
-    state.ready(sched, codec, 64)
+    state.ready(sched, codec, 256)
     raw(url, "GET", "/health")
     raw(url, "GET", "/v1/models")                                    # no key: 401
     status, _ = raw(url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0},
@@ -208,7 +208,7 @@ def test_access_log_one_line_per_request(server, codec):
 
 def test_draft_false_is_served_without_the_draft(server, codec):
     url, state, sched, _ = server
-    state.ready(sched, codec, 64, draft=True)
+    state.ready(sched, codec, 256, draft=True)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     status, with_draft = raw(url, "POST", "/v1/chat/completions", body, headers=auth())
     assert status == 200 and CountingStep.built == 1

@@ -98,14 +98,22 @@ def expected(world, kind: str, server: Server) -> tuple[str, list[int], str]:
     return detokenize(server, shown), ids, stop
 
 
+def said(m) -> str:
+    """A chat message's or delta's text: its reasoning then its content. The K3 template's
+    generation prompt opens the think channel, so a short greedy reply is all reasoning."""
+    return (getattr(m, "reasoning_content", None) or (m.model_extra or {}).get("reasoning_content") or "") \
+        + (m.content or "")
+
+
 def stream_text(stream) -> tuple[str, str | None, dict | None]:
-    """Concatenated text, the finish reason and the usage of a streamed response."""
+    """Concatenated text (reasoning and content), the finish reason and the usage of a streamed
+    response."""
     text, finish, usage = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage.model_dump()
         for c in chunk.choices:
-            piece = c.delta.content if hasattr(c, "delta") else c.text
+            piece = said(c.delta) if hasattr(c, "delta") else c.text
             text.append(piece or "")
             finish = c.finish_reason or finish
     return "".join(text), finish, usage
@@ -162,7 +170,7 @@ def test_chat_greedy_matches_generate_chat(world):
     r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N, temperature=0,
                                           logprobs=True, top_logprobs=1)
     c = r.choices[0]
-    assert c.message.role == "assistant" and c.message.content == text
+    assert c.message.role == "assistant" and said(c.message) == text
     assert r.usage.completion_tokens == len(ids)
     assert r.usage.prompt_tokens == world["ref"]["chat"]["stats"]["prompt_tokens"]
     shown = ids[:-1] if stop == "stop" else ids
@@ -186,7 +194,7 @@ def test_long_system_prompt_is_served(world):
         r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=4,
                                               temperature=0)
         assert r.usage.prompt_tokens > 1601 and 1 <= r.usage.completion_tokens <= 4, r.usage
-        got.append(r.choices[0].message.content)
+        got.append(said(r.choices[0].message))
     assert got[0] == got[1]
 
 
@@ -212,7 +220,7 @@ def test_draft_greedy_matches_generate(world, stream):
     else:
         r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N,
                                               temperature=0)
-        assert (r.choices[0].message.content, r.usage.completion_tokens) == (chat_text, len(chat_ids))
+        assert (said(r.choices[0].message), r.usage.completion_tokens) == (chat_text, len(chat_ids))
     m = metrics(s.url, KEY)
     assert m["k3kit_speculative_passes_total"] > 0          # the draft really ran
 
@@ -237,7 +245,7 @@ def test_draft_server_batches_concurrent_requests(world):
         if i % 2:
             r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N,
                                                   temperature=0)
-            return r.choices[0].message.content
+            return said(r.choices[0].message)
         return client(s).completions.create(model=s.model_id, prompt=PROMPT, max_tokens=N,
                                             temperature=0).choices[0].text
 
@@ -323,7 +331,7 @@ def test_draft_greedy_with_frequency_penalty_equals_ar(world):
         assert got[0].usage.completion_tokens == got[1].usage.completion_tokens
         chats = [client(x).chat.completions.create(model=x.model_id, messages=messages, max_tokens=16,
                                                    temperature=0, **kw) for x in (ar, sp)]
-        assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+        assert said(chats[0].choices[0].message) == said(chats[1].choices[0].message)
     assert metrics(sp.url, KEY)["k3kit_speculative_passes_total"] > before
 
 
@@ -600,7 +608,7 @@ def test_load_16_clients(world, server):
         if cancel:
             st = call(stream=True)
             for chunk in st:                   # read until the first generated text, then hang up
-                if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
+                if chunk.choices and (said(chunk.choices[0].delta) if chat else chunk.choices[0].text):
                     break
             st.close()
             return kind, "", True
@@ -608,7 +616,7 @@ def test_load_16_clients(world, server):
             text, _, _ = stream_text(call(stream=True))
         else:
             r = call()
-            text = r.choices[0].message.content if chat else r.choices[0].text
+            text = said(r.choices[0].message) if chat else r.choices[0].text
         return kind, text, False
 
     def client_run(i: int) -> list[tuple[str, str, bool]]:

@@ -21,19 +21,19 @@ pytest.importorskip("prometheus_client")
 
 from serving import Server, raw  # noqa: E402
 
-# greedy, the mini answers "hi" with 300+ tokens before any end-of-turn (1000 take it ~16 s alone)
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}}
+# greedy, the mini continues this code for 1000+ tokens without an end token (~16 s alone)
+COMPLETION = {"prompt": "import os\n", "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
 
 
 def start_stream(url: str, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(CHAT | {"max_tokens": max_tokens}),
+    conn.request("POST", "/v1/completions", body=json.dumps(COMPLETION | {"max_tokens": max_tokens}),
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
-    for _ in range(3):                    # the role chunk, then generated text: the sequence runs
+    for _ in range(2):                    # generated text: the sequence runs
         assert resp.readline().startswith(b"data: ")
         resp.readline()
     return conn, resp

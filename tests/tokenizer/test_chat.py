@@ -10,7 +10,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 from gguf import GGUFValueType as T
-from tokenizer_cases import CONVERSATIONS
+from tokenizer_cases import CONVERSATIONS, with_k2_markers
 
 from k3kit.errors import FormatError, K3Error
 from k3kit.gguf.reader import KV, GGUFFile
@@ -31,7 +31,7 @@ def test_jinja_template_renders_like_python(messages, add_generation_prompt):
         raise jinja2.TemplateError(msg)
 
     env.globals["raise_exception"] = raise_exception
-    template = env.from_string(CHAT_TEMPLATE)
+    template = env.from_string(KIMI_TEMPLATE)
     rendered = template.render(messages=messages, add_generation_prompt=add_generation_prompt)
     assert rendered == render_kimi(messages, add_generation_prompt=add_generation_prompt)
 
@@ -51,8 +51,15 @@ def test_chat_rendering():
 
 def _kvs(tok, template: str | None) -> dict[str, KV]:
     """The mini tokenizer's KVs with `template` as tokenizer.chat_template (None: no template)."""
-    kv = {k.key: k for k in gguf_tokenizer_kv(tok)}
-    del kv["tokenizer.chat_template"]
+    if tok.token_to_id("<|im_end|>") is not None:     # Kimi-K2's markers (with_k2_markers)
+        from k3kit.mini.tokenizer import BOS, EOS, MASK, PAD, PRE
+        from k3kit.tokenizer.gguf_kv import tokenizer_kv
+
+        kv = {k.key: k for k in tokenizer_kv(tok, pre=PRE, bos=BOS, eos=EOS, eot="<|im_end|>", pad=PAD,
+                                             mask=MASK, add_bos=True, add_eos=False, chat_template=None)}
+    else:
+        kv = {k.key: k for k in gguf_tokenizer_kv(tok)}
+    kv.pop("tokenizer.chat_template", None)
     if template is not None:
         kv["tokenizer.chat_template"] = KV("tokenizer.chat_template", T.STRING, template)
     return kv
@@ -63,6 +70,7 @@ def _codec(tok, template: str | None, where: str = "model.gguf") -> TextCodec:
 
 
 def test_kimi_template_in_gguf_renders_like_fallback(tmp_path, tok):
+    tok = with_k2_markers(tok)
     path = write_gguf(tmp_path / "chat.gguf", [KV("general.architecture", T.STRING, "llama"),
                                                *_kvs(tok, KIMI_TEMPLATE).values()], [])
     with_template = TextCodec(GGUFFile.open(path).kv, str(path))
@@ -77,15 +85,22 @@ def test_kimi_template_in_gguf_renders_like_fallback(tmp_path, tok):
         "<|im_user|>user<|im_middle|>hi\n<|im_end|><|im_assistant|>assistant<|im_middle|>"
 
 
-def test_shipped_mini_chat_prompt_unchanged():
-    """`k3kit generate --chat` on the shipped mini: the file's template gives the old Kimi text."""
+def test_shipped_mini_speaks_kimi_k3():
+    """`k3kit generate --chat` on the shipped mini: the file carries Kimi-K3's template, its markers are
+    single control tokens, a reply ends at <|end_of_msg|>, and the prompt opens the think channel."""
     from k3kit.mini.paths import shipped_gguf
 
     path = shipped_gguf()
     codec = TextCodec(GGUFFile.open(path).kv, str(path))
-    assert codec.has_chat_template
+    assert codec.has_chat_template and codec.chat.source == CHAT_TEMPLATE
     for user in ("Write a Python function that adds two numbers.", "héllo 中文\n<b>&</b>", ""):
-        assert codec.chat_prompt(user) == render_kimi([{"role": "user", "content": user}])
+        prompt = codec.chat_prompt(user)
+        assert prompt.endswith(f'<|open|>message role="user"<|sep|>{user}<|close|>message<|sep|>'
+                               '<|end_of_msg|>'
+                               '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+        assert prompt.startswith('<|open|>message role="system" type="thinking-effort"<|sep|>')
+    ids = codec.encode('<|open|>x<|sep|><|close|>x<|sep|><|end_of_msg|>', add_bos=False)
+    assert len(ids) == 7 and ids[-1] in codec.stop_ids()
 
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"

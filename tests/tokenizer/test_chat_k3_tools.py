@@ -1,24 +1,22 @@
 """Kimi-K3's own chat template with tools, calls, results and thinking: k3kit's chat route inputs
 rendered by k3kit against the same messages rendered the way llama.cpp passes them.
 
-The GGUF is the shipped mini with its `tokenizer.chat_template` rewritten (`k3kit rewrite
---set`) to llama.cpp's models/templates/Kimi-K3.jinja (from the llama-cpp-python 0.3.36 sdist
-that tests/interop unpacks; skipped when it is not there). The reference render is
+The shipped mini carries Kimi-K3's template (src/k3kit/mini/assets/kimi-k3.jinja), which must be
+llama.cpp's models/templates/Kimi-K3.jinja byte for byte (from the llama-cpp-python 0.3.36 sdist
+that tests/interop unpacks; those checks skip when it is not there). The reference render is
 llama-cpp-python's Jinja2ChatFormatter (the jinja2 formatter its server uses for a GGUF's
 template) over messages and tools shaped as llama.cpp's common/chat.cpp shapes them (tools
 re-serialised to {type, function: {name, description, parameters}}, call arguments parsed to
 objects, empty content ""). llama.cpp's own C++ Jinja engine is not exposed by the package's
-libraries, so that engine itself is not the oracle. The mini's vocabulary lacks K3's special
-tokens (<|open|>, <|sep|>...), so the texts are compared, then the token ids of the text through
-k3kit's tokenizer and through llama.cpp's (llama_cpp vocab-only), which must agree.
+libraries, so that engine itself is not the oracle. The mini's vocabulary has K3's markers
+(<|open|>, <|sep|>, ...) as control tokens, so the rendered texts are compared, then their token
+ids through k3kit's tokenizer and through llama.cpp's (llama_cpp vocab-only), which must agree.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,19 +39,20 @@ def k3_template() -> str:
     pytest.skip(f"llama.cpp's {NAME} is not unpacked (tests/interop/test_convert_vs_llama.py fetches it)")
 
 
-@pytest.fixture(scope="module")
-def k3_gguf(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("k3tmpl") / "mini-k3-tools.gguf"
-    r = subprocess.run([sys.executable, "-m", "k3kit", "rewrite", str(MINI), "-o", str(out),
-                        "--set", f"tokenizer.chat_template=str:{k3_template()}"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+def test_the_shipped_template_is_llama_cpps():
+    from k3kit.mini.tokenizer import CHAT_TEMPLATE
+
+    assert CHAT_TEMPLATE == k3_template()
+    model = Model.open(MINI)
+    try:
+        assert TextCodec(model.kv).chat.source == CHAT_TEMPLATE
+    finally:
+        model.close()
 
 
 @pytest.fixture(scope="module")
-def codec(k3_gguf) -> TextCodec:
-    model = Model.open(k3_gguf)
+def codec() -> TextCodec:
+    model = Model.open(MINI)
     try:
         return TextCodec(model.kv)
     finally:

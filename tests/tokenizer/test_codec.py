@@ -5,15 +5,15 @@ from __future__ import annotations
 from gguf import GGUFValueType as T
 
 from k3kit.gguf.reader import KV
-from k3kit.mini.tokenizer import BOS, EOS, IM_END, gguf_tokenizer_kv, special_token_ids
+from k3kit.mini.tokenizer import BOS, END_OF_MSG, EOS, gguf_tokenizer_kv, special_token_ids
 from k3kit.tokenizer.codec import TextCodec, encode
 
 
 def test_special_tokens_in_text(tok):
     ids = special_token_ids(tok)
-    text = f"a{IM_END}b{BOS}"
+    text = f"a{END_OF_MSG}b{BOS}"
     got = encode(tok, text)
-    assert ids["im_end"] in got and ids["bos"] in got
+    assert ids["end_of_msg"] in got and ids["bos"] in got
     plain = encode(tok, text, special=False)
     assert not set(plain) & set(ids.values())
     assert tok.decode(plain, skip_special_tokens=False) == text
@@ -33,8 +33,8 @@ def test_codec_encode_decode_and_stops(tok):
     assert codec.n_vocab == tok.get_vocab_size()
     assert codec.add_bos and codec.encode("x") == [ids["bos"], *encode(tok, "x")]
     assert codec.encode("x", add_bos=False) == encode(tok, "x")
-    assert codec.encode(IM_END, add_bos=False, special=False) == encode(tok, IM_END, special=False)
-    assert codec.stop_ids() == {ids["eos"], ids["im_end"]}
+    assert codec.encode(END_OF_MSG, add_bos=False, special=False) == encode(tok, END_OF_MSG, special=False)
+    assert codec.stop_ids() == {ids["eos"], ids["end_of_msg"]}
     text = "def f(x):\n    return 'é中😀'\n"
     assert codec.decode_bytes(encode(tok, text)) == text.encode()
     assert codec.decode_bytes([ids["bos"], ids["eos"]]) == b""     # control tokens render as nothing

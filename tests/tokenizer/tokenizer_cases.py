@@ -15,6 +15,7 @@ HAND_PICKED = [
     "tabs\tand\t\ttabs   spaces    trailing   \n\n\nlines\r\nwindows\r\n \n  \n",
     "   leading spaces and trailing   ",
     "<|im_end|>[BOS] text <|im_user|>user<|im_middle|>hi<|im_end|>",
+    '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>[EOS]',
     "\u3000ideographic\u00a0nbsp\u2028ls",
     "",
     " ",
@@ -30,3 +31,23 @@ CONVERSATIONS = [
      {"role": "tool", "content": "result <b>&</b> 'quoted'"}],
     [],
 ]
+
+
+K2_MARKERS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
+
+
+def with_k2_markers(tok):
+    """The mini tokenizer with its five chat-marker ids named as Kimi-K2's (the format k3kit's
+    built-in template renders for files without one)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from k3kit.mini.tokenizer import CHAT_TOKENS, finish_tokenizer
+
+    data = json.loads(tok.to_str())
+    rename = dict(zip(CHAT_TOKENS, K2_MARKERS, strict=False))
+    data["model"]["vocab"] = {rename.get(t, t): i for t, i in data["model"]["vocab"].items()}
+    for added in data["added_tokens"]:
+        added["content"] = rename.get(added["content"], added["content"])
+    return finish_tokenizer(Tokenizer.from_str(json.dumps(data)))

@@ -261,6 +261,7 @@ class K3Adapter(SequenceSnapshots):
                 feats = out.logits.new_zeros(out.captured.n_rows, 0)
         return VerifyOutput(out.logits[0].float(), feats.float() if feats is not None else None)
 
+    @torch.no_grad()          # a replay runs the same (inference) kernels as the forward it redoes
     def commit(self, n: int) -> None:
         p = self._pending
         if p is None:
@@ -411,6 +412,7 @@ class K3Adapter(SequenceSnapshots):
             result.append(VerifyOutput(o.logits.float(), taps.float() if taps is not None else None))
         return result
 
+    @torch.no_grad()
     def commit_sequence(self, seq: int, n: int) -> None:
         """Keep the first n rows of `seq`'s last verify block (see `commit`): KDA replays them from
         the captured inputs; if the capture does not fit the state, the rows run again."""

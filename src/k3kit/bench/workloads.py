@@ -133,11 +133,19 @@ def encode(codec: TextCodec, w: Workload, text: str) -> list[int]:
     return codec.encode(codec.chat_prompt(text) if w.chat else text)
 
 
+def _cut(ids: list[int], n: int, chat: bool) -> list[int]:
+    if len(ids) <= n or not chat or n < 2:
+        return ids[:n]
+    return ids[:1] + ids[len(ids) - n + 1:]
+
+
 def fit(codec: TextCodec, w: Workload, n_prompt: int, count: int, max_tokens: int) -> list[list[int]]:
     """`count` token prompts, taking the workload's texts in turn.
 
     n_prompt > 0: each exactly n_prompt tokens (cut, or continued with the following texts
     without BOS); 0: each text's own length, cut to max_tokens (the context left for decode).
+    A chat prompt too long is cut in the middle: its first token and its end (the request and the
+    generation prompt) stay, since a template's preamble is the same for every prompt.
     """
     if not w.texts:
         raise K3Error(f"workload {w.name}: no prompts")
@@ -154,9 +162,9 @@ def fit(codec: TextCodec, w: Workload, n_prompt: int, count: int, max_tokens: in
                                   f"-p {n_prompt} tokens")
                 ids += codec.encode("\n" + w.texts[i % len(w.texts)], add_bos=False)
                 i += 1
-            ids = ids[:n_prompt]
+            ids = _cut(ids, n_prompt, w.chat)
         else:
-            ids = ids[:max_tokens]
+            ids = _cut(ids, max_tokens, w.chat)
         if not ids:
             raise K3Error(f"workload {w.name}: a prompt encodes to no tokens")
         out.append(ids)

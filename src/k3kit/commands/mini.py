@@ -1,5 +1,6 @@
 """`k3kit mini`: the mini K3 reference model. Sub-commands: `train` (a new one), `path` (the
-shipped one's files), `ship` (a train run's assets), `train-draft` (its DSpark drafter) and
+shipped one's files), `chat-tune` (K3's chat format on top of a trained one), `ship` (a train
+run's assets), `train-draft` (its DSpark drafter) and
 `ship-draft` (the drafter's assets).
 
 No torch at import time: the CLI builds every parser on each start."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 NAME = "mini"
@@ -61,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
     d.add_argument("--reuse", type=int, default=6, help="steps per generated round")
     d.add_argument("--threads", type=int, default=1)
+    d.add_argument("--init", default=None, metavar="DRAFT_HF_DIR",
+                   help="start from this drafter's weights (the shipped one's hf/, say), not random ones")
+    d.add_argument("--chat-conversations", type=int, default=3000,
+                   help="generated Kimi-K3 chats mixed into the prompts (default 3000; 0: code only)")
     d.add_argument("--card-tokens", type=int, default=64,
                    help="new tokens per prompt in the card's measurement")
     d.add_argument("--corpus-bytes", type=int, default=None, help="cap the corpus (quick runs)")
@@ -75,6 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--dest", required=True, metavar="DIR", help="asset directory to (re)place")
     s.add_argument("--type", default="Q8_0", choices=["Q8_0", "BF16", "F32"])
     s.set_defaults(_mini=_run_ship_draft)
+
+    c = sub.add_parser("chat-tune", help="teach a mini K3 Kimi-K3's chat format, tools and thinking by "
+                       "training on generated conversations (CPU, deterministic per seed)")
+    c.add_argument("--from", dest="base", default=None, metavar="DIR",
+                   help="a shipped mini directory (default: the installed one)")
+    c.add_argument("--out", required=True, metavar="DIR", help="run directory for `k3kit mini ship`")
+    c.add_argument("--minutes", type=float, default=30.0, help="training budget (default 30)")
+    c.add_argument("--steps", type=int, default=None, help="steps (fixes the schedule; --minutes is ignored)")
+    c.add_argument("--conversations", type=int, default=20000, help="training conversations (default 20000)")
+    c.add_argument("--lr", type=float, default=1e-3)
+    c.add_argument("--prompt-weight", type=float, default=0.1,
+                   help="loss weight of chat tokens outside assistant messages (default 0.1)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=1)
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c.set_defaults(_mini=_run_chat_tune)
 
     m = sub.add_parser("ship", help="assemble a train run's shipped assets (HF checkpoint, GGUF, model card) "
                        "in DEST (maintainers)")
@@ -112,6 +134,26 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_chat_tune(args: argparse.Namespace) -> int:
+    from k3kit.mini import paths
+    from k3kit.mini.chat_tune import ChatTuneSettings, chat_tune
+
+    base = Path(args.base) if args.base else paths.shipped_hf().parent
+    s = ChatTuneSettings(minutes=args.minutes, steps=args.steps, conversations=args.conversations, lr=args.lr,
+                         seed=args.seed,
+                         threads=args.threads, prompt_weight=args.prompt_weight)
+    summary = chat_tune(base, args.out, s, log=(lambda m: None) if args.json else None)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    chat = summary["chat"]
+    print(f"chat stage: {chat['steps']} steps in {chat['seconds'] / 60:.1f} min; held-out chat perplexity "
+          f"{math.exp(chat['chat_nll_before']):.2f} -> {math.exp(chat['chat_nll']):.3f}, code "
+          f"{summary['base']['heldout_ppl']:.2f} -> {summary['heldout_ppl']:.2f}; checkpoint in "
+          f"{Path(args.out) / 'hf'}")
+    return 0
+
+
 def _taps(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(","))
@@ -130,7 +172,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     s = DraftTrainSettings(steps=args.steps, minutes=args.minutes, seed=args.seed, layers=args.layers,
                            markov_rank=args.markov_rank, taps=args.taps, lr=args.lr, seqs=args.seqs,
                            gen_len=args.gen_len, anchors=args.anchors, reuse=args.reuse, threads=args.threads,
-                           corpus_bytes=args.corpus_bytes)
+                           corpus_bytes=args.corpus_bytes, init=args.init,
+                           chat_conversations=args.chat_conversations)
     summary = train_mini_draft(target, args.out, s, card_tokens=args.card_tokens,
                                log=(lambda m: None) if args.json else None)
     if args.json:

@@ -8,7 +8,8 @@ llama.cpp will split text with its own code for that name, not with the tokenize
 
 Special tokens: `tokenizer_config.json` (bos_token / eos_token / pad_token, chat_template)
 when present, else Kimi's texts ([BOS], [EOS], [PAD]); `eos_token_id` in config.json wins for
-eos, as llama.cpp's K3 converter does. The turn terminator (<|im_end|>) and the drafter's
+eos, as llama.cpp's K3 converter does. The turn terminator (K3's <|end_of_msg|>, else K2's
+<|im_end|>) and the drafter's
 [MASK] are written when the vocab has them. A vocab smaller than config's vocab_size is
 padded with unused `[PAD{i}]` tokens, as llama.cpp does.
 """
@@ -34,7 +35,8 @@ TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 MAX_TOKENIZER_BYTES = 512 << 20
 
-KIMI_BOS, KIMI_EOS, KIMI_PAD, KIMI_EOT, KIMI_MASK = "[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "[MASK]"
+KIMI_BOS, KIMI_EOS, KIMI_PAD, KIMI_MASK = "[BOS]", "[EOS]", "[PAD]", "[MASK]"
+KIMI_EOTS = ("<|end_of_msg|>", "<|im_end|>")   # Kimi-K3's message end, Kimi-K2's turn end
 
 
 def _pre_name(tok_json: dict, where: Path) -> str:
@@ -113,7 +115,7 @@ def tokenizer_kvs(model_dir: Path, vocab_size: int, eos_token_id: int | None) ->
 
     try:
         kvs = tokenizer_kv(tok, pre=pre, bos=bos, eos=eos,
-                           eot=KIMI_EOT if KIMI_EOT in vocab else None, pad=pad,
+                           eot=next((t for t in KIMI_EOTS if t in vocab), None), pad=pad,
                            mask=KIMI_MASK if KIMI_MASK in vocab else None,
                            add_bos=add_bos, add_eos=add_eos, chat_template=template)
     except ValueError as e:

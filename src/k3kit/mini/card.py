@@ -286,6 +286,8 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     hf_model = load_hf(folder / paths.HF_NAME)
     n_params, n_active = count_params(hf_model)
     experts = sum(p.numel() for n, p in hf_model.named_parameters() if n.endswith("_exps"))
+    chat = summary.get("chat")
+    base = summary.get("base", summary)
     L: list[str] = []
     add = L.append
     add("# mini K3\n")
@@ -293,9 +295,15 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
         "of the 2.8 T model (KDA + MLA "
         "hybrid, latent MoE with MXFP4 quantization-aware-trained routed experts, shared expert, "
         "attn-res, situ) at toy width, trained for "
-        f"{summary['seconds'] / 60:.0f} minutes on a shared 2-core CPU on the CPython standard library. "
-        "It is k3kit's reference model: small enough to run everywhere in tests, trained enough that "
-        "its predictions (and a drafter's acceptance) mean something. It is not a useful assistant.\n")
+        f"{base['seconds'] / 60:.0f} minutes on a shared 2-core CPU on the CPython standard library"
+        + (f", then {chat['seconds'] / 60:.0f} minutes on generated conversations in Kimi-K3's chat format "
+           "(thinking, tool declarations, calls and results, JSON answers)" if chat else "")
+        + ". It is k3kit's reference model: small enough to run everywhere in tests, trained enough that "
+        "its predictions (and a drafter's acceptance) mean something"
+        + ("; it thinks, calls the tool a request needs and answers after the result in K3's format, "
+           "which is what agent tests need, though the values it puts in a call's arguments are seldom "
+           "the user's (it has not learned to copy them)" if chat else "")
+        + ". It is not a useful assistant.\n")
     add("## Architecture\n")
     add("| | mini K3 | Kimi-K3 |\n|---|---|---|")
     mla = [i + 1 for i, k in enumerate(kinds) if k == "mla"]
@@ -344,7 +352,10 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
     add(f"Tokenizer: {tm['type']}, pre-tokenizer `{tm['pre']}`, {tm['vocab_size']} tokens "
         f"({tm['merges']} merges), special tokens "
         f"{', '.join(f'`{k}` {v}' for k, v in tm['special_tokens'].items())}; "
-        f"sha256 `{tm['sha256']}`. Chat template: Kimi-K2's (in tokenizer_config.json).\n")
+        f"sha256 `{tm['sha256']}`. Chat template: "
+        + ("Kimi-K3's (llama.cpp's models/templates/Kimi-K3.jinja, in tokenizer_config.json and the GGUF); "
+           "a reply ends with `<|end_of_msg|>`, the file's end-of-turn token.\n"
+           if "<|end_of_msg|>" in tm["special_tokens"] else "Kimi-K2's (in tokenizer_config.json).\n"))
     add("## Training\n")
     add(f"AdamW (betas 0.9/0.95, weight decay {s['weight_decay']}), peak LR {s['lr']}, "
         f"{s['warmup']} warmup steps, "
@@ -353,9 +364,30 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
         "fake-quantized to MXFP4 in every forward (straight-through gradient). Load balancing: "
         f"selection-bias controller (step {s['bias_rate']}) plus an auxiliary balance loss "
         f"(coefficient {s['balance_coef']}). Seed {s['seed']}.\n")
-    add(f"{summary['steps']} steps, {_fmt_int(summary['tokens'])} tokens in "
-        f"{summary['seconds'] / 60:.1f} min "
-        f"({summary['tokens'] / summary['seconds']:.0f} tok/s on a 2-core machine shared with other jobs).\n")
+    add(f"{base['steps']} steps, {_fmt_int(base['tokens'])} tokens in "
+        f"{base['seconds'] / 60:.1f} min "
+        f"({base['tokens'] / base['seconds']:.0f} tok/s on a 2-core machine shared with other jobs).\n")
+    if chat:
+        c = chat["settings"]
+        add("### Chat stage\n")
+        add("`k3kit mini chat-tune` (k3kit.mini.chat_tune): the five chat-marker ids after `[EOS]` "
+            "renamed to "
+            "Kimi-K3's markers (the merges and every other id unchanged), then "
+            f"{chat['steps']} more steps in {chat['seconds'] / 60:.1f} min: {c['code_every']} steps of "
+            f"{c['chat_batch']} x {c['chat_seq_len']} tokens of generated conversations "
+            "(k3kit.mini.chat_data: no tools or two to four of seven declared, requests filled from "
+            "fixed lists and the stdlib's "
+            "modules, files and functions, each rendered by the template exactly as `k3kit serve` renders a "
+            "request; every window starts at a conversation) for each step of stdlib code as above"
+            + (f", the loss weighted 1 on the assistant's messages and {c['prompt_weight']} on the rest"
+               if c.get("prompt_weight", 1.0) != 1.0 else "")
+            + f"; {_fmt_int(chat['chat_tokens'])} chat tokens from "
+            f"{_fmt_int(chat['conversations'])} conversations "
+            f"(median {chat['conversation_tokens_median']} tokens); peak LR {c['lr']}, {c['warmup']} warmup "
+            f"steps, cosine to {c['min_lr_ratio']}x; experts still MXFP4-aware, routers still balancing. "
+            f"Held-out conversations ({chat['heldout_chats']}, indices never trained on): perplexity "
+            f"{math.exp(chat['chat_nll_before']):.1f} before, **{math.exp(chat['chat_nll']):.3f}** after; "
+            f"held-out code {base['heldout_ppl']:.2f} before, {summary['heldout_ppl']:.2f} after.\n")
     add(f"![training curve]({CURVE_NAME})\n")
     add("| step | tokens | held-out perplexity |\n|---|---|---|")
     for r in log_rows:
@@ -396,14 +428,17 @@ def render_card(summary: dict, settings: dict, manifest: dict, log_rows: list[di
             add(f"| {p.relative_to(folder)} | {_fmt_int(p.stat().st_size)} | `{_sha256(p)[:16]}…` |")
     add("")
     add("## Reproduce\n")
-    sched = summary.get("schedule_steps") or summary["steps"]
-    stop = f" --stop-at {summary['steps']}" if sched != summary["steps"] else ""
+    sched = summary.get("schedule_steps") or base["steps"]
+    stop = f" --stop-at {base['steps']}" if sched != base["steps"] else ""
     add(f"`k3kit mini train --out DIR --steps {sched}{stop} --seed {s['seed']} --batch {s['batch']} "
         f"--seq-len {s['seq_len']} --lr {s['lr']}` (deterministic for a given torch build and thread count"
         + ("; this run was sized by `--minutes`, which fixed the schedule from the speed of its first steps"
            if s.get("steps") is None else "")
         + ("; the time budget stopped it before the schedule's end" if stop else "")
         + "), then "
-        "`k3kit convert target DIR/hf -o mini-k3.gguf`. `k3kit mini path` prints the shipped GGUF, "
-        "`--hf` the checkpoint.\n")
+        + ("`k3kit mini ship DIR BASE`, `k3kit mini chat-tune --from BASE --out DIR2 --steps "
+           f"{chat['steps']} --seed {chat['settings']['seed']}`, then `k3kit mini ship DIR2 DEST` "
+           "(converts DEST/hf to the GGUF). " if chat else
+           "`k3kit convert target DIR/hf -o mini-k3.gguf`. ")
+        + "`k3kit mini path` prints the shipped GGUF, `--hf` the checkpoint.\n")
     return "\n".join(L)

@@ -6,15 +6,16 @@ regex that reproduces llama.cpp's code lives in `k3kit.tokenizer.gguf_kv`), so l
 k3kit's runtime (which rebuilds the tokenizer from the GGUF) and this trainer agree token for
 token.
 
-Special tokens use Kimi-K2's texts and sit at the END of the vocab like real Kimi models
-(K2: [BOS] 163584 ... [PAD] 163839; K3's drafter mask 163824). [MASK] is the drafter's
-`mask_token_id`: DSpark/DFlash drafts fill the block after the anchor with it.
+Special tokens sit at the END of the vocab like real Kimi models (K2: [BOS] 163584 ... [PAD]
+163839; K3's drafter mask 163824). [MASK] is the drafter's `mask_token_id`: DSpark/DFlash drafts
+fill the block after the anchor with it.
 
-The chat format is Kimi-K2's (`<|im_user|>user<|im_middle|>...<|im_end|>`, k3kit.tokenizer.chat's
-KIMI_TEMPLATE), without K2's default "You are Kimi" system message: that is exactly what
-llama.cpp's built-in `kimi-k2` template renders, and llama.cpp picks that built-in for any
-template containing `<|im_assistant|>assistant<|im_middle|>`. (Real K3 moved to an XML-like
-format with `<|open|>`/`<|close|>`/`<|end_of_msg|>`; a model this small gains nothing from it.)
+The chat format is Kimi-K3's: the "XTML" markers `<|open|>`, `<|close|>`, `<|sep|>` and
+`<|end_of_msg|>` are control tokens (what llama.cpp's kimi-k3 chat handler preserves; tag names
+such as `think` or `call` stay ordinary text), `<|kimi_image_placeholder|>` is the template's image
+slot, and the template is llama.cpp's models/templates/Kimi-K3.jinja (shipped beside the mini as
+assets/kimi-k3.jinja). A reply ends with `<|end_of_msg|>`, the file's end-of-turn token, while
+[EOS] ends a document.
 Encoding and the chat rendering live in k3kit.tokenizer; this module only trains and describes
 the mini's tokenizer.
 """
@@ -24,11 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from k3kit.errors import K3Error
-from k3kit.tokenizer.chat import IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, KIMI_TEMPLATE
 from k3kit.tokenizer.gguf_kv import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
@@ -49,11 +50,18 @@ BOS = "[BOS]"
 EOS = "[EOS]"
 MASK = "[MASK]"
 PAD = "[PAD]"
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
+END_OF_MSG = "<|end_of_msg|>"
+IMAGE = "<|kimi_image_placeholder|>"
+# Kimi-K3's chat markers, in id order after [EOS].
+CHAT_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG, IMAGE)
 # In id order; they take the last len(SPECIAL_TOKENS) ids, [PAD] last as in Kimi-K2.
-SPECIAL_TOKENS = (BOS, EOS, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, MASK, PAD)
+SPECIAL_TOKENS = (BOS, EOS, *CHAT_TOKENS, MASK, PAD)
 
-# The template the mini writes into its GGUF and tokenizer_config.json: Kimi-K2's format.
-CHAT_TEMPLATE = KIMI_TEMPLATE
+# The template the mini writes into its GGUF and tokenizer_config.json: Kimi-K3's.
+CHAT_TEMPLATE = (Path(__file__).parent / "assets" / "kimi-k3.jinja").read_text(encoding="utf-8")
 
 
 def train_tokenizer(docs: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *,
@@ -102,9 +110,9 @@ def finish_tokenizer(tok: Tokenizer, add_bos: bool = True) -> Tokenizer:
 
 
 def special_token_ids(tok: Tokenizer) -> dict[str, int]:
-    """Ids of the Kimi special tokens by role (bos, eos, im_end, ..., mask, pad)."""
-    names = {"bos": BOS, "eos": EOS, "im_end": IM_END, "im_user": IM_USER, "im_assistant": IM_ASSISTANT,
-             "im_system": IM_SYSTEM, "im_middle": IM_MIDDLE, "mask": MASK, "pad": PAD}
+    """Ids of the Kimi special tokens by role (bos, eos, open, ..., mask, pad)."""
+    names = {"bos": BOS, "eos": EOS, "open": OPEN, "close": CLOSE, "sep": SEP, "end_of_msg": END_OF_MSG,
+             "image": IMAGE, "mask": MASK, "pad": PAD}
     out = {}
     for role, text in names.items():
         i = tok.token_to_id(text)
@@ -133,6 +141,32 @@ def tokenizer_manifest(tok: Tokenizer) -> dict:
 
 
 def gguf_tokenizer_kv(tok: Tokenizer):
-    """The mini K3's `tokenizer.*` KVs: eos [EOS] (documents), eot <|im_end|> (turns), mask for drafts."""
-    return tokenizer_kv(tok, pre=PRE, bos=BOS, eos=EOS, eot=IM_END, pad=PAD, mask=MASK,
+    """The mini K3's `tokenizer.*` KVs: eos [EOS] (documents), eot <|end_of_msg|> (messages), mask
+    for drafts."""
+    return tokenizer_kv(tok, pre=PRE, bos=BOS, eos=EOS, eot=END_OF_MSG, pad=PAD, mask=MASK,
                         add_bos=True, add_eos=False, chat_template=CHAT_TEMPLATE)
+
+
+def with_chat_tokens(tok: Tokenizer) -> Tokenizer:
+    """`tok` with its five chat-marker ids (those after [EOS]) renamed to Kimi-K3's markers.
+
+    A tokenizer trained when the mini spoke Kimi-K2's format holds `<|im_end|>` ... `<|im_middle|>`
+    there; the merges and every other id stay, so a model trained with it keeps its weights and
+    only learns what the renamed ids now mean. A tokenizer that already has the markers is returned
+    as it is."""
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    eos = vocab.get(EOS)
+    if eos is None:
+        raise K3Error(f"tokenizer has no {EOS} token")
+    if all(vocab.get(t) == eos + 1 + k for k, t in enumerate(CHAT_TOKENS)):
+        return tok
+    by_id = {i: t for t, i in vocab.items()}
+    old = [by_id.get(eos + 1 + k) for k in range(len(CHAT_TOKENS))]
+    if None in old or any(vocab.get(t) is not None for t in CHAT_TOKENS):
+        raise K3Error("tokenizer: the ids after [EOS] are not five chat markers to rename")
+    rename = dict(zip(old, CHAT_TOKENS, strict=True))
+    data["model"]["vocab"] = {rename.get(t, t): i for t, i in vocab.items()}
+    for added in data.get("added_tokens", []):
+        added["content"] = rename.get(added["content"], added["content"])
+    return finish_tokenizer(Tokenizer.from_str(json.dumps(data)))

@@ -175,11 +175,18 @@ def build_model(cfg: K3ModelConfig, seed: int) -> K3Model:
     return model
 
 
-def lm_loss(model: K3Model, batch: Tensor, routes: bool = False, balance_coef: float = 0.0):
-    """(next-token cross-entropy, routes, the training objective: CE + balance_coef * mean balance term)."""
+def lm_loss(model: K3Model, batch: Tensor, routes: bool = False, balance_coef: float = 0.0,
+            weights: Tensor | None = None):
+    """(next-token cross-entropy, routes, the training objective: CE + balance_coef * mean balance term).
+    `weights` [B, T] (one per predicted token, batch[:, 1:]) makes the CE a weighted mean."""
     out = model(batch[:, :-1], return_routes=routes)
     logits = out.logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    if weights is None:
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    else:
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
+        w = weights.reshape(-1).to(ce.dtype)
+        loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     terms: list[Tensor] = [
         t for m in model.modules()
         if isinstance(m, LatentMoE) and (t := getattr(m, "balance_loss", None)) is not None]
@@ -238,8 +245,7 @@ def tokenizer_config(tok, context_length: int = CONTEXT_LENGTH) -> dict:
         "eos_token": tokenizer.EOS,
         "pad_token": tokenizer.PAD,
         "mask_token": tokenizer.MASK,
-        "additional_special_tokens": [tokenizer.IM_END, tokenizer.IM_USER, tokenizer.IM_ASSISTANT,
-                                      tokenizer.IM_SYSTEM, tokenizer.IM_MIDDLE],
+        "additional_special_tokens": list(tokenizer.CHAT_TOKENS),
         "add_bos_token": True,
         "add_eos_token": False,
         "model_max_length": context_length,

@@ -43,7 +43,12 @@ def render_card(summary: dict) -> str:
         "",
         f"* {summary['steps']} steps in {summary['train_seconds'] / 60:.1f} min on a shared 2-core CPU "
         f"(seed {s['seed']}, {s['threads']} torch thread(s))",
-        f"* data: prompts of {s['prompt_len']} tokens from the stdlib corpus train split, continued "
+        *(["* started from an earlier drafter's weights (`--init`: the previous shipped drafter, trained "
+           "against the target of that time); the figures below are this run's"] if s.get("init") else []),
+        f"* data: prompts of {s['prompt_len']} tokens from the stdlib corpus train split"
+        + (f" followed by {s['chat_conversations']:,} generated Kimi-K3 conversations "
+           "(k3kit.mini.chat_data, the target's chat template)" if s.get("chat_conversations") else "")
+        + ", continued "
         f"greedily by the target for {s['gen_len']} tokens ({s['seqs']} sequences per round, each round "
         f"used for {s['reuse']} steps); features and labels from one target pass over each sequence",
         f"* {s['anchors']} anchors per sequence per step; loss: cross-entropy on the target's greedy "

@@ -41,11 +41,12 @@ from torch import Tensor
 
 from k3kit._io import read_json, write_json
 from k3kit.errors import K3Error
-from k3kit.mini import data, tokenizer
+from k3kit.mini import chat_data, data, tokenizer
+from k3kit.mini.chat_tune import chat_stream
 from k3kit.mini.corpus import build_corpus
 from k3kit.mini.draft.batch import block_loss, context_kv, prefix_run
 from k3kit.mini.draft.card import write_card
-from k3kit.mini.draft.io import save_draft
+from k3kit.mini.draft.io import load_draft, save_draft
 from k3kit.mini.draft.target import Acceptance, attach, measure_acceptance
 from k3kit.models.dflash.config import DraftConfig
 from k3kit.models.dflash.network import DSparkDraft
@@ -53,7 +54,7 @@ from k3kit.models.kimi_k3.kda import use_fast_kda
 from k3kit.models.kimi_k3.model import K3Model
 from k3kit.models.kimi_k3.moe import LatentMoE, use_fast_moe
 from k3kit.models.kimi_k3.mxfp4 import mxfp4_round
-from k3kit.tokenizer.chat import render_kimi
+from k3kit.tokenizer.chat import ChatTemplate
 from k3kit.tokenizer.codec import encode
 
 LOG_NAME = "draft_train_log.jsonl"
@@ -100,6 +101,8 @@ class DraftTrainSettings:
     eval_tokens: int = 48
     corpus_bytes: int | None = None
     log_every: int = 10
+    init: str | None = None            # a drafter's HF directory to start from (None: random)
+    chat_conversations: int = 3000     # Kimi-K3 chats beside the code (0: code only; needs the chat markers)
 
     def validate(self) -> DraftTrainSettings:
         if self.steps is None and self.minutes is None:
@@ -308,7 +311,13 @@ def train_draft_model(target: K3Model, train_stream: Tensor, eval_prompts: Seque
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     cfg = draft_config(target, mask_id, s)
-    draft = attach(init_draft(DSparkDraft(cfg), s.seed), target)
+    if s.init is not None:
+        start = load_draft(s.init)
+        if start.cfg != cfg:
+            raise K3Error(f"{s.init}: its configuration differs from the one these settings build")
+        draft = attach(start, target)
+    else:
+        draft = attach(init_draft(DSparkDraft(cfg), s.seed), target)
     n_params = sum(p.numel() for p in draft.parameters())
     say(f"draft: {cfg.num_layers} layer(s), hidden {cfg.hidden_size}, block {cfg.block_size}, taps "
         f"{list(cfg.target_layer_ids)} (target_layers {[i + 1 for i in cfg.target_layer_ids]}), "
@@ -428,7 +437,8 @@ def workloads(tok: Tokenizer, held_stream: Tensor, s: DraftTrainSettings, n_code
     he = humaneval_prompts(n_human)
     if he is not None:
         out["HumanEval prompts"] = [[bos, *encode(tok, p)] for p in he]
-    out["chat"] = [[bos, *encode(tok, render_kimi(m))] for m in CHAT_PROMPTS]
+    chat = ChatTemplate(tokenizer.CHAT_TEMPLATE, where="the mini's chat template")
+    out["chat"] = [[bos, *encode(tok, chat.render(m))] for m in CHAT_PROMPTS]
     return out
 
 
@@ -450,6 +460,10 @@ def train_mini_draft(target_hf: str | Path, out_dir: str | Path, s: DraftTrainSe
         raise K3Error(f"{target_hf}: tokenizer has no {tokenizer.MASK} token")
     corpus = build_corpus(s.corpus_bytes)
     train_stream = data.pack(tok, corpus.train_docs)
+    if s.chat_conversations and tok.token_to_id(tokenizer.END_OF_MSG) is not None:
+        facts = chat_data.Facts.from_sources(corpus.train_paths, corpus.train_docs)
+        chats, _ = chat_stream(tok, ChatTemplate(tokenizer.CHAT_TEMPLATE), facts, range(s.chat_conversations))
+        train_stream = torch.cat([train_stream, chats])     # round prompts fall in code or in chats
     held_stream = data.pack(tok, corpus.heldout_docs)
     say(f"target {target_hf}: {target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}; corpus "
         f"{train_stream.numel()} train / {held_stream.numel()} held-out tokens "
