@@ -140,8 +140,7 @@ def _run_chat_tune(args: argparse.Namespace) -> int:
 
     base = Path(args.base) if args.base else paths.shipped_hf().parent
     s = ChatTuneSettings(minutes=args.minutes, steps=args.steps, conversations=args.conversations, lr=args.lr,
-                         seed=args.seed,
-                         threads=args.threads, prompt_weight=args.prompt_weight)
+                         seed=args.seed, threads=args.threads, prompt_weight=args.prompt_weight)
     summary = chat_tune(base, args.out, s, log=(lambda m: None) if args.json else None)
     if args.json:
         print(json.dumps(summary, indent=2))

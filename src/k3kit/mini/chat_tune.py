@@ -132,12 +132,6 @@ def chat_picks(stream: Tensor, starts: list[int], batch: int, seq_len: int, seed
     return picks
 
 
-def chat_batch(stream: Tensor, starts: list[int], batch: int, seq_len: int, seed: int, step: int) -> Tensor:
-    """`batch` windows of seq_len + 1 tokens (`chat_picks`)."""
-    picks = chat_picks(stream, starts, batch, seq_len, seed, step)
-    return torch.stack([stream[s:s + seq_len + 1] for s in picks])
-
-
 def chat_windows(stream: Tensor, starts: list[int], seq_len: int) -> Tensor:
     limit = stream.numel() - seq_len - 1
     return torch.stack([stream[s:s + seq_len + 1] for s in starts if s <= limit])
