@@ -19,6 +19,7 @@ import torch
 
 from k3kit.adapters.dflash import DSparkDrafter
 from k3kit.convert.draft_config import YarnScaling
+from k3kit.layers.quantized_linear import QuantizedLinear
 from k3kit.models.dflash.config import DraftConfig
 from k3kit.models.dflash.names import gguf_tensor_name
 from k3kit.models.dflash.network import DSparkDraft
@@ -33,8 +34,8 @@ YARN = YarnScaling(factor=4.0, original_max_position_embeddings=16)
 
 def _draft(cfg: DraftConfig) -> tuple[DSparkDraft, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    emb = torch.randn(V, H, generator=g)
-    head = torch.randn(V, H, generator=g) * 0.2
+    emb = torch.randn(V, cfg.hidden_size, generator=g)
+    head = torch.randn(V, cfg.hidden_size, generator=g) * 0.2
     d = DSparkDraft(cfg, embed=emb, lm_head=head)
     with torch.no_grad():
         for n, p in d.named_parameters():
@@ -45,7 +46,8 @@ def _draft(cfg: DraftConfig) -> tuple[DSparkDraft, torch.Tensor, torch.Tensor]:
     return d, emb, head
 
 
-def _write_gguf(path, d: DSparkDraft, emb, head) -> None:
+def _write_gguf(path, d: DSparkDraft, emb, head, q8: bool = False) -> None:
+    """`q8`: every matrix whose rows are whole Q8_0 blocks stored as Q8_0 (the rest F32)."""
     w = gguf.GGUFWriter(str(path), "dflash")
     for key, val in d.cfg.to_gguf_kv().items():
         if isinstance(val, bool):
@@ -62,7 +64,12 @@ def _write_gguf(path, d: DSparkDraft, emb, head) -> None:
     w.add_uint32("dflash.vocab_size", V)
     w.add_string("tokenizer.ggml.model", "none")
     for name, p in d.state_dict().items():
-        w.add_tensor(gguf_tensor_name(name), p.detach().float().numpy().copy())
+        a = p.detach().float().numpy().copy()
+        if q8 and a.ndim == 2 and a.shape[1] % 32 == 0:
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_tensor_name(name), a)
     w.add_tensor("token_embd.weight", emb.numpy().copy())
     w.add_tensor("output.weight", head.numpy().copy())
     w.write_header_to_file()
@@ -160,3 +167,48 @@ def test_draft_matches_llama_dflash_graph(tmp_path, variant):
     dr2 = DSparkDrafter(d2)
     dr2.sync(ring)
     assert np.abs(ref - propose(dr2, anchor, n_ctx, Sampling()).logits.float().numpy()).max() > 0.1 * scale
+
+
+@pytest.mark.interop
+def test_quantized_draft_file_matches_llama_dflash_graph(tmp_path):
+    """A Q8_0 draft file loaded as `k3kit generate --draft` loads it (matrices kept as their bytes,
+    products in ggml's int8 arithmetic, ggml's norms) against llama.cpp's CPU graph on the same file."""
+    from k3kit.adapters.dflash import load
+    from k3kit.runtime.loader import GGUFSource, LoadOptions
+
+    h = 96              # rows of 3 blocks: wider than adapters.dflash.SHORT_ROWS, so kept quantized
+    cfg = DraftConfig(hidden_size=h, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+                      intermediate_size=128, vocab_size=V, block_size=B, target_layer_ids=(0, 1),
+                      mask_token_id=V - 1, rms_norm_eps=1e-5, rope_theta=10000.0, markov_rank=8,
+                      has_confidence=True, sample_from_anchor=True)
+    d, emb, head = _draft(cfg)
+    path = tmp_path / "draft-q8.gguf"
+    _write_gguf(path, d, emb, head, q8=True)
+    taps = torch.randn(9, 2 * h, generator=torch.Generator().manual_seed(2))
+    anchor = 5
+    ll, conf = _run_llama(path, taps.numpy(), [anchor] + [V - 1] * (B - 1), want_conf=True)
+
+    source = GGUFSource(path)
+    try:
+        drafter = load(source, LoadOptions())
+        q8 = [m for m in drafter.draft.modules() if isinstance(m, QuantizedLinear) and m.qtype.name == "Q8_0"]
+        assert len(q8) == 15
+        drafter.draft.set_target(emb, head)
+        ring = FeatureRing(2 * h, storage="f32")
+        ring.append(taps)
+        drafter.sync(ring)
+        prop = propose(drafter, anchor, 9, Sampling())
+    finally:
+        source.close()
+    mine = prop.logits.float().numpy()
+    scale = np.abs(mine).max()
+    err = np.abs(ll - mine).max() / scale
+    assert err < 1e-5, err
+    assert prop.tokens == ll.argmax(-1).tolist()
+    assert np.abs(conf - prop.confidence.numpy()).max() < 1e-5
+    # the float draft of the same weights is far from llama.cpp's Q8_0 graph: the comparison has teeth
+    ring2 = FeatureRing(2 * h, storage="f32")
+    ring2.append(taps)
+    flt = DSparkDrafter(d)
+    flt.sync(ring2)
+    assert np.abs(ll - propose(flt, anchor, 9, Sampling()).logits.float().numpy()).max() / scale > 100 * err

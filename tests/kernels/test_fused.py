@@ -204,3 +204,67 @@ def test_slot_sum_has_the_bits_of_the_torch_scatter_and_slot_sum():
     assert torch.equal(fused.slot_sum(y, groups.order, weights), _sum_slots(slots))
     with pytest.raises(ValueError, match="permutation"):
         fused.slot_sum(y, torch.zeros(N * k, dtype=torch.int64), weights)
+
+
+@pytest.mark.parametrize("heads, hd, rd", [(4, 64, 64), (2, 128, 64), (3, 16, 16)])
+def test_rope_has_the_bits_of_the_torch_steps(heads, hd, rd):
+    from k3kit.layers.rope import inv_freq, rope_table
+    g = torch.Generator().manual_seed(heads)
+    x = torch.randn(9, heads, hd, generator=g) * 3
+    t = rope_table(torch.arange(1000, 1009), inv_freq(rd, 10000.0), 1.2, torch.float32)
+    xr, xp = x[..., :rd], x[..., rd:]
+    rot = torch.cat([-xr[..., rd // 2:], xr[..., : rd // 2]], dim=-1)
+    want = torch.cat([xr * t.cos + rot * t.sin, xp], dim=-1)
+    got = fused.rope_neox(x, t.cos, t.sin)
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(t.apply(x), want)
+    # a row alone has its bits in company; a strided input is read as its values
+    assert torch.equal(fused.rope_neox(x[3:4], t.cos[3:4], t.sin[3:4]), want[3:4])
+    wide = torch.randn(9, heads, 2 * hd, generator=g)
+    wide[..., :hd] = x
+    assert torch.equal(fused.rope_neox(wide[..., :hd], t.cos, t.sin), want)
+    with torch.enable_grad():
+        assert fused.rope_neox(x.requires_grad_(), t.cos, t.sin) is None
+
+
+def _markov_reference(base: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, anchor: int):
+    """The chain row by row in float64 (tokens) and torch's float32 (rows)."""
+    toks, rows, prev = [], [], anchor
+    for k in range(base.shape[0]):
+        row = base[k] + w2 @ w1[prev]
+        rows.append(row)
+        prev = int(torch.argmax(base[k].double() + w2.double() @ w1[prev].double()))
+        toks.append(prev)
+    return toks, torch.stack(rows)
+
+
+@pytest.mark.parametrize("V, r", [(4096, 32), (1000, 8), (77, 5)])
+def test_markov_greedy_chain_follows_the_row_by_row_chain(V, r):
+    g = torch.Generator().manual_seed(V)
+    base = torch.randn(7, V, generator=g) * 4
+    w1, w2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g) / r ** 0.5
+    out = fused.markov_greedy(base, w1, w2.t().contiguous(), 5)
+    assert out is not None
+    toks, rows, w1s = out
+    want_toks, want_rows = _markov_reference(base, w1, w2, 5)
+    assert toks.tolist() == want_toks
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-5)
+    assert torch.equal(w1s, w1[torch.tensor([5, *want_toks[:-1]])])
+    # each row is the argmax of what it returns, and the same block gives the same bits again
+    assert torch.equal(toks, rows.argmax(-1))
+    again = fused.markov_greedy(base.clone(), w1, w2.t().contiguous(), 5)
+    assert again is not None and torch.equal(again[1], rows)
+
+
+def test_markov_greedy_ties_and_nan_pick_as_torch_argmax():
+    V, r = 16, 2
+    base = torch.zeros(3, V)
+    base[0, [3, 9]] = 5.0                   # equal maxima: the first
+    base[1, 6] = float("nan")               # a NaN wins
+    base[2, [1, 2]] = float("inf")
+    w1, w2t = torch.zeros(V, r), torch.zeros(r, V)
+    out = fused.markov_greedy(base, w1, w2t, 0)
+    assert out is not None
+    assert out[0].tolist() == [3, 6, 1] == torch.argmax(base, -1).tolist()
+    assert fused.markov_greedy(base.bfloat16(), w1, w2t, 0) is None
+    assert fused.markov_greedy(base, w1, w2t, V) is None          # an anchor outside the table

@@ -171,14 +171,14 @@ def test_checkpoint_converts_and_loads_back(tiny, runs, tmp_path):
                for t in f.tensors}
     assert set(tensors) == {gguf_tensor_name(n) for n, _ in draft.named_parameters()}
     # F32: every value survives; the GGUF loads into a draft with the same config and parameters
-    fresh = load_gguf_draft(out)
+    fresh = load_gguf_draft(out, trunk="float")
     assert fresh.cfg.block_size == 7 and fresh.cfg.target_layer_ids == draft.cfg.target_layer_ids
     assert fresh.cfg.markov_rank == draft.cfg.markov_rank and fresh.cfg.has_confidence
     for (n, p), (_, q) in zip(draft.named_parameters(), fresh.named_parameters(), strict=True):
         assert torch.equal(p.detach(), q.detach()), n
     # Q8_0 (what ships): close, not equal
     q8 = load_gguf_draft(convert_draft(hf, d / "tiny.gguf", tmp_path / "q8.gguf", progress=False) and
-                         tmp_path / "q8.gguf")
+                         tmp_path / "q8.gguf", trunk="float")
     w, wq = draft.fc.weight.detach(), q8.fc.weight.detach()
     assert not torch.equal(w, wq) and float((w - wq).norm() / w.norm()) < 0.01
 

@@ -188,7 +188,7 @@ def test_chat_page_in_chromium(browser, server, tmp_path):
         # all 400 tokens)
         long_q = "Count from one to one thousand, one number per line."
         before = wait_idle(server.url, KEY)
-        pg.settings(**{"max-tokens": "400", "temperature": "2", "seed": "2"})
+        pg.settings(**{"max-tokens": "400", "temperature": "2", "seed": "3"})
         pg.ask(long_q)
         last = "#messages .msg.assistant:last-child"
         page.wait_for_selector(f"{last} details.reasoning, {last} .content:not(:empty)")

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
-from gguf import GGUFValueType, Keys
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
 from torch import Tensor
 
 from k3kit.convert.draft_fix import LEGACY_ARCHES, LEGACY_TENSORS, plan_fix
@@ -37,26 +38,36 @@ from k3kit.gguf.reader import TensorInfo
 from k3kit.gguf.rewrite import apply_kv_rules, rename_tensors
 from k3kit.gguf.shards import Model
 from k3kit.gguf.writer import kv
+from k3kit.kernels import threads as kthreads
+from k3kit.layers.quantized_linear import GGMLWeight, use_quantized_weights
 from k3kit.models.dflash.config import DraftConfig
-from k3kit.models.dflash.names import BORROWED
-from k3kit.models.dflash.network import DSparkDraft
+from k3kit.models.dflash.names import BORROWED, gguf_tensor_name
+from k3kit.models.dflash.network import ContextRows, DSparkDraft, rope_inv_freq
 from k3kit.runtime.loader import GGUFSource, LoadOptions, kv_value
 from k3kit.runtime.protocols import DraftBlock
 from k3kit.runtime.speculative.feature_ring import FeatureRing
 
 FC_WEIGHT, W1_WEIGHT, CONF_WEIGHT = f"{FC}.weight", f"{MARKOV_W1}.weight", f"{CONF_PROJ}.weight"
 TARGET_LAYERS = KEY_TARGET_LAYERS.format(arch=ARCH_DFLASH)
+# Matrices whose rows are at most this wide are read as float even in a quantized draft: the
+# native products cost the same per output row up to a few hundred inputs, so a 4096 x 32 Markov
+# W2 (a small rank) takes ~60 us a row quantized against ~10 as float, and the Markov chain runs
+# it once per proposal; its float copy is small (V x rank). A K3 drafter's rank (256) stays quantized.
+SHORT_ROWS = 64
 
 
 class _Rows:
     """Rows appended at the end, dropped at the front, read as one contiguous view; storage grows
-    by doubling and compacts in place, so a decode pass copies only its new rows."""
+    by doubling and compacts in place, so a decode pass copies only its new rows. `with_tail`
+    reads the rows followed by a few more written past the end (a draft block's own K or V),
+    not kept: the next append or tail overwrites them."""
 
     def __init__(self):
         self.buf: Tensor | None = None
         self.off = self.n = 0
 
-    def append(self, x: Tensor) -> None:
+    def _room(self, x: Tensor) -> None:
+        """Room for x's rows past the end."""
         m = x.shape[0]
         if self.buf is None:
             self.buf = x.new_empty((max(64, 2 * m), *x.shape[1:]))
@@ -66,8 +77,20 @@ class _Rows:
                 self.buf = x.new_empty((2 * (self.n + m), *x.shape[1:]))
             self.buf[: self.n] = old.clone()
             self.off = 0
-        self.buf[self.off + self.n:self.off + self.n + m] = x
+
+    def append(self, x: Tensor) -> None:
+        self._room(x)
+        m = x.shape[0]
+        cast(Tensor, self.buf)[self.off + self.n:self.off + self.n + m] = x
         self.n += m
+
+    def with_tail(self, x: Tensor) -> Tensor:
+        """[rows ; x] as one view of the storage (x copied past the end; the rows stay n)."""
+        self._room(x)
+        end = self.off + self.n
+        buf = cast(Tensor, self.buf)
+        buf[end:end + x.shape[0]] = x
+        return buf[self.off:end + x.shape[0]]
 
     def drop_front(self, k: int) -> None:
         k = min(k, self.n)
@@ -76,6 +99,21 @@ class _Rows:
 
     def view(self) -> Tensor:
         return cast(Tensor, self.buf)[self.off:self.off + self.n]
+
+
+class _LayerRows(ContextRows):
+    """A layer's context (K, V) views that join a block's rows in the storage (no copy of the context)."""
+
+    rows: tuple[_Rows, _Rows]
+
+    def join(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rows[0].with_tail(k), self.rows[1].with_tail(v)
+
+
+def _layer_rows(k: _Rows, v: _Rows) -> _LayerRows:
+    out = _LayerRows((k.view(), v.view()))
+    out.rows = (k, v)
+    return out
 
 
 class _Context:
@@ -101,7 +139,7 @@ class DSparkDrafter:
     def __init__(self, draft: DSparkDraft, max_context: int | None = None, chunk: int = 256,
                  block_size: int | None = None):
         self.draft = draft
-        self.device = draft.fc.weight.device     # where the weights and the context K/V live
+        self.device = draft.device     # where the weights and the context K/V live
         self.home = self.device                  # where what this returns goes (the target's side)
         self.chunk = chunk
         self.cfg = draft.cfg
@@ -155,7 +193,7 @@ class DSparkDrafter:
         ctx = self._ctx
         if ctx is None or ctx.end == ctx.begin:
             return None
-        return [(k.view(), v.view()) for k, v in ctx.rows]
+        return [_layer_rows(k, v) for k, v in ctx.rows]
 
     @torch.no_grad()
     def sync(self, ring: FeatureRing) -> None:
@@ -175,7 +213,9 @@ class DSparkDrafter:
         while ring.length > ctx.end:           # chunked: a long prompt's taps are wide
             end = min(ring.length, ctx.end + self.chunk)
             feats = ring.get(ctx.end, end).to(self.device)         # the target's taps cross here
-            new = self.draft.context_kv(feats, torch.arange(ctx.end, end, device=self.device))
+            with kthreads.serial_torch() if end - ctx.end <= self.n_proposals + 1 else nullcontext():
+                new = self.draft.context_kv(feats, torch.arange(ctx.end, end, device=self.device),
+                                            span=(ctx.end, end))
             for (k, v), (nk, nv) in zip(ctx.rows, new, strict=True):
                 k.append(nk)
                 v.append(nv)
@@ -183,12 +223,14 @@ class DSparkDrafter:
 
     @torch.no_grad()
     def draft_block(self, anchor: int, position: int) -> DraftBlock:
+        with kthreads.serial_torch():        # a few rows: torch's ops on one thread (kernels.threads)
+            return self._draft_block(anchor, position)
+
+    def _draft_block(self, anchor: int, position: int) -> DraftBlock:
         b = self.block_size
-        # ids on the target's side (its embedding looks them up), positions on the draft's
-        ids = torch.full((b,), self.cfg.mask_token_id, dtype=torch.long, device=self.home)
-        ids[0] = anchor
         pos = torch.arange(position, position + b, device=self.device)
-        hidden = self.draft(ids, pos, self.context())
+        x = self.draft.block_embed([anchor], b)[0]        # the target's embedding looks the anchor up
+        hidden = self.draft(None, pos, self.context(), span=(position, position + b), x=x)
         logits = self.draft.logits(hidden)
         if not self.cfg.sample_from_anchor:      # DFlash: row 0 only re-reads the anchor
             hidden, logits = hidden[1:], logits[1:]
@@ -201,12 +243,16 @@ class DSparkDrafter:
         positions[i] over contexts[i] (what `context()` gave right after `sync` of its ring). Each
         block equals its own draft_block bit for bit (DSparkDraft.forward_batch); the LM head takes
         whole blocks, at most `head_rows` rows a call."""
+        with kthreads.serial_torch():
+            return self._draft_blocks(contexts, anchors, positions)
+
+    def _draft_blocks(self, contexts: Sequence[list[tuple[Tensor, Tensor]] | None], anchors: Sequence[int],
+                      positions: Sequence[int]) -> list[DraftBlock]:
         n, b = len(anchors), self.block_size
-        ids = torch.full((n, b), self.cfg.mask_token_id, dtype=torch.long, device=self.home)
-        ids[:, 0] = torch.tensor([int(a) for a in anchors], dtype=torch.long)
-        pos = (torch.tensor([int(p) for p in positions], dtype=torch.long)[:, None]
-               + torch.arange(b)[None, :]).to(self.device)
-        hidden = self.draft.forward_batch(ids, pos, contexts)
+        starts = [int(p) for p in positions]
+        pos = (torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(b)[None, :]).to(self.device)
+        hidden = self.draft.forward_batch(None, pos, contexts, span=(min(starts), max(starts) + b),
+                                          x=self.draft.block_embed(anchors, b))
         per_call = max(1, self.head_rows // b)
         logits = [self.draft.logits(hidden[i:i + per_call].reshape(-1, hidden.shape[-1])).view(
             min(per_call, n - i), b, -1) for i in range(0, n, per_call)]
@@ -220,6 +266,14 @@ class DSparkDrafter:
     @torch.no_grad()
     def markov_embed(self, prev: Tensor) -> Tensor:
         return self.draft.markov_embed(prev.to(self.device)).to(self.home)
+
+    @torch.no_grad()
+    def markov_greedy(self, base: Tensor, anchor: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The whole greedy Markov chain of a block in one call where the weights allow (see
+        DSparkDraft.markov_greedy), else None."""
+        if base.device != self.device:
+            return None
+        return self.draft.markov_greedy(base, anchor)
 
     @torch.no_grad()
     def markov_bias(self, w1_prev: Tensor) -> Tensor:
@@ -343,8 +397,50 @@ def is_legacy(source: GGUFSource) -> bool:
         k in source.kv for k in (f"{ARCH_DFLASH}.mask_token_id", f"{ARCH_DFLASH}.dflash.mask_token_id"))
 
 
+def _quantized_draft(source: GGUFSource, cfg: DraftConfig, stored: dict[str, str],
+                     options: LoadOptions) -> DSparkDraft:
+    """A DSparkDraft whose matrices stay the file's bytes (QuantizedLinear / QuantizedEmbedding,
+    as a target's quantized trunk), the rest (norms, a bias, matrices of rows <= SHORT_ROWS wide)
+    read as float. `stored`: dflash tensor name -> the name in the file. Built on the meta device:
+    no float copy of a quantized matrix is ever made."""
+    with torch.device("meta"):
+        draft = DSparkDraft(cfg)
+    draft.rope_inv_freq, draft.rope_mag = rope_inv_freq(cfg)     # not meta: computed at init
+    params = {gguf_tensor_name(n): n for n, _ in draft.named_parameters()}
+    unknown = sorted(set(stored) - set(params) - BORROWED)
+    if unknown:
+        raise FormatError(f"{source.where}: tensors this draft does not have: {', '.join(unknown[:5])}")
+    missing = sorted(set(params) - set(stored))
+    if missing:
+        raise FormatError(f"{source.where}: missing tensor {missing[0]!r}")
+
+    def weight(module: str) -> GGMLWeight | None:
+        gname = gguf_tensor_name(f"{module}.weight")
+        info = source.tensors.get(stored.get(gname, ""))
+        if info is None or len(info.shape) != 2 or int(info.shape[0]) <= SHORT_ROWS:
+            return None
+        return GGMLWeight(source.raw(stored[gname]), GGMLQuantizationType(info.ggml_type),
+                          tuple(int(d) for d in info.shape))
+
+    try:
+        use_quantized_weights(draft, weight, options.dtype, options.arith)
+    except ValueError as e:
+        raise FormatError(f"{source.where}: {e}") from None
+    for name, p in list(draft.named_parameters()):       # what stays float: norms, the confidence bias
+        gname = gguf_tensor_name(name)
+        value = source.tensor(stored[gname], torch.float32)
+        if tuple(value.shape) != tuple(p.shape):
+            raise FormatError(f"{source.where}: tensor {gname!r} has shape {tuple(reversed(value.shape))} "
+                              f"(ggml order), expected {tuple(reversed(p.shape))}")
+        mod, _, leaf = name.rpartition(".")
+        setattr(draft.get_submodule(mod), leaf, torch.nn.Parameter(value, requires_grad=False))
+    return draft
+
+
 def load(source: GGUFSource, options: LoadOptions) -> DraftAdapter:
-    """The registry entry: config from the KVs and tensor shapes, weights dequantized once.
+    """The registry entry: config from the KVs and tensor shapes. The matrices stay the file's
+    bytes, multiplied in place by the native kernels (`--trunk float`: dequantized once, like a
+    target's float trunk); the norms run in ggml's order, as llama.cpp's dflash graph runs them.
     A legacy `dflash-draft` file is read through `legacy_view`, its bytes as stored."""
     if is_legacy(source):
         kvs, stored = legacy_view(source)
@@ -367,9 +463,13 @@ def load(source: GGUFSource, options: LoadOptions) -> DraftAdapter:
         markov_rank=int(w1.shape[0]) if w1 is not None else 0,
         target_hidden_size=fc_in // n_taps, source=source.where,
         confidence_with_markov=conf is None or int(conf.shape[0]) != hidden)
-    draft = DSparkDraft(cfg)
-    names = set(t) - BORROWED
-    draft.load_gguf_tensors({n: source.tensor(stored[n], torch.float32) for n in names}, source.where)
+    if options.trunk == "quantized":
+        draft = _quantized_draft(source, cfg, {n: stored[n] for n in t}, options)
+    else:
+        draft = DSparkDraft(cfg)
+        names = set(t) - BORROWED
+        draft.load_gguf_tensors({n: source.tensor(stored[n], torch.float32) for n in names}, source.where)
+    draft.use_norms("ggml")
     draft.eval()
     if options.dtype != torch.float32:
         draft.to(options.dtype)

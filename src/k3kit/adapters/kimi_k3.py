@@ -30,6 +30,7 @@ next planned miss being read in the background.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,6 +39,7 @@ from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
 from k3kit.adapters.kimi_k3_state import SequenceSnapshots
+from k3kit.kernels import threads as kthreads
 from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
 from k3kit.layers.moe import ExpertWeights
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
@@ -66,6 +68,13 @@ from k3kit.runtime.protocols import MemoryFigures, RoutedExperts, VerifyOutput
 from k3kit.runtime.row_linear import use_row_linear
 from k3kit.runtime.speculative.schedule import ExpertLayer, verify_seconds
 
+# Passes of at most this many rows run torch's ops on one thread (the native kernels keep theirs):
+# k3kit.kernels.threads says why.
+SERIAL_ROWS = 64
+
+
+def _pass_threads(rows: int) -> AbstractContextManager[None]:
+    return kthreads.serial_torch() if rows <= SERIAL_ROWS else nullcontext()
 
 class StoreExperts:
     """ExpertProvider backed by an ExpertStore; counts the distinct experts each forward asks for."""
@@ -238,8 +247,9 @@ class K3Adapter(SequenceSnapshots):
         """Run and commit `ids`; float32 logits [n, V] (all rows) or [1, V] (the last)."""
         self._pending = None
         vals = self._id_list(ids)
-        out = self.model(self._id_tensor(vals), self.state, experts=self.experts,
-                         logits="all" if all_logits else "last")
+        with _pass_threads(len(vals)):
+            out = self.model(self._id_tensor(vals), self.state, experts=self.experts,
+                             logits="all" if all_logits else "last")
         self.history += vals
         return out.logits[0].float()
 
@@ -248,9 +258,10 @@ class K3Adapter(SequenceSnapshots):
         """Run rows after the committed state without committing (see module doc)."""
         taps = self.tap_layers if capture else ()
         vals = self._id_list(ids)
-        out = self.model(self._id_tensor(vals), self.state, experts=self.experts, capture_layers=taps,
-                         capture_mode=self.capture_mode, speculative=True,
-                         logits="all" if all_logits else "last")
+        with _pass_threads(len(vals)):
+            out = self.model(self._id_tensor(vals), self.state, experts=self.experts, capture_layers=taps,
+                             capture_mode=self.capture_mode, speculative=True,
+                             logits="all" if all_logits else "last")
         assert out.captured is not None
         self._pending = _Pending(out.captured, out.captured.n_rows, vals)
         feats = None
@@ -400,8 +411,9 @@ class K3Adapter(SequenceSnapshots):
             spec.append(sid in verify and t.numel() > 1)
             cap.append(sid in capture)
             ids_of.append(vals)
-        outs = self.model.forward_segments(segments, experts=self.experts, speculative=spec, capture=cap,
-                                           capture_layers=self.tap_layers, capture_mode=self.capture_mode)
+        with _pass_threads(sum(len(v) for v in ids_of)):
+            outs = self.model.forward_segments(segments, experts=self.experts, speculative=spec, capture=cap,
+                                               capture_layers=self.tap_layers, capture_mode=self.capture_mode)
         result = []
         for (sid, _), o, ids, sp, cp in zip(rows, outs, ids_of, spec, cap, strict=True):
             if sid in verify:

@@ -250,6 +250,64 @@ static void slot_rows(const float *y, const int64_t *where, const float *w, floa
     }
 }
 
+/* NeoX rotary embedding of the first rd dims of each head: y = x * cos + rot(x) * sin, rot(x) =
+ * [-x2, x1] over the two halves of those dims, cos and sin one [rd] row per token (shared by its
+ * heads), the dims past rd copied. Each product and the sum round as written (no FMA), as torch's
+ * `x * cos + rot * sin` rounds them: the same bits. */
+static void rope_rows(const float *x, const float *cos_t, const float *sin_t, float *y, int64_t rows,
+                      int64_t heads, int64_t hd, int64_t rd) {
+    const int64_t half = rd / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_t + r * rd, *s = sin_t + r * rd;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + (r * heads + h) * hd;
+            float *yr = y + (r * heads + h) * hd;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xr[i] * c[i], b = -xr[i + half] * s[i];
+                yr[i] = a + b;
+            }
+            for (int64_t i = half; i < rd; i++) {
+                const float a = xr[i] * c[i], b = xr[i - half] * s[i];
+                yr[i] = a + b;
+            }
+            for (int64_t i = rd; i < hd; i++) yr[i] = xr[i];
+        }
+    }
+}
+
+/* DSpark's Markov chain, greedy: for k = 0 .. n-1, w1s[k] = W1[prev] (prev = the anchor, then
+ * the token just chosen), rows[k][j] = base[k][j] + (sum over i in order of w1s[k][i] * W2[j][i]),
+ * toks[k] = prev = argmax rows[k] (the first of equal maxima; a NaN wins, as torch.argmax has it).
+ * W1 [V, r] and W2 transposed, w2t [r, V], float32: each rank step is one pass over the row,
+ * vectorized across the vocabulary, every value's sum in the same order. One thread: the chain is
+ * sequential and a row is a few hundred thousand multiply-adds at most. */
+VECTOR_CLONES static void markov_chain(const float *base, const float *w1, const float *w2t, int64_t anchor,
+                                       float *rows, int64_t *toks, float *w1s, int64_t n, int64_t V, int64_t r) {
+    int64_t prev = anchor;
+    for (int64_t k = 0; k < n; k++) {
+        float *wk = w1s + k * r;
+        memcpy(wk, w1 + prev * r, (size_t)r * sizeof(float));
+        const float *bk = base + k * V;
+        float *rk = rows + k * V;
+        for (int64_t j = 0; j < V; j++) rk[j] = 0.0f;
+        for (int64_t i = 0; i < r; i++) {
+            const float c = wk[i], *col = w2t + i * V;
+            for (int64_t j = 0; j < V; j++) rk[j] = rk[j] + c * col[j];
+        }
+        int64_t best = 0;
+        float bv = 0.0f;
+        int nan_seen = 0;
+        for (int64_t j = 0; j < V; j++) {
+            const float v = bk[j] + rk[j];
+            rk[j] = v;
+            if (nan_seen) continue;
+            if (v != v) { best = j; nan_seen = 1; }
+            else if (j == 0 || v > bv) { best = j; bv = v; }
+        }
+        toks[k] = prev = best;
+    }
+}
+
 #define PTR(T, a) ((T *)(uintptr_t)(a))
 
 /* rms_norm(x, w, gate, y, rows, n, eps, l2=0, threads=1): addresses of contiguous float32 buffers
@@ -368,7 +426,43 @@ static PyObject *py_slot_sum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* rope_neox(x, cos, sin, y, rows, heads, hd, rd): x and y [rows, heads, hd] (y may not be x),
+ * cos and sin [rows, rd], rd even and <= hd */
+static PyObject *py_rope_neox(PyObject *self, PyObject *args) {
+    Py_ssize_t x, c, s, y, rows, heads, hd, rd;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnn", &x, &c, &s, &y, &rows, &heads, &hd, &rd)) return NULL;
+    if (!x || !c || !s || !y || x == y || rows < 0 || heads < 1 || rd < 2 || rd % 2 || rd > hd) {
+        PyErr_SetString(PyExc_ValueError, "rope_neox: bad buffers or sizes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_rows(PTR(const float, x), PTR(const float, c), PTR(const float, s), PTR(float, y), rows, heads, hd, rd);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* markov_greedy(base, w1, w2t, anchor, rows, toks, w1s, n, V, r): base and rows [n, V] float32,
+ * w1 [V, r] and w2t [r, V] float32, toks [n] int64, w1s [n, r] float32; 0 <= anchor < V */
+static PyObject *py_markov_greedy(PyObject *self, PyObject *args) {
+    Py_ssize_t base, w1, w2t, anchor, rows, toks, w1s, n, V, r;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &base, &w1, &w2t, &anchor, &rows, &toks, &w1s, &n, &V, &r))
+        return NULL;
+    if (!base || !w1 || !w2t || !rows || !toks || !w1s || n < 0 || V < 1 || r < 1 || anchor < 0 || anchor >= V) {
+        PyErr_SetString(PyExc_ValueError, "markov_greedy: bad buffers, sizes or anchor");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    markov_chain(PTR(const float, base), PTR(const float, w1), PTR(const float, w2t), anchor, PTR(float, rows),
+                 PTR(int64_t, toks), PTR(float, w1s), n, V, r);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"markov_greedy", py_markov_greedy, METH_VARARGS, "DSpark's greedy Markov chain over a draft block."},
+    {"rope_neox", py_rope_neox, METH_VARARGS, "NeoX rotary embedding of rows of heads."},
     {"slot_sum", py_slot_sum, METH_VARARGS, "Routed experts' outputs onto their rows, weighted, in slot order."},
     {"short_conv", py_short_conv, METH_VARARGS, "KDA's q/k/v causal convs and SiLU."},
     {"rms_norm", py_rms_norm, METH_VARARGS, "ggml's RMS norm (or the L2 norm) of rows, times a weight and a gate."},

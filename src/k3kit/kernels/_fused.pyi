@@ -21,3 +21,12 @@ def short_conv(window: int, x: int, taps: int, out: int, new_window: int, B: int
 
 def slot_sum(y: int, order: int, w: int, out: int, N: int, k: int, d: int, /) -> None:
     """out [N, d] = the k weighted expert outputs of each row (y [N*k, d] in grouped order), in slot order."""
+
+def rope_neox(x: int, cos: int, sin: int, y: int, rows: int, heads: int, hd: int, rd: int, /) -> None:
+    """NeoX rotary embedding: y [rows, heads, hd] = x * cos + rot(x) * sin on the first rd dims of
+    each head (cos, sin [rows, rd]), the rest copied."""
+
+def markov_greedy(base: int, w1: int, w2t: int, anchor: int, rows: int, toks: int, w1s: int, n: int, V: int,
+                  r: int, /) -> None:
+    """DSpark's greedy Markov chain: rows[k] = base[k] + W2 . W1[prev] (W2 given transposed, [r, V]),
+    toks[k] = prev = argmax rows[k], w1s[k] = W1[prev] (prev starts at the anchor)."""

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from k3kit.kernels import threads as kthreads
+
 try:
     from k3kit.kernels import _fused
 except ImportError:  # built without a C compiler: the torch ops
@@ -54,7 +56,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, gate: Tensor | None =
     y = torch.empty_like(x)
     _fused.rms_norm(x.data_ptr(), weight.data_ptr() if weight is not None else 0,
                     gate.data_ptr() if gate is not None else 0, y.data_ptr(), x.numel() // n, n, eps, 0,
-                    torch.get_num_threads())
+                    kthreads.native())
     return y
 
 
@@ -65,7 +67,7 @@ def l2_norm(x: Tensor, eps: float) -> Tensor | None:
         return None
     x = _c(x)
     y = torch.empty_like(x)
-    _fused.rms_norm(x.data_ptr(), 0, 0, y.data_ptr(), x.numel() // n, n, eps, 1, torch.get_num_threads())
+    _fused.rms_norm(x.data_ptr(), 0, 0, y.data_ptr(), x.numel() // n, n, eps, 1, kthreads.native())
     return y
 
 
@@ -76,7 +78,7 @@ def situ(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor | 
     gate, up = _c(gate), _c(up)
     y = torch.empty_like(gate)
     _fused.situ(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel(), beta, linear_beta,
-                torch.get_num_threads())
+                kthreads.native())
     return y
 
 
@@ -89,7 +91,7 @@ def res_mix(bank: Sequence[Tensor], cur: Tensor, score_w: Tensor, eps: float) ->
     cur, score_w, bank = _c(cur), _c(score_w), [_c(b) for b in bank]
     y = torch.empty_like(cur)
     _fused.res_mix(tuple(b.data_ptr() for b in bank), cur.data_ptr(), score_w.data_ptr(), y.data_ptr(),
-                   cur.numel() // n, n, eps, torch.get_num_threads())
+                   cur.numel() // n, n, eps, kthreads.native())
     return y
 
 
@@ -112,7 +114,7 @@ def short_conv(window: Tensor, x: Tensor, taps: Tensor) -> tuple[Tensor, Tensor]
     out = torch.empty(3, B, T, C)
     new_window = torch.empty(B, 3, K - 1, C)
     _fused.short_conv(window.data_ptr(), x.data_ptr(), taps.data_ptr(), out.data_ptr(), new_window.data_ptr(),
-                      B, T, C, K, torch.get_num_threads(), rs, cs)
+                      B, T, C, K, kthreads.native(), rs, cs)
     return out, new_window
 
 
@@ -127,3 +129,37 @@ def slot_sum(y: Tensor, order: Tensor, weights: Tensor) -> Tensor | None:
     out = torch.empty(N, y.shape[1])
     _fused.slot_sum(y.data_ptr(), order.data_ptr(), weights.data_ptr(), out.data_ptr(), N, k, y.shape[1])
     return out
+
+
+def rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+    """NeoX rotary embedding of x [n, heads, head_dim] on its first cos.shape[-1] dims, cos and sin
+    [n, 1, rd] (one row per token), the rest of each head copied; or None (run torch). The same
+    bits as k3kit.layers.rope's torch ops (each product and the sum rounded as they are)."""
+    if not _ok(x, cos, sin) or x.dim() != 3:
+        return None
+    n, heads, hd = x.shape
+    rd = cos.shape[-1]
+    if cos.shape != (n, 1, rd) or sin.shape != cos.shape or rd < 2 or rd % 2 or rd > hd:
+        return None
+    x, cos, sin = _c(x), _c(cos), _c(sin)
+    y = torch.empty_like(x)
+    _fused.rope_neox(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), n, heads, hd, rd)
+    return y
+
+
+def markov_greedy(base: Tensor, w1: Tensor, w2t: Tensor, anchor: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """DSpark's Markov chain across a block, greedy, in one call: base [n, V] logits, W1 [V, r]
+    and W2 transposed [r, V] -> (tokens [n] int64, rows [n, V] = base + W2 . W1[previous token],
+    W1 rows [n, r]), the chain starting at `anchor`; or None (run torch: bfloat16, a GPU, a
+    gradient). A row's bits depend only on its inputs, never on other blocks or threads."""
+    if not _ok(base, w1, w2t) or base.dim() != 2 or w1.dim() != 2 or w2t.shape != (w1.shape[1], w1.shape[0]) \
+            or base.shape[1] != w1.shape[0] or not 0 <= anchor < w1.shape[0]:
+        return None
+    base, w1, w2t = _c(base), _c(w1), _c(w2t)
+    n, (V, r) = base.shape[0], w1.shape
+    rows = torch.empty_like(base)
+    toks = torch.empty(n, dtype=torch.int64)
+    w1s = torch.empty(n, r)
+    _fused.markov_greedy(base.data_ptr(), w1.data_ptr(), w2t.data_ptr(), int(anchor), rows.data_ptr(),
+                         toks.data_ptr(), w1s.data_ptr(), n, V, r)
+    return toks, rows, w1s

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor
 
+from k3kit.kernels import threads as kthreads
 from k3kit.kernels.qmatmul import buf
 
 try:
@@ -57,7 +58,7 @@ def rows(S: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, q: Tensor | N
     out = src if inplace else torch.empty_like(src)
     e = torch.exp(_plain(g))                    # torch's exp: S * e rounds as delta_step's S * decay
     o = torch.empty(B, T, H, dv, dtype=torch.float32) if q is not None else None
-    n_threads = torch.get_num_threads() if threads is None else threads
+    n_threads = kthreads.native() if threads is None else threads
     k, v, beta = _plain(k), _plain(v), _plain(beta)
     qc = None if q is None else _plain(q)
 

@@ -41,6 +41,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from k3kit.gguf.quants import gguf_py
+from k3kit.kernels import threads as kthreads
 from k3kit.kernels.dequant import block_size, dequantize, nbytes_for
 
 try:
@@ -280,7 +281,7 @@ class QuantizedMatrix:
             bf16 = self.dtype == torch.bfloat16
             _qmatmul.dequantize(int(self.qtype), self._raw_np[r0 * row_bytes:r1 * row_bytes],
                                 (out.view(torch.int16) if bf16 else out).numpy(), n, k, int(bf16), -1,
-                                torch.get_num_threads())
+                                kthreads.native())
             return out
         w = dequantize(self.raw[r0 * row_bytes:r1 * row_bytes], self.qtype, (k, n), self.dtype)
         return w if out is None else out.copy_(w)
@@ -301,7 +302,7 @@ class QuantizedMatrix:
             xf = x.detach().to(torch.float32).contiguous()
             y = torch.empty(m, self.out_features, dtype=torch.float32)
             _qmatmul.matmul(int(self.qtype), self._raw_np, buf(xf), buf(y), self.out_features,
-                            self.in_features, m, -1, torch.get_num_threads())
+                            self.in_features, m, -1, kthreads.native())
             return y.to(x.dtype)
         return self._gemm(x)
 
@@ -312,7 +313,7 @@ class QuantizedMatrix:
             xf = xf.to(torch.float32).contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
         _qmatmul.matmul_q8(self._qtype_id, self._raw_np, buf(xf), buf(y), self.out_features,
-                           self.in_features, x.numel() // self.in_features, -1, torch.get_num_threads(), 1,
+                           self.in_features, x.numel() // self.in_features, -1, kthreads.native(), 1,
                            I8_PATH)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -413,7 +414,7 @@ class QuantizedHeads:
         m = x.shape[1]
         y = torch.empty(heads, m, n_out, dtype=torch.float32)
         _qmatmul.matmul_heads(int(self.qtype), self._raw_np, buf(xf), buf(y), heads, n_out, n_in, m,
-                              self.nbytes // heads, int(self.arith == "ggml"), -1, torch.get_num_threads())
+                              self.nbytes // heads, int(self.arith == "ggml"), -1, kthreads.native())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -456,5 +457,5 @@ def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor
                          f"{first.in_features}")
     y = torch.empty(per, xf.shape[0], first.out_features, dtype=torch.float32)
     _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in flat], buf(xf), buf(y), list(counts),
-                        first.out_features, first.in_features, per, torch.get_num_threads())
+                        first.out_features, first.in_features, per, kthreads.native())
     return y

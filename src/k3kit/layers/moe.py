@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3kit.kernels import fused
+from k3kit.kernels import threads as kthreads
 from k3kit.kernels.qmatmul import QuantizedMatrix, experts_fusable, experts_matmul_q8
 
 # Rows per expert up to which a provider's resident experts run fused (`RoutedMoE._run_fused`):
@@ -310,7 +311,7 @@ def _whole_vectors(x: Tensor) -> bool:
     gets alone: w a multiple of the widest vector pair (no row has a scalar tail) and one chunk
     of work (no thread split inside a row)."""
     return (x.is_contiguous() and x.shape[-1] % _VECTOR_ELEMS == 0
-            and (x.numel() < _GRAIN or torch.get_num_threads() == 1))
+            and (x.numel() < _GRAIN or kthreads.native() == 1))
 
 
 def _sum_slots(slots: Tensor) -> Tensor:

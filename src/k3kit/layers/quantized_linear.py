@@ -48,6 +48,7 @@ from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
 from k3kit.kernels import gpu
+from k3kit.kernels import threads as kthreads
 from k3kit.kernels.dequant import dequantize, nbytes_for
 from k3kit.kernels.qmatmul import QuantizedMatrix, _qmatmul, experts_fusable
 from k3kit.kernels.qmatmul import buf as qbuf
@@ -281,7 +282,7 @@ def fused_products(linears: Sequence[nn.Module], x: Tensor) -> Tensor | None:
     rows = x.numel() // first.in_features
     y = torch.empty(len(mats), rows, first.out_features)
     _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in mats], qbuf(x), qbuf(y), [rows],
-                        first.out_features, first.in_features, len(mats), torch.get_num_threads())
+                        first.out_features, first.in_features, len(mats), kthreads.native())
     return y
 
 

@@ -11,9 +11,12 @@ by `factor` (interpolation) and ramps linearly between the dims that complete `b
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from k3kit.kernels import fused
 
 YARN_BETA_FAST = 32.0   # the defaults of HF's and llama.cpp's YaRN
 YARN_BETA_SLOW = 1.0
@@ -59,14 +62,32 @@ def yarn_magnitude(factor: float, *, mscale: float = 0.0, mscale_all_dim: float 
     return yarn_mscale(factor)
 
 
-def apply_rope(x: Tensor, pos: Tensor, inv_freq: Tensor, mag: float) -> Tensor:
-    """NeoX-style rotary embedding on the first len(inv_freq)*2 dims of x [n, heads, head_dim]."""
-    rd = inv_freq.numel() * 2
+class RopeTable(NamedTuple):
+    """cos and sin [n, 1, rd] of n positions, in the activations' dtype: made once for the rows
+    of a pass and applied to every head of every layer that ropes those positions."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def apply(self, x: Tensor) -> Tensor:
+        """NeoX-style rotation of the first rd dims of x [n, heads, head_dim]."""
+        if (y := fused.rope_neox(x, self.cos, self.sin)) is not None:
+            return y
+        rd = self.cos.shape[-1]
+        xr, xp = x[..., :rd], x[..., rd:]
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat([-x2, x1], dim=-1)
+        y = xr * self.cos + rot * self.sin
+        return y if xp.shape[-1] == 0 else torch.cat([y, xp], dim=-1)
+
+
+def rope_table(pos: Tensor, inv_freq: Tensor, mag: float, dtype: torch.dtype) -> RopeTable:
+    """The cos/sin table of positions `pos` [n]: angles in float64, rounded to `dtype` at the end."""
     ang = pos.to(torch.float64)[:, None] * inv_freq[None, :]
     ang = torch.cat([ang, ang], dim=-1)
-    cos = (ang.cos() * mag).to(x.dtype)[:, None, :]
-    sin = (ang.sin() * mag).to(x.dtype)[:, None, :]
-    xr, xp = x[..., :rd], x[..., rd:]
-    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-    rot = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+    return RopeTable((ang.cos() * mag).to(dtype)[:, None, :], (ang.sin() * mag).to(dtype)[:, None, :])
+
+
+def apply_rope(x: Tensor, pos: Tensor, inv_freq: Tensor, mag: float) -> Tensor:
+    """NeoX-style rotary embedding on the first len(inv_freq)*2 dims of x [n, heads, head_dim]."""
+    return rope_table(pos, inv_freq, mag, x.dtype).apply(x)

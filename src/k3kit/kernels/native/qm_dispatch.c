@@ -90,8 +90,11 @@ const qtype_t *find_qtype(int ggml_type) {
     return NULL;
 }
 
-/* Below this many weights per thread a call is over before threads would have started. */
-#define MIN_WEIGHTS_PER_THREAD (1 << 19)
+/* Below this many weights per thread a call is over before threads would have started. k3kit's
+ * OpenMP threads sleep between regions (OMP_WAIT_POLICY=PASSIVE), and waking one costs about what
+ * a thread's share of a 1M-weight Q8_0 row product saves: the shipped mini's 4096 x 256 head
+ * took longer on 2 threads than on 1 at 1 << 19 (AMD EPYC Zen 4, 2 vCPU, 2026-12-06). */
+#define MIN_WEIGHTS_PER_THREAD (1 << 21)
 
 /* How many threads a product of n_out x k weights is split over, asked for `threads`. */
 int split_threads(int64_t n_out, int64_t k, int threads) {

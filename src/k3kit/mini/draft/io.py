@@ -108,10 +108,10 @@ def load_draft(src_dir: str | Path) -> DSparkDraft:
     return draft
 
 
-def load_gguf_draft(path: str | Path) -> DSparkDraft:
+def load_gguf_draft(path: str | Path, trunk: str = "quantized") -> DSparkDraft:
     """A DSparkDraft from a llama.cpp `dflash` GGUF: the shipped artifact itself, loaded by the
     dflash adapter's registry entry (what `k3kit generate --draft` runs), so its acceptance is
-    measured rather than assumed."""
+    measured rather than assumed. `trunk="float"`: its matrices dequantized to float32 Parameters."""
     from k3kit.adapters.dflash import load
     from k3kit.gguf.format import ARCH_DFLASH
     from k3kit.runtime.loader import GGUFSource, LoadOptions
@@ -120,6 +120,6 @@ def load_gguf_draft(path: str | Path) -> DSparkDraft:
     try:
         if source.arch != ARCH_DFLASH:
             raise ConvertError(f"{path}: architecture {source.arch!r} is not a dflash draft")
-        return load(source, LoadOptions()).draft
+        return load(source, LoadOptions(trunk=trunk)).draft
     finally:
         source.close()

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3kit.kernels import fused, kda_step
+from k3kit.kernels import threads as kthreads
 from k3kit.layers.norm import rms_norm
 from k3kit.layers.quantized_linear import fused_products
 
@@ -298,7 +299,7 @@ def short_convs(kda: KDA, window: Tensor, conv_in: Tensor) -> tuple[Tensor, Tens
         out, new_window = native       # one pass, q/k/v each contiguous (SiLU in C: its own bits)
         return out[0].view(B, T, H, D), out[1].view(B, T, H, D), out[2].view(B, T, H, D), new_window
     convs = (kda.q_conv, kda.k_conv, kda.v_conv)
-    split = 3 * B * T * C >= _GRAIN and torch.get_num_threads() > 1
+    split = 3 * B * T * C >= _GRAIN and kthreads.native() > 1
     if torch.is_grad_enabled() or C % _VECTOR_ELEMS or split:
         outs, windows = [], []
         for i, w in enumerate(convs):

@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
+
+from k3kit.kernels import threads as kthreads
 
 from .io import DIRECT_ALIGN, PAGE, _madvise
 
@@ -82,7 +83,7 @@ def spare_core() -> bool:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return torch.get_num_threads() < cpus
+    return kthreads.native() < cpus
 
 
 def anonymous(n: int) -> np.ndarray:

@@ -40,6 +40,8 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
     """Run one draft forward at `position` (the anchor's position) and chain its rows (under
     `constraint`'s grammar, when given: see the module docstring)."""
     block = draft.draft_block(anchor, position)
+    if constraint is None and (fast := _greedy_chain(draft, block, anchor, sampling)) is not None:
+        return fast
     n = block.logits.shape[0]
     rows, qs, w1s, tokens = [], [], [], []
     picked: list[Tensor] = []       # greedy: the chain's tokens stay where the logits are
@@ -90,6 +92,26 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
     )
 
 
+def _greedy_chain(draft: Draft, block: DraftBlock, anchor: int, sampling: Sampling) -> Proposal | None:
+    """A greedy block's whole Markov chain in one call of the draft's `markov_greedy` (optional:
+    a draft offers it where its weights allow), or None: the chain runs row by row. The rows it
+    gives are what the row-by-row chain computes up to float rounding of the Markov product; the
+    target judges the tokens, so greedy output cannot change, and every caller of a block takes
+    this same path (`propose` and `chain` alike)."""
+    fn = getattr(draft, "markov_greedy", None)
+    if fn is None or not draft.has_markov or not sampling.greedy or sampling.logit_bias \
+            or not block.logits.shape[0]:
+        return None
+    out = fn(block.logits, int(anchor))
+    if out is None:
+        return None
+    tokens, rows, w1s = out
+    confidence = None
+    if draft.has_confidence:
+        confidence = draft.confidence(block.hidden, w1s).detach().to(torch.float64)
+    return Proposal(tokens=tokens.tolist(), logits=rows, q=None, confidence=confidence)
+
+
 def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], samplings: Sequence[Sampling],
           gens: Sequence[torch.Generator | None],
           constraints: Sequence[Constraint | None] | None = None) -> list[Proposal]:
@@ -104,6 +126,11 @@ def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], sa
     n_seq = len(blocks)
     if not n_seq:
         return []
+    if all(s.greedy and not s.logit_bias for s in samplings) and (constraints is None
+                                                                  or all(c is None for c in constraints)):
+        fast = [_greedy_chain(draft, b, a, s) for b, a, s in zip(blocks, anchors, samplings, strict=True)]
+        if all(f is not None for f in fast):
+            return [f for f in fast if f is not None]
     walks: list[Walk | None] = [c.walk() if c is not None else None for c in (constraints or [None] * n_seq)]
     try:
         return _chain(draft, blocks, anchors, samplings, gens, walks)
