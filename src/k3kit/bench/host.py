@@ -245,10 +245,11 @@ class Recorder:
         self._counted: Counter[str] = Counter()
         self._ops: dict[str, Counter[str]] = {name: Counter() for name in layers}
         self._active = False
+        self.recording = True         # False: a warm-up run, nothing recorded
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            if self._active:          # a phase inside a phase counts once, in the outer one
+            if self._active or not self.recording:   # a phase inside a phase counts once, in the outer one
                 return fn(*args, **kwargs)
             self._active = True
             try:
@@ -317,7 +318,9 @@ def profile(fn: Callable[[], Any], layers: int, *, calls: int = 16, warmup: int 
 def host_profile(session: Any, prompt: Sequence[int], n_gen: int, *, block_size: int | None = None,
                  where: str | None = None) -> tuple[list[PhaseProfile], Counter[str]]:
     """AR decode steps of `session`'s model (forward + greedy pick) and, with a draft, a DSpark
-    generation's draft steps and verify passes: `n_gen` tokens timed, then `n_gen` counted.
+    generation's draft steps and verify passes: a warm-up generation of `n_gen` tokens, then
+    `n_gen` timed, then `n_gen` counted (the prompt's draft context is built at prefill, as its
+    one-off, outside the draft steps).
     Returns the phases and, with `where`, the call sites of that op."""
     from k3kit.runtime.engine import generate
     from k3kit.runtime.sampling import Sampler, make_sampling
@@ -337,20 +340,28 @@ def host_profile(session: Any, prompt: Sequence[int], n_gen: int, *, block_size:
         return rec.wrap("ar", one)
 
     prompt = list(prompt)
-    for counted in (False, True):
-        rec.counting = counted
+    # a warm-up run first (first calls make caches and tables: one-offs, not a step's cost)
+    for recording, counted in ((False, False), (True, False), (True, True)):
+        rec.recording, rec.counting = recording, counted
         generate(model, prompt, max_tokens=n_gen + 1, sampling=sampling, step=ar)
     if draft is not None:
         def spec(model: Any, sampler: Sampler) -> SpeculativeDecoder:
             dec = SpeculativeDecoder(model, draft, sampler.sampling, sampler.generator,
                                      schedule=ScheduleConfig())
+            prefill = dec.prefill
+
+            def prefill_and_sync(ids: Sequence[int]) -> Any:
+                out = prefill(ids)
+                dec._sync()           # the prompt's draft context: a one-off, not a draft step's
+                return out
+            dec.prefill = prefill_and_sync  # type: ignore[method-assign]
             dec.propose = rec.wrap("draft", dec.propose)  # type: ignore[method-assign]
             return dec
         verify = model.verify
         model.verify = rec.wrap("verify", verify)
         try:
-            for counted in (False, True):
-                rec.counting = counted
+            for recording, counted in ((False, False), (True, False), (True, True)):
+                rec.recording, rec.counting = recording, counted
                 generate(model, prompt, max_tokens=n_gen + 1, sampling=sampling, step=spec)
         finally:
             del model.verify
