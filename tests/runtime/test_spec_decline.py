@@ -162,3 +162,33 @@ def test_upper_bounds_need_counts_to_say_no():
     rates = [a / t for a, t in zip(d.accepted, d.tried, strict=True)]
     assert all(u > r or u == r == 1.0 for u, r in zip(up, rates, strict=False))
     assert all(0 < u <= 1 for u in up)
+
+
+def test_drafted_passes_that_realize_less_than_plain_ones_stop_drafting(monkeypatch):
+    """Right half the time with a step costing 1.5 passes: the acceptance bounds stay optimistic
+    over a short request, but what the drafted passes committed per second (fewer than plain
+    passes do) declines drafting after REALIZED_AFTER of them; without that judgement the same
+    request drafts on and takes longer."""
+    import k3kit.runtime.speculative.decoder as decoder
+
+    n = 80
+    tokens, st, seconds, _ = _run(0.5, 1.5, n)
+    assert tokens == ar_generate(ToyTarget(), PROMPT, n, Sampling()).tokens
+    assert st.plain_passes > 0
+    monkeypatch.setattr(decoder, "REALIZED_AFTER", 10 ** 9)
+    tokens_b, st_b, seconds_b, _ = _run(0.5, 1.5, n)
+    assert tokens_b == tokens
+    assert st_b.plain_passes < st.plain_passes and seconds < seconds_b
+
+
+def test_verify_widths_are_priced_by_what_verifies_took():
+    """Two block widths measured: the line through them prices the others (a model's slope can be
+    far off); one row is priced apart, as measured or, before, no lower than the line says."""
+    _, _, _, dec = _run(0.95, 0.2, 8)
+    dec.verify_seen = {4: 4.0, 8: 4.8}
+    assert dec._seconds(6) == pytest.approx(4.4) and dec._seconds(2) == pytest.approx(3.6)
+    assert dec._plain_seconds() >= 3.2 - 1e-9                    # the line at one row
+    dec.verify_seen[1] = 2.5
+    assert dec._plain_seconds() == 2.5
+    dec.verify_seen = {4: 5.0, 8: 4.0}                            # a falling line is held flat
+    assert dec._seconds(2) == dec._seconds(7) == pytest.approx(4.5)

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 REPLAY_COUNTERS = ("replay_fast_commits", "replay_full_replays", "replay_failed_fallbacks")
 PROBE_FIRST, PROBE_MAX = 8, 256     # declined serial passes between two that draft anyway (doubling)
 JUDGE_AFTER = 4                     # drafted steps before a serial decoder may decline to draft
+REALIZED_AFTER = 8                  # drafted passes before what they realized may decline drafting
+REALIZED_FORGET = 0.9               # weight of the older drafted passes in that rate, per pass
 
 
 def _taps(out: VerifyOutput) -> Tensor:
@@ -144,9 +146,13 @@ class SpeculativeDecoder:
         self._synced = 0                           # ring length at the last draft step
         self.last_sync = (0, 0.0)                  # (ring rows, seconds) the last step's sync brought in
         self.verify_scale: dict[bool, float] = {}  # step()'s verify seconds / target.cost, by width > 1
+        self.verify_seen: dict[int, float] = {}    # step()'s verify seconds by width (running means)
         self._declined, self._probe_every = 0, PROBE_FIRST
         self._unjudged = JUDGE_AFTER               # draft steps to take before draft_pays judges
         self.probing = False                       # the last draft_pays drafted only to look again
+        # drafted passes as realized: (tokens, seconds) sums with forgetting, and how many
+        self._realized = (0.0, 0.0)
+        self._realized_n = 0
         if ring is None:
             ring = FeatureRing(draft.feature_width, capacity=ring_capacity, storage=ring_storage)
         if ring.length != target.position:
@@ -224,8 +230,11 @@ class SpeculativeDecoder:
             # none for a sampled sequence: its widths decide its draws, which must not depend on
             # timing (a seed must repeat), as in the batched server
             sched = replace(sched, draft_cost=self.draft_seconds if self.sampling.greedy else 0.0)
-        return choose_width(self.confidence(props), self.target.cost, min(len(props.tokens) + 1, remaining),
-                            sched)
+        # a greedy sequence prices widths with what its verifies took (its output cannot depend
+        # on it); a sampled one with the model alone, for the reason above
+        measured = self.sampling.greedy and self.schedule.draft_cost is None
+        cost = self._seconds if measured else self.target.cost
+        return choose_width(self.confidence(props), cost, min(len(props.tokens) + 1, remaining), sched)
 
     def accept(self, props: Proposal | None, width: int, v: VerifyOutput,
                committed: bool = False) -> list[int]:
@@ -283,7 +292,11 @@ class SpeculativeDecoder:
         """Whether `step` drafts: a draft step must be able to commit more tokens per second than a
         plain pass, judged from the highest acceptance per depth the counts allow (Wilson upper
         bounds: the counts, not a prior, must say no), the draft step's measured time and the
-        verifies' (their seconds over target.cost, apart for one row and for more). A
+        verifies' (their seconds over target.cost, apart for one row and for more), and, after
+        REALIZED_AFTER drafted passes, no more than those passes realized (tokens committed over
+        their draft and verify seconds, recent passes weighing most): the bounds stay optimistic
+        over a short request, where a drafter often wrong (a JSON schema's free spacing on the
+        mini) still seemed to pay. A
         drafter that is seldom right otherwise costs its step on every pass (a random drafter on a
         K3-geometry slice: 2.6 tok/s against 5.8 without it). After PROBE_FIRST declined passes one
         drafts anyway, to see whether it pays now (the interval doubles up to PROBE_MAX while the
@@ -305,7 +318,12 @@ class SpeculativeDecoder:
         surv = prefix_survival(self.depth.upper(self.draft.n_proposals))
         rows = min(self.draft.n_proposals + 1, remaining)
         drafted = max(expected_tokens(surv, n) / (seconds(n) + d) for n in range(2, rows + 1))
-        if drafted * seconds(1) > 1.0:
+        plain = self._plain_seconds()
+        pays = drafted * plain > 1.0
+        if pays and self._realized_n >= REALIZED_AFTER:   # and what drafted passes did commit per second
+            tokens, secs = self._realized
+            pays = tokens / secs * plain > 1.0
+        if pays:
             self._declined, self._probe_every = 0, PROBE_FIRST
             return True
         self._declined += 1
@@ -315,9 +333,38 @@ class SpeculativeDecoder:
         self.probing = True
         return True
 
+    def _plain_seconds(self) -> float:
+        """A one-row pass in seconds, the plain rate drafting is judged against: as measured
+        where one ran, else the larger of the model's estimate and the blocks' line at one row
+        (the model's can be far under: the mini's, scaled by wide verifies, says 1.8 ms for
+        2.5; a line through wide verifies overprices a one-row pass, the cautious side: drafting
+        is declined only where it does worse than that)."""
+        if 1 in self.verify_seen:
+            return self.verify_seen[1]
+        seen = {w: t for w, t in self.verify_seen.items() if w > 1}
+        line = self._line(seen, 1) if len(seen) >= 2 else 0.0
+        return max(self._seconds(1), line)
+
+    @staticmethod
+    def _line(seen: dict[int, float], n: int) -> float:
+        """The least-squares line through (width, seconds) points at n (slope >= 0)."""
+        xs, ys = list(seen), list(seen.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var)
+        return max(my + slope * (n - mx), 0.25 * min(ys))
+
     def _seconds(self, n: int) -> float:
-        """A verify of n rows in seconds: target.cost(n) scaled by what verifies measured (of one
-        row, or of more; the other where one is not measured yet)."""
+        """A verify of n rows in seconds. For n > 1, once verifies of two widths > 1 or more are
+        measured, the least-squares line through their running means (slope >= 0): a model's
+        rows-to-seconds slope can be far off for a small model, where a pass is mostly fixed host
+        work (the mini: 3.0 ms for two rows, +0.23 ms a row measured against +1.5 priced), and a
+        priced slope too steep keeps verifies narrower than pays. Otherwise target.cost(n) scaled
+        by what verifies measured (of one row, or of more; the other where one is not measured):
+        one row is a plain decode step, not a point on the blocks' line."""
+        seen = {w: t for w, t in self.verify_seen.items() if w > 1}
+        if n > 1 and len(seen) >= 2:
+            return self._line(seen, n)
         scale, wide = self.verify_scale, n > 1
         return scale.get(wide, scale.get(not wide, 1.0)) * self.target.cost(n)
 
@@ -338,11 +385,17 @@ class SpeculativeDecoder:
             key, ratio = width > 1, dt / cost
             old = self.verify_scale.get(key)
             self.verify_scale[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
+            seen = self.verify_seen.get(width)
+            self.verify_seen[width] = dt if seen is None else 0.8 * seen + 0.2 * dt
         tokens = self.accept(props, width, v)
         if props is not None:
             self._unjudged = max(0, self._unjudged - 1)
-            if self.probing and len(tokens) * self._seconds(1) > self.last_draft_seconds + dt:
+            f, (tok, sec) = REALIZED_FORGET, self._realized
+            self._realized = (f * tok + len(tokens), f * sec + self.last_draft_seconds + dt)
+            self._realized_n += 1
+            if self.probing and len(tokens) * self._plain_seconds() > self.last_draft_seconds + dt:
                 self._unjudged, self._probe_every = JUDGE_AFTER, PROBE_FIRST    # a probe that paid
+                self._realized, self._realized_n = (0.0, 0.0), 0
         return tokens
 
     __call__ = step
