@@ -46,6 +46,7 @@ PROBE_FIRST, PROBE_MAX = 8, 256     # declined serial passes between two that dr
 JUDGE_AFTER = 4                     # drafted steps before a serial decoder may decline to draft
 REALIZED_AFTER = 8                  # drafted passes before what they realized may decline drafting
 REALIZED_FORGET = 0.9               # weight of the older drafted passes in that rate, per pass
+REALIZED_FLOOR = 0.9                # ... declining only below this share of the plain rate (noise)
 
 
 def _taps(out: VerifyOutput) -> Tensor:
@@ -293,8 +294,9 @@ class SpeculativeDecoder:
         plain pass, judged from the highest acceptance per depth the counts allow (Wilson upper
         bounds: the counts, not a prior, must say no), the draft step's measured time and the
         verifies' (their seconds over target.cost, apart for one row and for more), and, after
-        REALIZED_AFTER drafted passes, no more than those passes realized (tokens committed over
-        their draft and verify seconds, recent passes weighing most): the bounds stay optimistic
+        REALIZED_AFTER drafted passes, what those passes realized (tokens committed over their
+        draft and verify seconds, recent passes weighing most) above REALIZED_FLOOR of the plain
+        rate (a pass's rate is noisy: near the break-even this keeps drafting): the bounds stay optimistic
         over a short request, where a drafter often wrong (a JSON schema's free spacing on the
         mini) still seemed to pay. A
         drafter that is seldom right otherwise costs its step on every pass (a random drafter on a
@@ -322,7 +324,7 @@ class SpeculativeDecoder:
         pays = drafted * plain > 1.0
         if pays and self._realized_n >= REALIZED_AFTER:   # and what drafted passes did commit per second
             tokens, secs = self._realized
-            pays = tokens / secs * plain > 1.0
+            pays = tokens / secs * plain > REALIZED_FLOOR
         if pays:
             self._declined, self._probe_every = 0, PROBE_FIRST
             return True
