@@ -7,7 +7,8 @@ registry entry, so `load_model("draft.gguf")` gives a DraftAdapter.
 A draft cannot run alone: it borrows the target's token embedding and LM head and reads the
 target's tapped hidden states, so `attach(target)` checks that the two fit (tap layers exist,
 feature widths and vocabularies agree, the mask token is in the target's vocabulary) and tells
-the target which layer inputs to capture. The draft's weights are dequantized once, like a target trunk.
+the target which layer inputs to capture. The draft's matrices stay the file's bytes, multiplied
+by the native kernels like a target's quantized trunk (`--trunk float`: dequantized once).
 
 The draft may run on another device than the target (`--draft-device`, `place`): the target's
 tap features move to the draft's device when the context K/V is built, and everything the
