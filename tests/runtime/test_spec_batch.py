@@ -54,6 +54,29 @@ def test_blocks_drafted_together_are_each_blocks_own(anchor_row):
             torch.testing.assert_close(b.hidden, a.hidden, rtol=0, atol=1e-12)
 
 
+def test_blocks_that_fill_their_span_out_of_order_get_their_own_positions():
+    """Two blocks at positions [b, 2b) and [0, b), in that order: together they cover [0, 2b)
+    exactly, but not in order, so each must still be roped at its own positions."""
+    drafter = DSparkDrafter(_draft())
+    b = drafter.block_size
+    g = torch.Generator().manual_seed(7)
+    rings = []
+    for n in (b, 0):
+        ring = FeatureRing(2 * H, storage="f32")
+        if n:
+            ring.append(torch.randn(n, 2 * H, generator=g, dtype=torch.float64))
+        rings.append(ring)
+    anchors, positions = [4, 9], [r.length for r in rings]
+    alone, ctxs = [], []
+    for ring, a, p in zip(rings, anchors, positions, strict=True):
+        drafter.sync(ring)
+        ctxs.append(drafter.context())
+        alone.append(drafter.draft_block(a, p))
+    together = drafter.draft_blocks(ctxs, anchors, positions)
+    for a, t in zip(alone, together, strict=True):
+        torch.testing.assert_close(t.logits, a.logits, rtol=0, atol=1e-12)
+
+
 @pytest.fixture(scope="module")
 def mini():
     from k3kit.adapters.session import open_session

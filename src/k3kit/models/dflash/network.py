@@ -350,11 +350,12 @@ class DSparkDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def rope(self, positions: Tensor, dtype: torch.dtype, span: tuple[int, int] | None = None) -> RopeTable:
+    def rope(self, positions: Tensor, dtype: torch.dtype, span: tuple[int, int] | None = None,
+             contiguous: bool = False) -> RopeTable:
         """The cos/sin table of `positions` [n], made once for every layer of a pass.
 
-        `span` (lo, hi): the caller knows that lo <= positions < hi (and, when hi - lo == n, that
-        positions is that range): rows are then read from a table of ROPE_WINDOW positions kept
+        `span` (lo, hi): the caller knows that lo <= positions < hi; `contiguous`: that positions
+        is that range, in order. Rows are then read from a table of ROPE_WINDOW positions kept
         across passes (remade when a span leaves it), two views or lookups instead of the eight
         ops that make a table; the values are those ops' on each position."""
         dev = self.rope_inv_freq.device
@@ -367,7 +368,7 @@ class DSparkDraft(nn.Module):
             w = self._rope_window = (lo, dtype, rope_table(torch.arange(lo, lo + n, device=dev),
                                                            self.rope_inv_freq, self.rope_mag, dtype))
         start, _, t = w
-        if hi - lo == positions.shape[0]:
+        if contiguous:
             return RopeTable(t.cos[lo - start:hi - start], t.sin[lo - start:hi - start])
         idx = positions.to(dev) - start
         return RopeTable(t.cos.index_select(0, idx), t.sin.index_select(0, idx))
@@ -387,23 +388,24 @@ class DSparkDraft(nn.Module):
     def context_kv(self, taps: Tensor, positions: Tensor,
                    span: tuple[int, int] | None = None) -> list[tuple[Tensor, Tensor]]:
         """Per-layer (K, V) of context rows at their own positions; they do not depend on the block.
-        `span`: bounds of the positions, as `rope` takes them."""
+        `span` (lo, hi): the positions are that range, in order (see `rope`)."""
         g = self.project_context(taps)
-        rope = self.rope(positions, g.dtype, span)
+        rope = self.rope(positions, g.dtype, span, contiguous=span is not None)
         return [cast(DraftLayer, layer).self_attn.kv(g, positions, rope) for layer in self.layers]
 
     # -- block
     def forward(self, block_ids: Tensor | None, positions: Tensor,
                 ctx_kv: list[tuple[Tensor, Tensor]] | None = None, *, span: tuple[int, int] | None = None,
                 x: Tensor | None = None) -> Tensor:
-        """Block token ids [B] at positions [B] -> final-normed hidden rows [B, H]. `span`: bounds
-        of the positions (see `rope`); `x`: the block's embedded rows, when the caller has them."""
+        """Block token ids [B] at positions [B] -> final-normed hidden rows [B, H]. `span` (lo, hi):
+        the positions are that range, in order (see `rope`); `x`: the block's embedded rows, when
+        the caller has them."""
         if x is None:
             if block_ids is None:
                 raise ValueError("forward needs block_ids or their embedded rows x")
             x = self.embed(block_ids)
         positions = positions.to(self.rope_inv_freq.device)
-        rope = self.rope(positions, x.dtype, span)
+        rope = self.rope(positions, x.dtype, span, contiguous=span is not None)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rope, None if ctx_kv is None else ctx_kv[i])
         return self.norm(x)
@@ -413,7 +415,7 @@ class DSparkDraft(nn.Module):
                       span: tuple[int, int] | None = None, x: Tensor | None = None) -> Tensor:
         """N blocks [N, B] of ids at positions [N, B], block i over its own context ctx_kvs[i]
         -> hidden rows [N, B, H], each block's equal to `forward` of it alone (see rows_linear).
-        `span`, `x` [N, B, H]: as `forward` takes them."""
+        `span` (lo, hi): bounds of all the positions (see `rope`); `x` [N, B, H]: the embedded rows."""
         nb, b = positions.shape
         if x is None:
             if block_ids is None:
