@@ -36,3 +36,34 @@ def test_one_thread_is_left_alone():
             assert torch.get_num_threads() == 1 and threads.native() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_another_threads_native_kernels_keep_the_count():
+    """torch's thread count is one for the process: while a pass on one thread runs its torch ops
+    on one thread, native kernels called on another (a second server's pass) still get the
+    configured count, and a scope entered there meanwhile changes nothing."""
+    import threading as th
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: dict[str, int] = {}
+    inside, done = th.Event(), th.Event()
+
+    def other():
+        inside.wait(10)
+        with threads.serial_torch():
+            seen["torch"], seen["native"] = torch.get_num_threads(), threads.native()
+        done.set()
+
+    t = th.Thread(target=other)
+    t.start()
+    try:
+        with threads.serial_torch():
+            inside.set()
+            assert done.wait(10)
+            assert torch.get_num_threads() == 1 and threads.native() == 2
+        assert seen == {"torch": 1, "native": 2}
+        assert torch.get_num_threads() == 2 and threads.native() == 2
+    finally:
+        t.join()
+        torch.set_num_threads(before)

@@ -17,7 +17,9 @@ from contextlib import contextmanager
 
 import torch
 
-_native: int | None = None          # set inside serial_torch(): the count torch had before
+# set inside serial_torch(): the count torch had before. One for the process, as torch's own count
+# is (a scope on one thread sets it for all): native kernels on any thread keep the configured count.
+_native: int | None = None
 
 
 def native() -> int:
