@@ -316,6 +316,26 @@ def test_sampling_parameters(world):
     assert texts["presence_penalty"] != texts["none"] != texts["repetition_penalty"]
 
 
+def test_ignore_eos_runs_on_past_the_end_token(world):
+    """llama-server's and vLLM's `ignore_eos`: a greedy answer that ends at the model's end-of-turn
+    token runs to max_tokens instead, through the same tokens up to where it ended."""
+    s = world["ar"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": s.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "temperature": 0, "chat_template_kwargs": {"thinking": False}}
+    status, ended = raw(s.url, "POST", "/v1/chat/completions", body, auth)
+    assert status == 200 and ended["choices"][0]["finish_reason"] == "stop", ended
+    n = ended["usage"]["completion_tokens"]
+    assert n < 200
+    status, on = raw(s.url, "POST", "/v1/chat/completions", body | {"ignore_eos": True, "max_tokens": n + 8},
+                     auth)
+    assert status == 200 and on["choices"][0]["finish_reason"] == "length", on
+    assert on["usage"]["completion_tokens"] == n + 8
+    assert on["choices"][0]["message"]["content"].startswith(ended["choices"][0]["message"]["content"])
+    _error(*raw(s.url, "POST", "/v1/chat/completions", body | {"ignore_eos": "yes"}, auth), 400,
+           param="ignore_eos")
+
+
 def test_draft_greedy_with_frequency_penalty_equals_ar(world):
     """The draft server verifies its blocks with the penalties of the history each row sees: its
     greedy tokens are the AR server's."""

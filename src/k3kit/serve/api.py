@@ -12,8 +12,9 @@ fields: OpenAI's `temperature`, `top_p`, `seed`, `presence_penalty` and `frequen
 added to the logits), and vLLM's `top_k`, `min_p` ([0, 1]) and `repetition_penalty` (> 0, 1 = off;
 over the prompt and the generated tokens): k3kit.runtime.sampling says how each applies. One
 field is k3kit's own: `draft: false` asks for no speculative decoding (the server's `--draft`
-stays unused for that request); one is llama-server's: `cache_prompt` (default true; false: the
-scheduler's prompt cache neither serves nor keeps this prompt). Structured output, on both routes:
+stays unused for that request); two are llama-server's: `cache_prompt` (default true; false: the
+scheduler's prompt cache neither serves nor keeps this prompt) and `ignore_eos` (vLLM's too: the
+model's end tokens get a -100 logit bias, so the output runs on). Structured output, on both routes:
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
 {"name", "schema", "strict"}}; llama-server's {"type": "json_object", "schema": ...} too),
 llama-server's `json_schema` (a schema) and `grammar` (GBNF), and k3kit's `lark_grammar`
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -101,6 +103,9 @@ class _Sampled(_Body):
     draft: bool | None = None
     # llama-server's: false keeps this request out of the prompt cache (neither reused nor stored)
     cache_prompt: bool | None = None
+    # llama-server's and vLLM's: true never ends the output at the model's end tokens (their
+    # logits get the lowest logit_bias, -100), so it runs to max_tokens, a stop string or a grammar's end
+    ignore_eos: bool | None = None
     # structured output (output_spec): OpenAI's response_format, llama-server's json_schema and
     # grammar (GBNF), k3kit's lark_grammar (llguidance's Lark)
     response_format: dict[str, Any] | None = None
@@ -291,6 +296,13 @@ def _check_sampling(body: _Sampled) -> None:
     _logit_bias(body)
 
 
+def _end_bias(body: _Sampled, bias: dict[int, float], end_ids: Iterable[int]) -> dict[int, float]:
+    """`ignore_eos`: the end tokens at the lowest bias (llama-server masks them), over any asked."""
+    if not body.ignore_eos:
+        return bias
+    return bias | {int(t): -MAX_LOGIT_BIAS for t in end_ids}
+
+
 def _logit_bias(body: _Sampled, n_vocab: int | None = None) -> dict[int, float]:
     """{token id: bias}; 400 naming logit_bias for a key that is not a token id (of the vocabulary,
     when `n_vocab` is given) or a bias outside [-100, 100]."""
@@ -356,9 +368,10 @@ def check_body(body: _Sampled) -> None:
 
 
 def generation_request(body: _Sampled, prompt_ids: list[int], context_length: int,
-                       n_vocab: int | None = None) -> GenerationRequest:
+                       n_vocab: int | None = None, end_ids: Iterable[int] = ()) -> GenerationRequest:
     """The scheduler's request; 400 context_length_exceeded when prompt + max_tokens does not fit,
-    400 logit_bias for a token id outside the vocabulary (`n_vocab`: its size; None: unchecked)."""
+    400 logit_bias for a token id outside the vocabulary (`n_vocab`: its size; None: unchecked).
+    `end_ids`: the model's end tokens, biased by -100 when the body asks to `ignore_eos`."""
     check_body(body)
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
     if not prompt_ids:
@@ -381,7 +394,7 @@ def generation_request(body: _Sampled, prompt_ids: list[int], context_length: in
                              frequency_penalty=body.frequency_penalty or 0.0,
                              repetition_penalty=1.0 if body.repetition_penalty is None
                              else float(body.repetition_penalty),
-                             logit_bias=_logit_bias(body, n_vocab))
+                             logit_bias=_end_bias(body, _logit_bias(body, n_vocab), end_ids))
     return GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
                              stop=_stops(body), logprobs=_logprobs(body), draft=body.draft is not False,
                              cache_prompt=body.cache_prompt is not False)

@@ -375,7 +375,8 @@ def build_app(state: ServerState) -> ASGIApp:
                                      **inputs.variables)
         except K3Error as e:
             raise bad(str(e), "messages") from None
-        gen = generation_request(body, codec.encode(text), state.context_length, codec.n_vocab)
+        gen = generation_request(body, codec.encode(text), state.context_length, codec.n_vocab,
+                                 codec.stop_ids())
         parser = output_parser(inputs.format, text, tools=inputs.tools, call_offset=inputs.call_offset)
         outputs: list[ChatOutput | None] | None = None
         if parser is not None:
@@ -404,7 +405,7 @@ def build_app(state: ServerState) -> ASGIApp:
             if any(not 0 <= t < codec.n_vocab for t in prompt):
                 raise bad(f"prompt token ids must be in [0, {codec.n_vocab})", "prompt")
             ids = prompt
-        gen = generation_request(body, ids, state.context_length, codec.n_vocab)
+        gen = generation_request(body, ids, state.context_length, codec.n_vocab, codec.stop_ids())
         grammar = await request_grammar(codec, output_spec(body))
         if grammar is not None:
             gen = replace(gen, grammar=grammar)
