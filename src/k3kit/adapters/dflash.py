@@ -102,18 +102,10 @@ class _Rows:
         return cast(Tensor, self.buf)[self.off:self.off + self.n]
 
 
-class _LayerRows(ContextRows):
+def _layer_rows(k: _Rows, v: _Rows) -> ContextRows:
     """A layer's context (K, V) views that join a block's rows in the storage (no copy of the context)."""
-
-    rows: tuple[_Rows, _Rows]
-
-    def join(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.rows[0].with_tail(k), self.rows[1].with_tail(v)
-
-
-def _layer_rows(k: _Rows, v: _Rows) -> _LayerRows:
-    out = _LayerRows((k.view(), v.view()))
-    out.rows = (k, v)
+    out = ContextRows((k.view(), v.view()))
+    out.join = lambda bk, bv: (k.with_tail(bk), v.with_tail(bv))
     return out
 
 

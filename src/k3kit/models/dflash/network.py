@@ -66,12 +66,12 @@ def _table(rope: Rope, pos: Tensor, dtype: torch.dtype) -> RopeTable:
 
 
 class ContextRows(tuple):
-    """A layer's context (K, V) rows, as a plain pair reads them, that can also take a block's rows
-    after its own in place (`join`): the owner keeps room past the context, so attention gets one
-    contiguous [context + block] K and V without copying the context each draft step."""
+    """A layer's context (K, V) rows, as a plain pair reads them, with the owner's `join`: it
+    writes a block's rows after the context's in the owner's storage (room kept past the
+    context) and returns [context ; block] K and V, so attention reads them without a copy of
+    the context each draft step."""
 
-    def join(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+    join: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def _join(ctx: tuple[Tensor, Tensor] | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
