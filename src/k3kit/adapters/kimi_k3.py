@@ -76,6 +76,7 @@ SERIAL_ROWS = 64
 def _pass_threads(rows: int) -> AbstractContextManager[None]:
     return kthreads.serial_torch() if rows <= SERIAL_ROWS else nullcontext()
 
+
 class StoreExperts:
     """ExpertProvider backed by an ExpertStore; counts the distinct experts each forward asks for."""
 
