@@ -40,7 +40,14 @@ from torch import Tensor, nn
 
 from k3kit.adapters.kimi_k3_state import SequenceSnapshots
 from k3kit.kernels import threads as kthreads
-from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
+from k3kit.kernels.qmatmul import (
+    DEFAULT_ARITH,
+    NATIVE_TYPES,
+    QuantizedMatrix,
+    invariant_rows,
+    kernel_label,
+    native_simd,
+)
 from k3kit.layers.moe import ExpertWeights
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
@@ -99,7 +106,18 @@ class StoreExperts:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         weights = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
         self.requests += 1
+        return self._on_device(layer, weights)
+
+    def get_all(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        """`get` of each of `experts` (distinct, ascending: a routing's groups) in one store call."""
+        got = self.store.get(layer, experts)
+        self.requests += len(experts)
+        return [self._on_device(layer, got[e]) for e in experts]
+
+    def _on_device(self, layer: int, weights: Sequence[Tensor | QuantizedMatrix]) -> ExpertWeights:
         dev = self.layer_dev[layer]
+        if dev.type == "cpu" and not any(isinstance(w, Tensor) and w.device != dev for w in weights):
+            return ExpertWeights(*weights)
         # a layer split over devices: move dequantized weights there (quantized ones are CPU-only)
         gate, up, down = (w.to(dev) if isinstance(w, Tensor) and w.device != dev else w for w in weights)
         return ExpertWeights(gate, up, down)

@@ -20,7 +20,8 @@ def matmul_q8(qtype: int, w: Any, x: Any, y: Any, n_out: int, k: int, m: int, si
     for the type (Q8_0 for Q8_0/MXFP4 weights, with `variant` as quantize_q8; Q8_K for the rest),
     then integer dot products per scale's run of values. simd: -1 best, 0 scalar, 1 AVX2,
     2 AVX512-VNNI; path: -1 by row count, 0 direct, 1 panels. Every level and path gives the same
-    bits, for any row count and thread count."""
+    bits, for any row count and thread count. x and y: buffers, or int addresses of float32
+    arrays of [m, k] and [m, n_out] that the caller vouches for."""
 
 def quantize_q8(x: Any, out: Any, act_type: int, m: int, k: int, variant: int = 1, /) -> None:
     """Rows of float32 x [m, k] as ggml blocks of act_type (8 = Q8_0, 15 = Q8_K), bit-identical to
@@ -49,7 +50,8 @@ def matmul_heads(qtype: int, w: Any, x: Any, y: Any, heads: int, n_out: int, k: 
     head bit for bit matmul_q8 (i8 = 1) or matmul (i8 = 0) on that head alone."""
 
 def experts_q8(qtype: int, ws: Sequence[Any], x: Any, y: Any, counts: Sequence[int], n_out: int, k: int,
-               per: int, threads: int = 1, /) -> None:
+               per: int, threads: int = 1, rows: Sequence[int] | None = None, /) -> None:
     """x float32 [P, k] in segments of counts[s] rows; ws[s * per + j] the ggml matrix [n_out, k]
     that multiplies segment s into y[j] (float32 [per, P, n_out]): each segment bit for bit
-    matmul_q8 on it alone, every product in one parallel region."""
+    matmul_q8 on it alone, every product in one parallel region. `rows`: x is [X, k] and the
+    segments' row i is x's row rows[i] (read in place, no gathered copy)."""

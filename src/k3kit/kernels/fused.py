@@ -15,6 +15,7 @@ alone in a fixed order, so a row's bits do not depend on the rows beside it or t
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -38,8 +39,12 @@ def _ok(*ts: Tensor) -> bool:
 
     The choice never depends on layout (a non-contiguous input is made contiguous): a row must
     take the same step whether it came alone (often a contiguous view) or among others."""
-    return _fused is not None and not torch.is_grad_enabled() and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+    if _fused is None or torch.is_grad_enabled():
+        return False
+    for t in ts:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def _c(t: Tensor) -> Tensor:
@@ -118,16 +123,27 @@ def short_conv(window: Tensor, x: Tensor, taps: Tensor) -> tuple[Tensor, Tensor]
     return out, new_window
 
 
-def slot_sum(y: Tensor, order: Tensor, weights: Tensor) -> Tensor | None:
+def slot_sum(y: Tensor, order: Tensor | Sequence[int], weights: Tensor) -> Tensor | None:
     """The routed experts' outputs y [N*k, d] (grouped: pair order[i] = n*k + j) onto their rows,
-    out[n] = sum over j in slot order of y * weights[n, j], or None (run torch)."""
-    if not _ok(y, weights) or order.dtype != torch.int64 or order.device.type != "cpu" or y.dim() != 2 \
-            or weights.dim() != 2 or order.numel() != weights.numel() or y.shape[0] != order.numel():
+    out[n] = sum over j in slot order of y * weights[n, j], or None (run torch). `order`: an int64
+    CPU tensor or the same indices as a host sequence (no tensor made for them)."""
+    keep: Tensor | array[int]           # what `addr` points into, alive until the call returns
+    if isinstance(order, Tensor):
+        if order.dtype != torch.int64 or order.device.type != "cpu":
+            return None
+        keep = _c(order)
+        n_order, addr = keep.numel(), keep.data_ptr()
+    else:
+        host = array("q", order)
+        keep, n_order, addr = host, len(host), host.buffer_info()[0]
+    if not _ok(y, weights) or y.dim() != 2 or weights.dim() != 2 or n_order != weights.numel() \
+            or y.shape[0] != n_order or n_order == 0:
         return None
-    y, order, weights = _c(y), _c(order), _c(weights)
+    y, weights = _c(y), _c(weights)
     N, k = weights.shape
     out = torch.empty(N, y.shape[1])
-    _fused.slot_sum(y.data_ptr(), order.data_ptr(), weights.data_ptr(), out.data_ptr(), N, k, y.shape[1])
+    _fused.slot_sum(y.data_ptr(), addr, weights.data_ptr(), out.data_ptr(), N, k, y.shape[1])
+    del keep
     return out
 
 

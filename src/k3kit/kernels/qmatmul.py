@@ -223,6 +223,9 @@ class QuantizedMatrix:
     arith: str = ""              # "float" or "ggml" (ARITHS); "" takes DEFAULT_ARITH at construction
     _raw_np: np.ndarray = field(init=False, repr=False)   # the kernel's view of `raw`, made once
     _qtype_id: int = field(init=False, repr=False)        # int(qtype), made once (~70 calls a token)
+    # (type, shape) where experts_q8 can run it (native, ggml arithmetic), else None: one compare
+    # tells whether several matrices fuse
+    _fuse_key: tuple[int, tuple[int, int]] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.arith:
@@ -242,6 +245,8 @@ class QuantizedMatrix:
                              f"got {self.raw.numel()}")
         object.__setattr__(self, "_raw_np", self.raw.numpy())
         object.__setattr__(self, "_qtype_id", int(self.qtype))
+        fusable = self.arith == "ggml" and self.native and hasattr(_qmatmul, "experts_q8")
+        object.__setattr__(self, "_fuse_key", (self._qtype_id, tuple(self.shape)) if fusable else None)
 
     @property
     def nbytes(self) -> int:
@@ -312,7 +317,8 @@ class QuantizedMatrix:
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.to(torch.float32).contiguous()
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
-        _qmatmul.matmul_q8(self._qtype_id, self._raw_np, buf(xf), buf(y), self.out_features,
+        # addresses, not buffers: both tensors are contiguous float32 of the sizes passed
+        _qmatmul.matmul_q8(self._qtype_id, self._raw_np, xf.data_ptr(), y.data_ptr(), self.out_features,
                            self.in_features, x.numel() // self.in_features, -1, kthreads.native(), 1,
                            I8_PATH)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -422,20 +428,27 @@ def experts_fusable(mats: Sequence[object]) -> bool:
     """Whether `experts_matmul_q8` takes these matrices: QuantizedMatrix objects of one type and
     shape, in the ggml arithmetic, with a native kernel and CPU bytes (an old build without the
     entry point: never)."""
-    if _qmatmul is None or not hasattr(_qmatmul, "experts_q8") or not mats:
+    if not mats:
         return False
-    first = mats[0]
-    if not isinstance(first, QuantizedMatrix) or first.arith != "ggml" or not first.native:
+    key = getattr(mats[0], "_fuse_key", None)      # None: not a QuantizedMatrix, or not native ggml
+    if key is None:
         return False
-    return all(isinstance(m, QuantizedMatrix) and m.arith == "ggml" and m.qtype == first.qtype
-               and m.shape == first.shape and m.raw.device.type == "cpu" for m in mats)
+    for m in mats:
+        if getattr(m, "_fuse_key", None) != key:    # a QuantizedMatrix's bytes are always on the CPU
+            return False
+    return True
 
 
 def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor,
-                      counts: Sequence[int]) -> torch.Tensor:
+                      counts: Sequence[int], rows: Sequence[int] | None = None, *,
+                      checked: bool = False) -> torch.Tensor:
     """Every segment's products in one native call: x [P, n_in] holds segments of counts[s] rows
     in order, mats[s] the `per` matrices (e.g. gate and up) that multiply segment s; returns
     float32 [per, P, n_out], y[j] at segment s's rows = x_s @ mats[s][j].T.
+
+    `rows` (P row indices of x, any [X, n_in]): the segments' rows are x[rows], read in place
+    (a routing's rows, without a gathered copy). `checked`: the caller has just asked
+    `experts_fusable` of these matrices (a decode step asks once, not twice).
 
     Each segment's result has the bits of `mats[s][j].matmul(x_s)` (the kernels matmul_q8 picks
     for that row count); the call saves what one call per matrix repeats: quantizing x_s again
@@ -445,17 +458,19 @@ def experts_matmul_q8(mats: Sequence[Sequence[QuantizedMatrix]], x: torch.Tensor
         raise ValueError(f"experts_matmul_q8: {len(mats)} segments of matrices for {len(counts)} row counts")
     per = len(mats[0])
     flat = [m for seg in mats for m in seg]
-    if len(flat) != per * len(mats) or not experts_fusable(flat):
+    if len(flat) != per * len(mats) or not (checked or experts_fusable(flat)):
         raise ValueError("experts_matmul_q8: needs `per` native ggml-arithmetic matrices of one type "
                          "and shape per segment")
     first = flat[0]
     xf = x.detach() if x.requires_grad else x      # detach is an op: only when needed
     if xf.dtype != torch.float32 or not xf.is_contiguous():
         xf = xf.to(torch.float32).contiguous()
-    if xf.dim() != 2 or xf.shape[1] != first.in_features or xf.shape[0] != sum(counts):
-        raise ValueError(f"experts_matmul_q8: x {tuple(x.shape)} does not fit {sum(counts)} rows of "
+    P = sum(counts)
+    n_rows = xf.shape[0] if rows is None else len(rows)
+    if xf.dim() != 2 or xf.shape[1] != first.in_features or n_rows != P:
+        raise ValueError(f"experts_matmul_q8: x {tuple(x.shape)} does not fit {P} rows of "
                          f"{first.in_features}")
-    y = torch.empty(per, xf.shape[0], first.out_features, dtype=torch.float32)
+    y = torch.empty(per, P, first.out_features, dtype=torch.float32)
     _qmatmul.experts_q8(first._qtype_id, [m._raw_np for m in flat], buf(xf), buf(y), list(counts),
-                        first.out_features, first.in_features, per, kthreads.native())
+                        first.out_features, first.in_features, per, kthreads.native(), rows)
     return y

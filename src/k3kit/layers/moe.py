@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Protocol, cast
 
 import torch
@@ -97,27 +98,77 @@ class ExpertProvider(Protocol):
 
 @dataclass
 class RouteGroups:
-    """The (row, slot) pairs of a routing, grouped by expert with one stable sort."""
+    """The (row, slot) pairs of a routing, grouped by expert with one stable sort. The index
+    tensors other than `order` are made when a path asks for them (a decode step's fused path
+    needs none of them)."""
 
-    order: Tensor        # [N*k] pair indices n*k + j, grouped by expert, row-major within one
-    sorted_ids: Tensor   # [N*k] ids.reshape(-1)[order]
-    rows: Tensor         # [N*k] order // k
-    cols: Tensor         # [N*k] order % k
+    ids: Tensor          # [N, k] the routing
     experts: list[int]   # the distinct experts, ascending (the fetch order)
     counts: list[int]    # pairs per expert, same order
+    host_order: list[int] | None = None    # `order` on the host, where grouped there
+    device_order: Tensor | None = None     # `order`, where grouped on the ids' device
+
+    @cached_property
+    def order(self) -> Tensor:
+        """[N*k] pair indices n*k + j, grouped by expert, row-major within one"""
+        if self.device_order is not None:
+            return self.device_order
+        return torch.tensor(self.host_order, device=self.ids.device)
+
+    @cached_property
+    def host_rows(self) -> list[int] | None:
+        """order // k on the host, where grouped there"""
+        k = self.ids.shape[1]
+        return None if self.host_order is None else [i // k for i in self.host_order]
+
+    @cached_property
+    def sorted_ids(self) -> Tensor:
+        """[N*k] ids.reshape(-1)[order]"""
+        return self.ids.reshape(-1)[self.order]
+
+    @cached_property
+    def rows(self) -> Tensor:
+        """[N*k] order // k"""
+        return self.order // self.ids.shape[1]
+
+    @cached_property
+    def cols(self) -> Tensor:
+        """[N*k] order % k"""
+        return self.order % self.ids.shape[1]
+
+
+# Pairs up to which a routing is grouped on the host: one read of the ids and a sort in Python
+# (a few microseconds for a decode or verify pass) instead of six tensor ops and a read.
+HOST_GROUP_PAIRS = 512
 
 
 def group_routes(ids: Tensor) -> RouteGroups:
     """Group the pairs of `ids` [N, k] by expert."""
-    k = ids.shape[1]
+    N, k = ids.shape
+    if N * k <= HOST_GROUP_PAIRS:
+        # the one host read of a routing (the store needs the expert ids on the host)
+        vals = [e for row in ids.tolist() for e in row]
+        order = sorted(range(N * k), key=vals.__getitem__)       # stable, as argsort(stable=True)
+        experts: list[int] = []
+        counts: list[int] = []
+        for i in order:
+            e = vals[i]
+            if experts and experts[-1] == e:
+                counts[-1] += 1
+            else:
+                experts.append(e)
+                counts.append(1)
+        return RouteGroups(ids, experts, counts, host_order=order)
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat[order]
-    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    # the one host read of a routing (the store needs the expert ids on the host): one copy
-    host = torch.cat((uniq, counts)).tolist()
+    order_t = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order_t]
+    uniq, counts_t = torch.unique_consecutive(sorted_ids, return_counts=True)
+    # the one host read of a routing: one copy
+    host = torch.cat((uniq, counts_t)).tolist()
     n = uniq.numel()
-    return RouteGroups(order, sorted_ids, order // k, order % k, host[:n], host[n:])
+    groups = RouteGroups(ids, host[:n], host[n:], device_order=order_t)
+    groups.sorted_ids = sorted_ids       # made anyway: kept
+    return groups
 
 
 class ModuleExperts:
@@ -219,23 +270,27 @@ class RoutedMoE(nn.Module):
         hint = getattr(experts, "prefetch", None)
         if prefetch is not None and hint is not None:
             hint(*prefetch)
-        if self.exact_order:
-            slots = x.new_zeros(N, k, x.shape[-1])
-        else:
-            out = x.new_zeros(N, x.shape[-1])
         fetched: list[ExpertWeights] | None = None
         resident = getattr(experts, "resident", None)
         if (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
                 and x.device.type == "cpu" and resident is not None
                 and (max(groups.counts, default=0) <= FUSED_MAX_ROWS or self._small_experts())
                 and resident(self.layer, groups.experts)):
-            fetched = [experts.get(self.layer, e) for e in groups.experts]
+            get_all = getattr(experts, "get_all", None)
+            fetched = (get_all(self.layer, groups.experts) if get_all is not None
+                       else [experts.get(self.layer, e) for e in groups.experts])
             y = self._run_fused(x, groups, fetched)
-            if y is not None and (summed := fused.slot_sum(y, groups.order, weights)) is not None:
+            order = groups.host_order if groups.host_order is not None else groups.order
+            if y is not None and (summed := fused.slot_sum(y, order, weights)) is not None:
                 return summed          # one native pass: the same products and sums as below
             if y is not None:
+                slots = x.new_zeros(N, k, x.shape[-1])
                 slots.index_put_((groups.rows, groups.cols), y * weights[groups.rows, groups.cols, None])
                 return _sum_slots(slots)
+        if self.exact_order:
+            slots = x.new_zeros(N, k, x.shape[-1])
+        else:
+            out = x.new_zeros(N, x.shape[-1])
         start = 0
         for i, (e, c) in enumerate(zip(groups.experts, groups.counts, strict=True)):
             rows, cols = groups.rows[start:start + c], groups.cols[start:start + c]
@@ -265,19 +320,22 @@ class RoutedMoE(nn.Module):
             return None
         qg, qu, qd = (cast(list[QuantizedMatrix], m) for m in (gates, ups, downs))
         counts = groups.counts
-        xs = x[groups.rows]
-        gu = experts_matmul_q8([[g, u] for g, u in zip(qg, qu, strict=True)], xs, counts)
+        pairs = [[g, u] for g, u in zip(qg, qu, strict=True)]
+        if groups.host_rows is not None:       # each routed row read where it is
+            gu = experts_matmul_q8(pairs, x, counts, groups.host_rows, checked=True)
+        else:
+            gu = experts_matmul_q8(pairs, x[groups.rows], counts, checked=True)
         if x.dtype != torch.float32:
             gu = gu.to(x.dtype)
         if _whole_vectors(gu[0]):
             h = self.act(gu[0], gu[1])          # one call for all experts: the same bits, fewer ops
         else:
-            h = torch.empty(xs.shape[0], gu.shape[-1], dtype=x.dtype)
+            h = torch.empty(gu.shape[1], gu.shape[-1], dtype=x.dtype)
             start = 0
             for c in counts:   # per expert: an elementwise kernel's bits may depend on its length
                 h[start:start + c] = self.act(gu[0, start:start + c], gu[1, start:start + c])
                 start += c
-        y = experts_matmul_q8([[d] for d in qd], h, counts)[0]
+        y = experts_matmul_q8([[d] for d in qd], h, counts, checked=True)[0]
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _run_batched(self, x: Tensor, groups: RouteGroups, weights: Tensor) -> Tensor:

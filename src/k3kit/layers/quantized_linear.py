@@ -148,6 +148,9 @@ class QuantizedLinear(nn.Module):
         # the CPU product (native kernel or chunked GEMM) reads the bytes through numpy
         cpu = raw.device.type == "cpu" and self.dense is None and self.mode == "auto"
         self.matrix = QuantizedMatrix(raw, self.qtype, shape, self.dtype, arith=self.arith) if cpu else None
+        # the matrix when its products are the native kernel's in ggml arithmetic (forward's short way)
+        m = self.matrix
+        self._q8 = m if m is not None and m.arith == "ggml" and m.native else None
         self.triton = self.dense is None and _use_triton(self.mode, self.qtype, raw.device)
 
     def _apply(self, fn, recurse=True):
@@ -186,6 +189,10 @@ class QuantizedLinear(nn.Module):
                 f"qtype={self.qtype.name}, bias={self.bias is not None}, device={self.raw.device.type}")
 
     def forward(self, x: Tensor) -> Tensor:
+        q8 = self._q8
+        if q8 is not None and self.check is None and self.bias is None and x.dim() >= 2 \
+                and x.shape[-1] == self.in_features and x.device.type == "cpu":
+            return q8._matmul_q8(x)   # a decode step's products: what the general way below reaches
         if self.check is not None:
             self.check()          # raises on a corrupt tensor; kept until it has passed once
             self.check = None

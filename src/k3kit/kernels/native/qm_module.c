@@ -39,6 +39,26 @@ static void run_split(job_t base, int threads) {
     base.fn(base.w, 0, base.n_out, base.n_out, base.k, base.x, base.m, base.y, base.scratch);
 }
 
+/* A float32 array argument: a buffer, or an int, the address of `floats` floats that the caller
+ * vouches for (Python callers that have just made the tensors and checked their shapes: a decode
+ * step's products skip building a buffer object for each). An address gets a buffer without an
+ * owner (its release is a no-op) whose length is the expected one, so the size checks below pass. */
+static int float_arg(PyObject *o, Py_buffer *b, int writable, Py_ssize_t floats) {
+    if (PyLong_Check(o)) {
+        void *p = PyLong_AsVoidPtr(o);
+        if (p == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null address for a float32 array");
+            return -1;
+        }
+        memset(b, 0, sizeof *b);
+        b->buf = p;
+        b->len = floats < 0 ? 0 : floats * (Py_ssize_t)sizeof(float);
+        b->readonly = !writable;
+        return 0;
+    }
+    return PyObject_GetBuffer(o, b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE);
+}
+
 /* matmul(qtype, w, x, y, n_out, k, m, simd=-1, threads=1, path=-1): y[m, n_out] = x[m, k] @ W.T
  * for a ggml matrix W[n_out, k] of type qtype (a GGMLQuantizationType value). w, x and y are
  * contiguous buffers (uint8, float32, float32); sizes are checked here. simd: -1 the best path,
@@ -144,12 +164,22 @@ static PyObject *py_quantize_q8(PyObject *self, PyObject *args) {
  * benchmarks): the same bits on every path and level. */
 static PyObject *py_matmul_q8(PyObject *self, PyObject *args) {
     Py_buffer w, x, y;
+    PyObject *x_obj, *y_obj;
     Py_ssize_t n_out, k, m;
     int qtype, simd = -1, threads = 1, variant = 1, path = -1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy*y*w*nnn|iiii", &qtype, &w, &x, &y, &n_out, &k, &m, &simd, &threads, &variant,
-                          &path))
+    if (!PyArg_ParseTuple(args, "iy*OOnnn|iiii", &qtype, &w, &x_obj, &y_obj, &n_out, &k, &m, &simd, &threads,
+                          &variant, &path))
         return NULL;
+    if (float_arg(x_obj, &x, 0, m * k) < 0) {
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    if (float_arg(y_obj, &y, 1, m * n_out) < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&x);
+        return NULL;
+    }
     PyObject *ret = NULL;
     const qtype_t *qt = find_qtype(qtype);
     const i8type_t *it = find_i8type(qtype);

@@ -213,25 +213,28 @@ PyObject *py_matmul_heads(PyObject *self, PyObject *args) {
  * product of one projection (or gate and up together) in one parallel region, each segment of
  * x quantized once for all the matrices that multiply it. */
 
-/* experts_q8(qtype, ws, x, y, counts, n_out, k, per, threads=1): x float32 [P, k] is segments
+/* experts_q8(qtype, ws, x, y, counts, n_out, k, per, threads=1, rows=None): x float32 [P, k] is segments
  * of counts[s] rows (P = sum(counts), segment s from row sum(counts[:s])), ws a sequence of
  * len(counts) * per weight buffers, each a ggml matrix [n_out, k] of type qtype; matrix j < per
  * of segment s (ws[s * per + j]) multiplies that segment's rows into y[j] (float32 [per, P,
  * n_out]) at the same rows. Each segment's result is bit for bit matmul_q8(qtype, ws[s * per +
  * j], x_s, y_s, n_out, k, counts[s]) (variant 1, path -1: the same kernels for the same row
  * count), the output columns of every product split over the threads inside one parallel
- * region; a result never depends on the split. */
+ * region; a result never depends on the split. rows (a sequence of P ints, or None): x is then
+ * float32 [X, k] and row i of the segments is x's row rows[i] (each in [0, X)): the rows a
+ * routing sends to several experts are read where they are, not gathered into a copy first. */
 PyObject *py_experts_q8(PyObject *self, PyObject *args) {
-    PyObject *ws_obj, *counts_obj;
+    PyObject *ws_obj, *counts_obj, *rows_obj = Py_None;
     Py_buffer x, y;
     Py_ssize_t n_out, k;
     int qtype, per, threads = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOy*w*Onni|i", &qtype, &ws_obj, &x, &y, &counts_obj, &n_out, &k, &per, &threads))
+    if (!PyArg_ParseTuple(args, "iOy*w*Onni|iO", &qtype, &ws_obj, &x, &y, &counts_obj, &n_out, &k, &per, &threads,
+                          &rows_obj))
         return NULL;
-    PyObject *ret = NULL, *ws_seq = NULL, *counts_seq = NULL;
+    PyObject *ret = NULL, *ws_seq = NULL, *counts_seq = NULL, *rows_seq = NULL;
     Py_buffer *wb = NULL;
-    int64_t *cnt = NULL;
+    int64_t *cnt = NULL, *xrow = NULL;
     heads_buf_t *bufs = NULL;
     uint8_t *scratch = NULL;
     Py_ssize_t nw = 0, got = 0, E = 0, P = 0;
@@ -284,8 +287,32 @@ PyObject *py_experts_q8(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    if (x.len != P * k * (Py_ssize_t)sizeof(float) || y.len != per * P * n_out * (Py_ssize_t)sizeof(float)) {
-        PyErr_SetString(PyExc_ValueError, "experts_q8: activation or output buffer has the wrong size");
+    if (rows_obj != Py_None) {
+        const Py_ssize_t X = k > 0 ? x.len / (k * (Py_ssize_t)sizeof(float)) : 0;
+        rows_seq = PySequence_Fast(rows_obj, "experts_q8: rows must be a sequence of ints");
+        if (rows_seq == NULL) goto done;
+        if (PySequence_Fast_GET_SIZE(rows_seq) != P || x.len != X * k * (Py_ssize_t)sizeof(float)) {
+            PyErr_SetString(PyExc_ValueError, "experts_q8: rows do not name one x row per segment row");
+            goto done;
+        }
+        xrow = malloc(sizeof *xrow * (size_t)(P + 1));
+        if (!xrow) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < P; i++) {
+            xrow[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(rows_seq, i));
+            if (xrow[i] < 0 || xrow[i] >= X) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "experts_q8: a row is outside x");
+                goto done;
+            }
+        }
+    } else if (x.len != P * k * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "experts_q8: activation buffer has the wrong size");
+        goto done;
+    }
+    if (y.len != per * P * n_out * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "experts_q8: output buffer has the wrong size");
         goto done;
     }
     if (P == 0 || n_out == 0 || k == 0) {
@@ -326,7 +353,8 @@ PyObject *py_experts_q8(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t s = 0, off = 0; s < E; off += cnt[s], s++)
             for (int64_t r = 0; r < cnt[s]; r++)
-                prepare_x_row(xs + (off + r) * k, k, it->act_q8k, 1, it->G, bufs[s].qbuf, &bufs[s].xl, r);
+                prepare_x_row(xs + (xrow ? xrow[off + r] : off + r) * k, k, it->act_q8k, 1, it->G, bufs[s].qbuf,
+                              &bufs[s].xl, r);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nthreads) schedule(static, 1) if (nthreads > 1)
 #endif
@@ -355,9 +383,11 @@ done:
     free(bufs);
     free(wb);
     free(cnt);
+    free(xrow);
     free(scratch);
     Py_XDECREF(ws_seq);
     Py_XDECREF(counts_seq);
+    Py_XDECREF(rows_seq);
     PyBuffer_Release(&x);
     PyBuffer_Release(&y);
     return ret;

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from k3kit.layers.moe import ExpertProvider, ExpertWeights, RoutedMoE
 from k3kit.layers.norm import rms_norm
+from k3kit.layers.quantized_linear import fused_products
 
 from .activations import situ
 from .config import K3ModelConfig
@@ -70,6 +71,10 @@ class DenseFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.cfg
+        gu = fused_products((self.gate_proj, self.up_proj), x)     # quantized: one call, the same bits
+        if gu is not None:
+            y = self.down_proj(situ(gu[0], gu[1], cfg.situ_beta, cfg.situ_linear_beta))
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
         return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), cfg.situ_beta, cfg.situ_linear_beta))
 
 
