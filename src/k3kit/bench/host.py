@@ -152,7 +152,7 @@ class _Clock:
 
 # (module, attribute) pairs: where the native extensions are called from
 _NATIVE_CALLERS = (("k3kit.kernels.qmatmul", "_qmatmul"), ("k3kit.kernels.kda_step", "_kda"),
-                   ("k3kit.kernels.fused", "_fused"))
+                   ("k3kit.kernels.fused", "_fused"), ("k3kit.layers.quantized_linear", "_qmatmul"))
 
 
 @contextmanager
