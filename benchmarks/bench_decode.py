@@ -1,13 +1,15 @@
 """Prefill and AR decode tok/s: k3kit's engine vs llama.cpp, same GGUF, same thread count.
 
     python benchmarks/bench_decode.py [--threads 1] [--prompt 64] [--tokens 32] [--dir /tmp]
-                                      [--slice-prompts 4,64] [--slice-tokens 3] [--model PATH]
+                                      [--slice-prompts 4,64] [--slice-tokens 3] [--slice-layers 2]
+                                      [--slice-experts 16] [--model PATH]
                                       [--expert-kernels auto,native,torch]
 
 Models: the shipped mini K3 if built (else a random tiny K3 converted with `k3kit convert
 target`, Q8_0 trunk, 16 MXFP4 experts), and a K3-geometry slice from `k3kit synth` (hidden
 7168, K3 expert and MLA dims, 8 heads, 2 layers, 16 experts, vocab 512; the same file as
-tests/runtime/test_engine_memory.py). Engine: f32 compute on the small model, bf16 on the
+tests/runtime/test_engine_memory.py; `--slice-layers` / `--slice-experts` make it deeper: each
+layer is ~2 GB, held by both engines in turn). Engine: f32 compute on the small model, bf16 on the
 slice, expert cache big enough for every expert and, on the slice, 128 MiB; each expert kernel
 asked for (native: quantized cache, MXFP4 blocks multiplied directly; torch: dequantized cache).
 llama.cpp: llama-cpp-python, F32 KV cache, weight repacking off (on a CPU with AMX-INT8 llama.cpp
@@ -106,6 +108,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--slice-prompts", default="4,64", help="comma-separated slice prompt lengths")
     ap.add_argument("--slice-tokens", type=int, default=3)
+    ap.add_argument("--slice-layers", type=int, default=2, help="the slice's layers (each ~2 GB)")
+    ap.add_argument("--slice-experts", type=int, default=16, help="routed experts per slice layer")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--model", default=None, help="small model GGUF (default: shipped mini or a tiny one)")
     ap.add_argument("--no-slice", action="store_true")
@@ -135,10 +139,12 @@ def main() -> None:
             row(f"{label}, f32, all cached, {k}", ours[:2], peer)
         if args.no_slice:
             return
-        r = synthesize(tmp / "slice", replace(K3, n_dense_lead=0, n_head=8), 2, 16, vocab=512, progress=False,
-                       name="k3slice")
+        r = synthesize(tmp / "slice", replace(K3, n_dense_lead=0, n_head=8), args.slice_layers,
+                       args.slice_experts, vocab=512, progress=False, name="k3slice")
         sl = r.paths[0]
-        print(f"K3 slice: decode {args.slice_tokens} tokens (greedy), two requests per prompt, one load")
+        print(f"K3 slice ({args.slice_layers} layers, {args.slice_experts} experts, "
+              f"{Path(sl).stat().st_size / 1e9:.1f} GB): decode {args.slice_tokens} tokens (greedy), "
+              "two requests per prompt, one load")
         for n_prompt in (int(x) for x in args.slice_prompts.split(",")):
             p = prompts(1, 400, seed=3, lo=n_prompt, hi=n_prompt)[0]
             peer = llama_speed(sl, p, args.slice_tokens, args.threads, requests=2)

@@ -11,8 +11,8 @@ snippets ("config = ", ...) where the model would not write JSON by itself.
 
 Each round runs every prompt through `k3kit.runtime.engine.generate` (the loop `k3kit generate`
 runs; greedy) in four configurations, in turns so that a drifting machine slows all alike: AR
-free, AR under the schema, DSpark free, DSpark under the schema (the drafter does not know the
-grammar: proposals it forbids are rejected by the target's masked rows). A free run is cut at
+free, AR under the schema, DSpark free, DSpark under the schema (the drafter proposes under the
+grammar too, row by row, and the target's rows are masked the same way). A free run is cut at
 the number of tokens its prompt's schema run produced, so both decode the same number of tokens.
 
 Reported per configuration: decode tok/s (median over rounds of the tokens over the decode time
