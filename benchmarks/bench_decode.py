@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decode.py [--threads 1] [--prompt 64] [--tokens 32] [--dir /tmp]
                                       [--slice-prompts 4,64] [--slice-tokens 3] [--slice-layers 2]
-                                      [--slice-experts 16] [--model PATH]
+                                      [--slice-experts 16] [--slice-caches 4096,128] [--model PATH]
                                       [--expert-kernels auto,native,torch]
 
 Models: the shipped mini K3 if built (else a random tiny K3 converted with `k3kit convert
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--slice-tokens", type=int, default=3)
     ap.add_argument("--slice-layers", type=int, default=2, help="the slice's layers (each ~2 GB)")
     ap.add_argument("--slice-experts", type=int, default=16, help="routed experts per slice layer")
+    ap.add_argument("--slice-caches", default="4096,128", help="comma-separated expert cache sizes (MiB)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--model", default=None, help="small model GGUF (default: shipped mini or a tiny one)")
     ap.add_argument("--no-slice", action="store_true")
@@ -149,7 +150,7 @@ def main() -> None:
             p = prompts(1, 400, seed=3, lo=n_prompt, hi=n_prompt)[0]
             peer = llama_speed(sl, p, args.slice_tokens, args.threads, requests=2)
             for k in kernels:
-                for cache in (4096, 128):
+                for cache in (float(c) for c in args.slice_caches.split(",")):
                     ours = engine_speed(sl, p, args.slice_tokens, torch.bfloat16, cache, requests=2, kernel=k)
                     for i, when in enumerate(("cold", "warm")):
                         row(f"slice, p{n_prompt}, {cache} MiB, {k}, {when}", ours[i][:2], peer[i])

@@ -34,7 +34,10 @@ from k3kit.kernels import gpu  # noqa: E402
 from k3kit.kernels.dequant import dequantize  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TYPES = [T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16, T.IQ4_NL, T.IQ4_XS]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.MXFP4,
+         T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
+         T.TQ1_0, T.TQ2_0, T.F16, T.BF16]
+assert set(TYPES) == set(gpu.SUPPORTED)
 if not gpu.available(DEV):
     pytest.skip("Triton kernels cannot run here (TRITON_INTERPRET=0 without CUDA)", allow_module_level=True)
 
@@ -132,5 +135,5 @@ def test_bad_bytes_are_one_line_errors():
     raw = _raw(T.Q8_0, 64, 2, seed=0).to(DEV)
     with pytest.raises(ValueError, match="needs 136 bytes"):
         gpu.matmul(torch.ones(1, 64, device=DEV), raw[:-1].contiguous(), T.Q8_0, 64, 2)
-    with pytest.raises(ValueError, match="no Triton kernel for ggml type Q2_K"):
-        gpu.dequantize(raw, T.Q2_K, (256, 1))
+    with pytest.raises(ValueError, match="no Triton kernel for ggml type NVFP4"):
+        gpu.dequantize(raw, T.NVFP4, (64, 2))

@@ -26,8 +26,10 @@ from gguf import GGMLQuantizationType
 T = GGMLQuantizationType
 
 # ggml types with a Triton decoder (kernels/gpu/decode.py)
-SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(
-    {T.Q8_0, T.Q4_K, T.MXFP4, T.Q6_K, T.Q5_K, T.F16, T.BF16, T.IQ4_NL, T.IQ4_XS})
+SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
+    T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.MXFP4,
+    T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
+    T.TQ1_0, T.TQ2_0, T.F16, T.BF16})
 # Rows up to which `matmul` runs the row-invariant GEMV kernel (kept equal to kernels.GEMV_MAX_ROWS,
 # here so that asking does not import triton).
 GEMV_MAX_ROWS = 16

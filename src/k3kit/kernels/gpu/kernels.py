@@ -30,14 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from k3kit.kernels.gpu.decode import GROUPS, TILE_K, tile
+from k3kit.kernels.gpu.decode import GROUPS, TILE_K, grid_table, tile
 
 GEMV_MAX_ROWS = 16
 # Output rows per GEMV program by type, 4 warps: the best of 4-32 x 4-8 warps at 1 row of
 # 7168 x 18432 on an H200 (benchmarks/bench_gpu_qmatmul.py --sweep): Q8_0 8 (1.10 TB/s),
-# Q4_K 16 (0.59 TB/s), MXFP4 16 (0.33 TB/s). Not swept: Q6_K, Q5_K, IQ4_NL, IQ4_XS (as Q4_K), F16,
-# BF16 (as Q8_0).
-GEMV_BN = {8: 8, 12: 16, 13: 16, 14: 16, 39: 16, 1: 8, 30: 8, 20: 16, 23: 16}
+# Q4_K 16 (0.59 TB/s), MXFP4 16 (0.33 TB/s). Not swept: the other types (16 as Q4_K; F16 and BF16
+# 8 as Q8_0).
+GEMV_BN = {qt: 8 if qt in (8, 1, 30) else 16 for qt in GROUPS}
 GEMV_WARPS = 4
 # Which GEMV kernel `gemv` runs: `_gemv_rows` (True: each weight tile decoded once for all rows)
 # or `_gemv` (False: one program per row of x, the tile decoded again for each row).
@@ -48,7 +48,7 @@ _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
+def _gemv(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
           QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
     pid = tl.program_id(0)
     m = pid % M
@@ -58,7 +58,7 @@ def _gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
     xrow = x_ptr + m.to(tl.int64) * K
     acc = tl.zeros([BN, G, S], dtype=tl.float32)
     for t in range(0, tl.cdiv(K, G * S)):
-        w, k = tile(QT, row, t, nmask, K, G, S)
+        w, k = tile(QT, row, t, nmask, K, G, S, tab)
         xv = tl.load(xrow + k, mask=k < K, other=0.0)
         acc += w * xv
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -66,7 +66,7 @@ def _gemv(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_rows(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
+def _gemv_rows(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
                QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr, RMAX: tl.constexpr):
     """All M (<= RMAX) rows of x in one program per BN output rows: each weight tile decoded once,
     then for each row a [BN, G] partial sum of the tile added to that row's slot of the
@@ -78,7 +78,7 @@ def _gemv_rows(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
     slot = tl.arange(0, RMAX)[:, None, None]
     acc = tl.zeros([RMAX, BN, G], dtype=tl.float32)
     for t in range(0, tl.cdiv(K, G * S)):
-        w, k = tile(QT, row, t, nmask, K, G, S)
+        w, k = tile(QT, row, t, nmask, K, G, S, tab)
         for r in range(0, M):
             xv = tl.load(x_ptr + r * K + k, mask=k < K, other=0.0)
             part = tl.sum(w * xv, axis=2)
@@ -89,7 +89,7 @@ def _gemv_rows(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
 
 
 @triton.jit
-def _gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
+def _gemm(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
           QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
           DOT: tl.constexpr):
     om = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -99,7 +99,7 @@ def _gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
     xrows = x_ptr + om.to(tl.int64)[:, None] * K
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for t in range(0, tl.cdiv(K, G * S)):
-        w, k = tile(QT, row, t, nmask, K, G, S)
+        w, k = tile(QT, row, t, nmask, K, G, S, tab)
         w2 = tl.reshape(w, [BN, G * S])
         k2 = tl.reshape(k, [G * S])[None, :]
         xt = tl.load(xrows + k2, mask=(om[:, None] < M) & (k2 < K), other=0.0)
@@ -114,14 +114,25 @@ def _gemm(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
 
 
 @triton.jit
-def _dequant(w_ptr, out_ptr, N, K, row_bytes,
+def _dequant(w_ptr, tab, out_ptr, N, K, row_bytes,
              QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
     t = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = (n < N)[:, None, None]
     row = w_ptr + n.to(tl.int64)[:, None, None] * row_bytes
-    w, k = tile(QT, row, t, nmask, K, G, S)
+    w, k = tile(QT, row, t, nmask, K, G, S, tab)
     tl.store(out_ptr + n.to(tl.int64)[:, None, None] * K + k, w, mask=nmask & (k < K))
+
+
+_GRIDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _grids(device: torch.device) -> torch.Tensor:
+    """The IQ grid table (decode.GRIDS) on `device`, made once per device."""
+    t = _GRIDS.get(device)
+    if t is None:
+        t = _GRIDS[device] = torch.tensor(grid_table(), dtype=torch.float32, device=device)
+    return t
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, qtype: int, n_in: int, n_out: int,
@@ -136,11 +147,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, qtype: int, n_in: int, n_out: int,
     g, s = GROUPS[qtype]
     bn = bn or GEMV_BN[qtype]
     if GEMV_ONE_PROGRAM if rows_kernel is None else rows_kernel:
-        _gemv_rows[(triton.cdiv(n_out, bn),)](x, w, y, m, n_out, n_in, w.numel() // n_out, QT=qtype,
-                                              BN=bn, G=g, S=s, RMAX=GEMV_MAX_ROWS, num_warps=GEMV_WARPS)
+        _gemv_rows[(triton.cdiv(n_out, bn),)](x, w, _grids(w.device), y, m, n_out, n_in, w.numel() // n_out,
+                                              QT=qtype, BN=bn, G=g, S=s, RMAX=GEMV_MAX_ROWS,
+                                              num_warps=GEMV_WARPS)
         return y
     grid = (triton.cdiv(n_out, bn) * m,)
-    _gemv[grid](x, w, y, m, n_out, n_in, w.numel() // n_out,
+    _gemv[grid](x, w, _grids(w.device), y, m, n_out, n_in, w.numel() // n_out,
                 QT=qtype, BN=bn, G=g, S=s, num_warps=GEMV_WARPS)
     return y
 
@@ -152,7 +164,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, n_in: int, n_out: int) ->
     y = torch.empty(m, n_out, dtype=torch.float32, device=x.device)
     g, s = GROUPS[qtype]
     grid = (triton.cdiv(n_out, GEMM_BN), triton.cdiv(m, GEMM_BM))
-    _gemm[grid](xf, w, y, m, n_out, n_in, w.numel() // n_out,
+    _gemm[grid](xf, w, _grids(w.device), y, m, n_out, n_in, w.numel() // n_out,
                 QT=qtype, BM=GEMM_BM, BN=GEMM_BN, G=g, S=s, DOT=_DOT[x.dtype], num_warps=GEMM_WARPS,
                 num_stages=GEMM_STAGES)
     return y
@@ -172,6 +184,6 @@ def dequantize(w: torch.Tensor, qtype: int, n_in: int, n_out: int,
         return out
     g, s = GROUPS[qtype]
     grid = (triton.cdiv(n_out, DEQUANT_BN), triton.cdiv(n_in, TILE_K))
-    _dequant[grid](w, out, n_out, n_in, w.numel() // n_out,
+    _dequant[grid](w, _grids(w.device), out, n_out, n_in, w.numel() // n_out,
                    QT=qtype, BN=DEQUANT_BN, G=g, S=s, enable_fp_fusion=False)
     return out
