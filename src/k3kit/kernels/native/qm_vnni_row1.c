@@ -178,7 +178,7 @@ __attribute__((target(VBMI_TARGET))) void i8direct_mxfp4_vbmi(const i8job_t *jb,
             __m512i z[8];
             __m512 ws, wm;
             zqg_mxfp4(gp, (int)((k - nfull * gv) / 32), z);
-            zsg_mxfp4(gp, (int)((k - nfull * gv) / 32), &ws, &wm);
+            zsp_mxfp4(gp, (int)((k - nfull * gv) / 32), &ws, &wm);
             fd_group(z, 8, ws, wm, 0, MXFP4_FDB, xl, xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1, &acc);
         }
         jb->y[r0 * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc),
