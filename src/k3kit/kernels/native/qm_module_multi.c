@@ -61,6 +61,33 @@ static int heads_buf_alloc(heads_buf_t *b, int64_t m, int64_t ngroups, int64_t g
     return ok;
 }
 
+/* The same buffers as heads_buf_alloc (no panels), carved from `*arena` (advanced; NULL: only
+ * counted, the bytes added to *need): a call with many segments makes one allocation instead of
+ * six to ten per segment (a verify pass's routed experts: ~20 segments of one or two rows, where
+ * the allocations cost about what the products do). Carved buffers are freed with the arena. */
+static void heads_buf_carve(heads_buf_t *b, uint8_t **arena, size_t *need, int64_t m, int64_t ngroups,
+                            int64_t gv, int64_t qbytes, int transposed) {
+    const size_t vals = (size_t)(m * ngroups * gv + 64), lanes = (size_t)(m * ngroups * 16 * 4 + 64);
+    const size_t sizes[10] = {vals, vals, lanes, lanes, lanes, (size_t)qbytes + 64,
+                              transposed ? vals : 0, transposed ? lanes : 0, transposed ? lanes : 0,
+                              transposed ? lanes : 0};
+    void **where[10] = {(void **)&b->xl.q, (void **)&b->xl.xn, (void **)&b->xl.dx, (void **)&b->xl.dxs,
+                        (void **)&b->xl.corr, (void **)&b->qbuf, (void **)&b->xl.qt, (void **)&b->xl.dxt,
+                        (void **)&b->xl.dxst, (void **)&b->xl.corrt};
+    memset(b, 0, sizeof *b);
+    b->xl.ngroups = ngroups;
+    b->xl.gv = gv;
+    for (int i = 0; i < 10; i++) {
+        if (sizes[i] == 0) continue;
+        const size_t n = (sizes[i] + 63) / 64 * 64;
+        if (arena != NULL) {
+            *where[i] = *arena;
+            *arena += n;
+        }
+        *need += n;
+    }
+}
+
 /* What every head of one call shares. */
 typedef struct {
     const uint8_t *w;
@@ -235,6 +262,7 @@ PyObject *py_experts_q8(PyObject *self, PyObject *args) {
     PyObject *ret = NULL, *ws_seq = NULL, *counts_seq = NULL, *rows_seq = NULL;
     Py_buffer *wb = NULL;
     int64_t *cnt = NULL, *xrow = NULL;
+    uint8_t *arena = NULL;
     heads_buf_t *bufs = NULL;
     uint8_t *scratch = NULL;
     Py_ssize_t nw = 0, got = 0, E = 0, P = 0;
@@ -325,9 +353,11 @@ PyObject *py_experts_q8(PyObject *self, PyObject *args) {
         const int nthreads = split_threads(n_out, k * (int64_t)nw, threads);
         const int64_t gv = 16 * (int64_t)it->G, ngroups = (k + gv - 1) / gv;
         const int64_t qbytes = it->act_q8k ? k / 256 * Q8_K_BYTES : k / 32 * 34;
-        /* per segment, matmul_q8's path -1 for its row count */
+        /* per segment, matmul_q8's path -1 for its row count; the segments' buffers in one arena */
         i8direct_fn *dfn = calloc((size_t)(E + 1), sizeof *dfn);
-        int ok = dfn != NULL, any_panels = 0;
+        int *tr = calloc((size_t)(E + 1), sizeof *tr);
+        int ok = dfn != NULL && tr != NULL, any_panels = 0;
+        size_t need = 0;
         for (Py_ssize_t s = 0; s < E && ok; s++) {
             const int64_t m = cnt[s];
             if (m == 0) continue;
@@ -337,8 +367,18 @@ PyObject *py_experts_q8(PyObject *self, PyObject *args) {
                                                                                             : it->direct[level];
             dfn[s] = own_direct_fn(it, qtype, d0, m);
             any_panels |= !direct;
-            ok = heads_buf_alloc(&bufs[s], m, ngroups, gv, qbytes, transposed, 0);
+            tr[s] = transposed;
+            heads_buf_carve(&bufs[s], NULL, &need, m, ngroups, gv, qbytes, transposed);
         }
+        if (ok) {
+            arena = aligned_alloc(64, need + 64);
+            ok = arena != NULL;
+            uint8_t *cursor = arena;
+            size_t used = 0;
+            for (Py_ssize_t s = 0; s < E && ok; s++)
+                if (cnt[s] > 0) heads_buf_carve(&bufs[s], &cursor, &used, cnt[s], ngroups, gv, qbytes, tr[s]);
+        }
+        free(tr);
         if (ok && any_panels) {
             scratch = aligned_alloc(64, (size_t)nthreads * I8_SCRATCH_BYTES);
             ok = scratch != NULL;
@@ -378,8 +418,7 @@ PyObject *py_experts_q8(PyObject *self, PyObject *args) {
     }
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&wb[i]);
-    if (bufs != NULL)
-        for (Py_ssize_t s = 0; s < E; s++) heads_buf_free(&bufs[s]);
+    free(arena);      /* every segment's buffers (carved: never freed one by one) */
     free(bufs);
     free(wb);
     free(cnt);

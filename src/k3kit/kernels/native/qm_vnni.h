@@ -74,8 +74,11 @@ __attribute__((target(VNNI_TARGET))) INLINE __m512i fold4(const __m512i *p) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
-/* One decoded group times RT rows of x: the lanes' float operations of lanes256, 16 at once. */
-__attribute__((target(VNNI_TARGET))) INLINE void fd_group(const __m512i *z, const int NZ, __m512 ws, __m512 mn,
+/* One decoded group times RT rows of x: the lanes' float operations of lanes256, 16 at once. Only
+ * the first `live` of the NZ vectors of z may be non-zero (a partial last group: the others hold
+ * no sub-block), so the others' products are the zero they would be, without loading x. */
+__attribute__((target(VNNI_TARGET))) INLINE void fd_group(const __m512i *z, const int NZ, const int live,
+                                                         __m512 ws, __m512 mn,
                                                          const int has_min, const int bias, const xlane_t *xl,
                                                          const int8_t *xq, int64_t xs, int64_t lx, int64_t ls,
                                                          const int RT, __m512 *acc) {
@@ -84,7 +87,8 @@ __attribute__((target(VNNI_TARGET))) INLINE void fd_group(const __m512i *z, cons
     for (int t = 0; t < RT; t++) {
         __m512i p[8];
         for (int m = 0; m < NZ; m++)
-            p[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[m], _mm512_loadu_si512(xq + t * xs + 64 * m));
+            p[m] = m < live ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[m], _mm512_loadu_si512(xq + t * xs + 64 * m))
+                            : _mm512_setzero_si512();
         __m512i s = _mm512_permutexvar_epi32(perm, NZ == 8 ? fold8(p) : fold4(p));
         if (bias) s = _mm512_add_epi32(s, _mm512_srai_epi32(_mm512_loadu_si512(xl->corr + lx + t * ls), shift));
         const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), ws);
@@ -195,7 +199,7 @@ __attribute__((target(VNNI_TARGET))) INLINE void zsp_mxfp4(const uint8_t *gp, in
                 __m512 ws, wm = _mm512_setzero_ps();                                               \
                 zq_##NAME_LC(gp, z);                                                               \
                 zs_##NAME_LC(gp, &ws, &wm);                                                        \
-                fd_group(z, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
+                fd_group(z, NZ, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
             }                                                                                      \
             if (g < ng) {                                                                          \
                 const uint8_t *gp = ri + g * gbytes;                                               \
@@ -204,7 +208,8 @@ __attribute__((target(VNNI_TARGET))) INLINE void zsp_mxfp4(const uint8_t *gp, in
                 __m512 ws, wm;                                                                     \
                 zqg_##NAME_LC(gp, nsub, z);                                                        \
                 zsp_##NAME_LC(gp, nsub, &ws, &wm);                                                 \
-                fd_group(z, NZ, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, RT, acc); \
+                fd_group(z, NZ, (nsub + 1) / 2, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, \
+                         RT, acc);                                                                 \
             }                                                                                      \
             for (int t = 0; t < RT; t++)                                                           \
                 jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc[t]),     \

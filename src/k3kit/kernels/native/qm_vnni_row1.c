@@ -102,7 +102,8 @@ __attribute__((target(VNNI_TARGET))) void i8direct_q4_k_row(const i8job_t *jb, i
             __m512 ws, wm;
             zqg_q4_k(gp, (int)((k - nfull * gv) / 32), z);
             zsg_q4_k(gp, (int)((k - nfull * gv) / 32), &ws, &wm);
-            fd_group(z, 8, ws, wm, 1, Q4_K_FDB, xl, xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1, &acc);
+            fd_group(z, 8, (int)((k - nfull * gv) / 32 + 1) / 2, ws, wm, 1, Q4_K_FDB, xl,
+                     xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1, &acc);
         }
         jb->y[r0 * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc),
                                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
@@ -179,7 +180,8 @@ __attribute__((target(VBMI_TARGET))) void i8direct_mxfp4_vbmi(const i8job_t *jb,
             __m512 ws, wm;
             zqg_mxfp4(gp, (int)((k - nfull * gv) / 32), z);
             zsp_mxfp4(gp, (int)((k - nfull * gv) / 32), &ws, &wm);
-            fd_group(z, 8, ws, wm, 0, MXFP4_FDB, xl, xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1, &acc);
+            fd_group(z, 8, (int)((k - nfull * gv) / 32 + 1) / 2, ws, wm, 0, MXFP4_FDB, xl,
+                     xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1, &acc);
         }
         jb->y[r0 * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc),
                                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
