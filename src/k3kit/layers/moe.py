@@ -91,7 +91,8 @@ class ExpertProvider(Protocol):
     it may read them, never changes what `get` returns); and `resident(layer, experts) -> bool`:
     whether all of them can be fetched and held at once (nothing read, nothing evicted), which
     lets `run_experts` run them in two native products (`_run_fused`) instead of one expert
-    after another."""
+    after another; and `get_all(layer, experts) -> list[ExpertWeights]`: `get` of each, in one
+    call (the fused path asks it when it has it)."""
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
