@@ -116,3 +116,43 @@ def test_quantized_dense_ffn_runs_gate_and_up_in_one_product():
         from k3kit.models.kimi_k3.activations import situ
         ref = ffn.down_proj(situ(ffn.gate_proj(x), ffn.up_proj(x), cfg.situ_beta, cfg.situ_linear_beta))
     assert y.shape == (2, 3, d) and torch.equal(y, ref) and y.abs().sum() > 0
+
+
+def _file_store(path, **kw):
+    from k3kit.runtime.experts import ExpertStore, ExpertTensor
+    return ExpertStore({0: [ExpertTensor(path, 0, T.MXFP4, (256, 64), 6, "gate")]}, cache_mib=64,
+                       keep="quantized", **kw)
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["read-ahead", "no-read-ahead"])
+def test_get_resident_is_plan_and_get_in_one_step(tmp_path, ahead):
+    """All cached and nothing read: the same weights, hits, recency and plan state as plan + get;
+    anything else: None and nothing changed."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 6 * 64 * 8 * 17, dtype=np.uint8)
+    data.reshape(-1, 17)[:, 0] = 120
+    path = tmp_path / "experts.bin"
+    path.write_bytes(data.tobytes())
+    with _file_store(path, read_ahead=ahead) as a, _file_store(path, read_ahead=ahead) as b:
+        for s in (a, b):
+            assert s.get_resident(0, [1, 4]) is None          # not cached yet: nothing done
+            s.get(0, range(6))
+            s.get(0, [2, 0])                                  # recency: 2 and 0 the latest
+        assert a._reads_ahead(0) == ahead
+        a.plan(0, [1, 4])
+        want = a.get(0, [1, 4])
+        got = b.get_resident(0, [1, 4])
+        assert got is not None and len(got) == 2
+        for e, w in zip([1, 4], got, strict=True):
+            assert torch.equal(w[0].raw, want[e][0].raw)
+        assert a.stats().hits == b.stats().hits and a.stats().misses == b.stats().misses
+        assert a.stats().per_layer[0].hits == b.stats().per_layer[0].hits
+        assert list(a._cache._entries) == list(b._cache._entries)
+        assert a._cache.protect == b._cache.protect
+        assert (a._planned, a._plan_order, a._plan_rank) == (b._planned, b._plan_order, b._plan_rank)
+        if ahead:                                             # a guess for the layer: plan's work
+            b.prefetch(0, [3])
+            hits = b.stats().hits
+            assert b.get_resident(0, [1, 4]) is None and b.stats().hits == hits

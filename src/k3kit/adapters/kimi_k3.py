@@ -114,6 +114,17 @@ class StoreExperts:
         self.requests += len(experts)
         return [self._on_device(layer, got[e]) for e in experts]
 
+    def take_resident(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights] | None:
+        """`plan` and `get_all` in one step where every one of `experts` (distinct, ascending) is
+        cached on a CPU layer and the store reads nothing (ExpertStore.get_resident); else None."""
+        if self.layer_dev[layer].type != "cpu":
+            return None
+        got = self.store.get_resident(layer, experts)
+        if got is None:
+            return None
+        self.requests += len(experts)
+        return [ExpertWeights(*w) for w in got]
+
     def _on_device(self, layer: int, weights: Sequence[Tensor | QuantizedMatrix]) -> ExpertWeights:
         dev = self.layer_dev[layer]
         if dev.type == "cpu" and not any(isinstance(w, Tensor) and w.device != dev for w in weights):

@@ -91,8 +91,10 @@ class ExpertProvider(Protocol):
     it may read them, never changes what `get` returns); and `resident(layer, experts) -> bool`:
     whether all of them can be fetched and held at once (nothing read, nothing evicted), which
     lets `run_experts` run them in two native products (`_run_fused`) instead of one expert
-    after another; and `get_all(layer, experts) -> list[ExpertWeights]`: `get` of each, in one
-    call (the fused path asks it when it has it)."""
+    after another; `get_all(layer, experts) -> list[ExpertWeights]`: `get` of each, in one
+    call (the fused path asks it when it has it); and `take_resident(layer, experts)`: the plan
+    and `get_all` in one step when every one of them is held and nothing is being read (else
+    None, and nothing done), asked first by the fused path."""
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
@@ -265,21 +267,24 @@ class RoutedMoE(nn.Module):
                   prefetch: tuple[int, Sequence[int]] | None = None) -> Tensor:
         """Fetch each distinct expert once, in plan order, and run all its rows together."""
         N, k = weights.shape
+        fusable = (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
+                   and x.device.type == "cpu"
+                   and (max(groups.counts, default=0) <= FUSED_MAX_ROWS or self._small_experts()))
+        # all cached, nothing in flight: the plan and the fetches in one step (a decode step's usual case)
+        take = getattr(experts, "take_resident", None) if fusable else None
+        fetched: list[ExpertWeights] | None = take(self.layer, groups.experts) if take is not None else None
         plan = getattr(experts, "plan", None)
-        if plan is not None:
+        if plan is not None and fetched is None:
             plan(self.layer, groups.experts)
         hint = getattr(experts, "prefetch", None)
         if prefetch is not None and hint is not None:
             hint(*prefetch)
-        fetched: list[ExpertWeights] | None = None
         resident = getattr(experts, "resident", None)
-        if (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
-                and x.device.type == "cpu" and resident is not None
-                and (max(groups.counts, default=0) <= FUSED_MAX_ROWS or self._small_experts())
-                and resident(self.layer, groups.experts)):
+        if fetched is None and fusable and resident is not None and resident(self.layer, groups.experts):
             get_all = getattr(experts, "get_all", None)
             fetched = (get_all(self.layer, groups.experts) if get_all is not None
                        else [experts.get(self.layer, e) for e in groups.experts])
+        if fetched is not None:
             y = self._run_fused(x, groups, fetched)
             order = groups.host_order if groups.host_order is not None else groups.order
             if y is not None and (summed := fused.slot_sum(y, order, weights)) is not None:

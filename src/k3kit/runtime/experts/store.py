@@ -346,6 +346,39 @@ class ExpertStore(ReadAhead):
                                                              populate=False)
         return {e: self._fetch(layer, e) for e in ids}
 
+    def get_resident(self, layer: int, expert_ids: Sequence[int]) -> list[tuple[Weight, ...]] | None:
+        """`plan(layer, expert_ids)` then `get(layer, expert_ids)` in one step, for a decode step
+        whose experts are all cached: the weights in the order of `expert_ids` (distinct,
+        ascending, as `get` returns them), with the same bookkeeping (the hits counted, the
+        cache's recency, the plan's state). None, and nothing done, unless every one is cached
+        and nothing is read, queued, guessed for this layer, orphaned or waiting to be unmapped:
+        there the plan and the fetches have work of their own."""
+        if self._pending or self._queue or self._orphans or layer in self._guess or self._cache.unmapped:
+            return None
+        cache = self._cache
+        keys = [(layer, int(e)) for e in expert_ids]
+        for key in keys:
+            if key not in cache:
+                return None
+        if self._reads_ahead(layer):       # what plan leaves when every key is cached
+            self._planned = set(keys)
+            self._plan_order = keys
+            self._plan_rank = {k: i for i, k in enumerate(keys)}
+            cache.protect = set()           # planned keys are protected until fetched: all are
+            self._predicted.clear()
+            self._map_ok = {}
+            self._map_jobs = set()
+        else:
+            cache.protect.difference_update(keys)
+        out = []
+        for key in keys:
+            weights = cache.lookup(key)
+            assert weights is not None
+            out.append(weights)
+        cache.ledger.hits += len(keys)
+        cache.layer(layer).hits += len(keys)
+        return out
+
     def load_all_if_fits(self) -> bool:
         """Read every expert into the cache when all of them fit its budget (a model smaller than
         its cache: the mini, a small slice), so the first request pays no misses and takes the
