@@ -40,15 +40,8 @@ from torch import Tensor, nn
 
 from k3kit.adapters.kimi_k3_state import SequenceSnapshots
 from k3kit.kernels import threads as kthreads
-from k3kit.kernels.qmatmul import (
-    DEFAULT_ARITH,
-    NATIVE_TYPES,
-    QuantizedMatrix,
-    invariant_rows,
-    kernel_label,
-    native_simd,
-)
-from k3kit.layers.moe import ExpertWeights
+from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
+from k3kit.layers.moe import ExpertWeights, MatmulWeight
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
 from k3kit.models.kimi_k3.gguf_load import (
@@ -125,7 +118,7 @@ class StoreExperts:
         self.requests += len(experts)
         return [ExpertWeights(*w) for w in got]
 
-    def _on_device(self, layer: int, weights: Sequence[Tensor | QuantizedMatrix]) -> ExpertWeights:
+    def _on_device(self, layer: int, weights: Sequence[Tensor | MatmulWeight]) -> ExpertWeights:
         dev = self.layer_dev[layer]
         if dev.type == "cpu" and not any(isinstance(w, Tensor) and w.device != dev for w in weights):
             return ExpertWeights(*weights)
