@@ -2,7 +2,7 @@
 
     python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--exchanges 8]
         [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--interval N]
-        [--expert-cache-mib M] [--plot PNG] [--json]
+        [--expert-cache-mib M] [--off-turns all|2,8] [--plot PNG] [--json]
 
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
 instructions, text of the standard library), then `--exchanges` exchanges (turns of the
@@ -14,7 +14,10 @@ workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget
 the table gives per turn the median TTFT over the conversations, the ratio off/on, the prompt
 tokens restored and the expert bytes read from the file (the store's ledger) from the turn's
 start until every conversation had its first token (the prefill's payload; the replies' decode
-reads the same with the cache on or off).
+reads the same with the cache on or off). `--off-turns 2,8` measures the cache-off side of those
+turns only, replaying their prompts without a cache after the run with it (where the whole
+cache-off workload would take hours: a K3-geometry slice with 8 conversations) and checking that
+the replayed turns' replies are the cached run's tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +88,10 @@ class Conversation:
         self.ids += tokens
 
 
-def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str) -> list[dict]:
+def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str,
+              asked: list[tuple[list[tuple[int, ...]], list[list[int]]]] | None = None) -> list[dict]:
+    """The workload through one scheduler; `asked`, when given, receives each turn's prompts and
+    replies' token ids."""
     codec = session.codec
     sched = BatchScheduler(session.model, codec, loaded=session.target, max_batch=256, max_queue=64,
                            prompt_cache=cache, step_factory=args.step)
@@ -96,19 +102,48 @@ def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str) 
         for t in range(args.exchanges):
             asks = [cut(codec, text, args.tool_tokens, start=(1 + t * n_conv + i) * 4000)
                     for i in range(n_conv)]
-            reqs = [GenerationRequest(tuple(c.ask(a)), args.reply_tokens, Sampling())
-                    for c, a in zip(convs, asks, strict=True)]
-            before = session.target.stats().bytes_read
-            firsts: list[int] = []          # expert bytes read when each first token came
-            ttft, cached, replies = asyncio.run(_serve(sched, reqs, partial(_ledger, session, firsts)))
-            rows.append({"turn": t + 1, "prompt_tokens": statistics.median(len(r.prompt_ids) for r in reqs),
-                         "ttft_s": statistics.median(ttft), "cached_tokens": statistics.median(cached),
-                         "expert_bytes": max(firsts, default=before) - before})
+            prompts = [tuple(c.ask(a)) for c, a in zip(convs, asks, strict=True)]
+            row, replies = measure(session, sched, prompts, args.reply_tokens)
+            rows.append({"turn": t + 1, **row})
+            if asked is not None:
+                asked.append((prompts, [list(ids) for _, ids in replies]))
             for c, (reply, tokens) in zip(convs, replies, strict=True):
                 c.answer(reply, tokens)
     finally:
         sched.close()
     return rows
+
+
+def measure(session, sched, prompts: list[tuple[int, ...]], reply_tokens: int) -> tuple[dict, list]:
+    """One turn: every prompt submitted at once; median TTFT, cached tokens, the prefill's expert
+    bytes (read until the last first token), and the replies (text, ids)."""
+    reqs = [GenerationRequest(p, reply_tokens, Sampling()) for p in prompts]
+    before = session.target.stats().bytes_read
+    firsts: list[int] = []          # expert bytes read when each first token came
+    ttft, cached, replies = asyncio.run(_serve(sched, reqs, partial(_ledger, session, firsts)))
+    row = {"prompt_tokens": statistics.median(len(p) for p in prompts), "ttft_s": statistics.median(ttft),
+           "cached_tokens": statistics.median(cached), "expert_bytes": max(firsts, default=before) - before}
+    return row, replies
+
+
+def replay_off(session, args, asked: list[tuple[list[tuple[int, ...]], list[list[int]]]],
+               turns: list[int]) -> tuple[list[dict], bool]:
+    """The cache-off side of the chosen turns only: each turn's prompts (those of the run with the
+    cache, which are the cache-off run's, since a cache hit changes no token) through a scheduler
+    without a cache, each turn as the whole workload would meet it. Also whether the replies were
+    the cached run's, token for token."""
+    rows, same = [], True
+    for t in turns:
+        sched = BatchScheduler(session.model, session.codec, loaded=session.target, max_batch=256,
+                               max_queue=64, prompt_cache=None, step_factory=args.step)
+        try:
+            prompts, cached_replies = asked[t - 1]
+            row, replies = measure(session, sched, prompts, args.reply_tokens)
+        finally:
+            sched.close()
+        rows.append({"turn": t, **row})
+        same &= [list(ids) for _, ids in replies] == cached_replies
+    return rows, same
 
 
 def _ledger(session, into: list[int]) -> None:
@@ -150,6 +185,9 @@ def main() -> int:
                     help="tokens between recurrent copies (default: the server's, from the state size)")
     ap.add_argument("--expert-cache-mib", type=float, default=LoadOptions.expert_cache_mib,
                     help="the expert LRU's budget (a file larger than it streams experts every turn)")
+    ap.add_argument("--off-turns", default="all",
+                    help="turns measured with the cache off: 'all' runs the whole workload without it; a "
+                         "list (2,8) replays only those turns' prompts without a cache, after the cached run")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -171,24 +209,35 @@ def main() -> int:
               "model": Path(model).name, "draft": args.draft, "rows": {}}
     for n in [int(x) for x in args.conversations.split(",")]:
         warm = argparse.Namespace(**{**vars(args), "exchanges": 1})
-        run_turns(session, None, warm, n, text)          # touch the weights and the expert cache first
-        off = run_turns(session, None, args, n, text)
+        run_turns(session, None, warm, min(n, 2), text)      # touch the weights and the expert cache first
         interval = args.interval or default_interval(m.recurrent_bytes, m.positional_row_bytes)
-        on = run_turns(session, PromptCache(2 << 30, interval), args, n, text)
-        result["rows"][n] = {"off": off, "on": on}
+        same = None
+        if args.off_turns == "all":
+            off = run_turns(session, None, args, n, text)
+            on = run_turns(session, PromptCache(2 << 30, interval), args, n, text)
+        else:
+            asked: list[tuple[list[tuple[int, ...]], list[list[int]]]] = []
+            on = run_turns(session, PromptCache(2 << 30, interval), args, n, text, asked)
+            off, same = replay_off(session, args, asked, [int(x) for x in args.off_turns.split(",")])
+        result["rows"][n] = {"off": off, "on": on, "same_tokens": same}
         name = Path(model).name + (" + DSpark" if args.draft else "")
         print(f"\n{n} conversation(s), {name}: median per turn")
         print("| turn | prompt tokens | TTFT off (s) | TTFT on (s) | off/on | cached tokens | "
               "prefill expert MB off | on |")
         print("|---|---|---|---|---|---|---|---|")
-        for a, b in zip(off, on, strict=True):
+        pairs = [(a, on[a["turn"] - 1]) for a in off]
+        for a, b in pairs:
             print(f"| {a['turn']} | {a['prompt_tokens']:.0f} | {a['ttft_s']:.3f} | {b['ttft_s']:.3f} | "
                   f"{a['ttft_s'] / max(b['ttft_s'], 1e-9):.1f}x | {b['cached_tokens']:.0f} | "
                   f"{a['expert_bytes'] / 1e6:.1f} | {b['expert_bytes'] / 1e6:.1f} |")
-        later = [a["ttft_s"] / max(b["ttft_s"], 1e-9) for a, b in zip(off[1:], on[1:], strict=True)]
+        later = [a["ttft_s"] / max(b["ttft_s"], 1e-9) for a, b in pairs if a["turn"] > 1]
         if later:
-            print(f"exchanges 2-{args.exchanges}: TTFT off/on min {min(later):.1f}x, "
-                  f"median {statistics.median(later):.1f}x")
+            print(f"exchanges {', '.join(str(a['turn']) for a, _ in pairs if a['turn'] > 1)}: "
+                  f"TTFT off/on min {min(later):.1f}x, median {statistics.median(later):.1f}x")
+        if same is not None:
+            per_turn = ", ".join(f"{b['ttft_s']:.3f}" for b in on)
+            print(f"with the cache on: TTFT per turn {per_turn} s; "
+                  f"replayed turns' replies the same tokens as with the cache: {same}")
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

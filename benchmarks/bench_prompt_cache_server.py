@@ -8,8 +8,9 @@ same GGUF: time to first token per turn, and after both servers restart.
 Each server runs alone (one, then the other): `--conversations` clients each hold a conversation
 of a ~`--system-tokens` system prompt and `--exchanges` exchanges (a ~`--tool-tokens` tool
 result, then the model's greedy reply of up to `--reply-tokens`), every request the whole
-conversation as token ids to /v1/completions (streamed; the same ids to both servers: the chat
-is rendered and tokenized here). Then the server is stopped (SIGTERM) and started again, and
+conversation as token ids (streamed; k3kit's /v1/completions, llama-server's /completion; the
+chat is rendered and tokenized here, and a file without a chat template keeps each reply's own
+ids: see `complete`). Then the server is stopped (SIGTERM) and started again, and
 one more exchange of each conversation measures TTFT after a restart.
 
 k3kit serve: its defaults (prompt cache in RAM) plus `--prompt-cache-dir` (a fresh temporary
@@ -54,19 +55,28 @@ class Turn:
     prompt_tokens: int
     cached: int | None
     text: str
+    ids: list[int]
 
 
 def complete(port: int, model_id: str, ids: list[int], max_tokens: int, slot: int | None) -> Turn:
-    """One streamed greedy completion of token ids; TTFT at the first chunk with a token."""
-    req: dict[str, Any] = {"model": model_id, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                           "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True}
-    if slot is not None:
-        req["id_slot"] = slot            # llama-server: the conversation keeps its slot
+    """One streamed greedy completion of token ids; TTFT at the first chunk with a token. The reply's
+    token ids come back with it (k3kit: vLLM's `return_token_ids` on /v1/completions; llama-server:
+    its own `/completion` with `return_tokens`, which its /v1 routes do not carry), so the next turn
+    sends the very ids the model produced, as an agent holding ids does, and no text round trip can
+    change them (a synthetic file's random tokens would not survive one)."""
+    req: dict[str, Any] = {"prompt": ids, "temperature": 0, "stream": True, "cache_prompt": True}
+    if slot is None:
+        path = "/v1/completions"
+        req |= {"model": model_id, "max_tokens": max_tokens, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+    else:
+        path = "/completion"
+        req |= {"n_predict": max_tokens, "return_tokens": True, "id_slot": slot}   # the conversation's slot
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     t0 = time.perf_counter()
-    ttft, cached, text = None, None, []
+    ttft, cached, text, got = None, None, [], []
     try:
-        conn.request("POST", "/v1/completions", json.dumps(req), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(req), {"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
@@ -76,13 +86,16 @@ def complete(port: int, model_id: str, ids: list[int], max_tokens: int, slot: in
                 cached = int(details["cached_tokens"])
             if (obj.get("timings") or {}).get("cache_n") is not None:
                 cached = int(obj["timings"]["cache_n"])
-            for c in obj.get("choices") or ():
-                if c.get("text") and ttft is None:
+            pieces = ([(c.get("text") or "", c.get("token_ids") or []) for c in obj.get("choices") or ()]
+                      if slot is None else [(obj.get("content") or "", obj.get("tokens") or [])])
+            for piece, toks in pieces:
+                if (piece or toks) and ttft is None:
                     ttft = time.perf_counter() - t0
-                text.append(c.get("text") or "")
+                text.append(piece)
+                got += toks
     finally:
         conn.close()
-    return Turn(ttft if ttft is not None else time.perf_counter() - t0, len(ids), cached, "".join(text))
+    return Turn(ttft if ttft is not None else time.perf_counter() - t0, len(ids), cached, "".join(text), got)
 
 
 def post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -99,9 +112,9 @@ def post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 class Workload:
-    """The clients' conversations (bench_prompt_cache.Conversation: a model without a chat template
-    gets its replies' text tokenized again, which a random model's tokens do not survive: run this
-    on a model with a template)."""
+    """The clients' conversations (bench_prompt_cache.Conversation: a model with a chat template has
+    its messages rendered and tokenized every turn, as a chat client does; one without keeps the
+    replies' own token ids)."""
 
     def __init__(self, codec: TextCodec, args: argparse.Namespace):
         self.codec, self.args = codec, args
@@ -114,9 +127,9 @@ class Workload:
         return [c.ask(cut(self.codec, self.text, self.args.tool_tokens, start=(1 + t * n + i) * 4000))
                 for i, c in enumerate(self.convs)]
 
-    def replies(self, texts: list[str]) -> None:
-        for c, reply in zip(self.convs, texts, strict=True):
-            c.answer(reply, self.codec.encode(reply, add_bos=False))
+    def replies(self, turns: list[Turn]) -> None:
+        for c, turn in zip(self.convs, turns, strict=True):
+            c.answer(turn.text, turn.ids)
 
 
 def run_turn(server: bs.Server, work: Workload, t: int, llama: bool) -> list[Turn]:
@@ -138,7 +151,7 @@ def run_turn(server: bs.Server, work: Workload, t: int, llama: bool) -> list[Tur
     if errors:
         raise SystemExit(f"{server.name}: {errors[0]}")
     turns = [x for x in out if x is not None]
-    work.replies([x.text for x in turns])
+    work.replies(turns)
     return turns
 
 

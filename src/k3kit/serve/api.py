@@ -14,7 +14,8 @@ over the prompt and the generated tokens): k3kit.runtime.sampling says how each 
 field is k3kit's own: `draft: false` asks for no speculative decoding (the server's `--draft`
 stays unused for that request); two are llama-server's: `cache_prompt` (default true; false: the
 scheduler's prompt cache neither serves nor keeps this prompt) and `ignore_eos` (vLLM's too: the
-model's end tokens get a -100 logit bias, so the output runs on). Structured output, on both routes:
+model's end tokens get a -100 logit bias, so the output runs on); one is vLLM's: `return_token_ids`
+(the prompt's and the output's token ids in the response). Structured output, on both routes:
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
 {"name", "schema", "strict"}}; llama-server's {"type": "json_object", "schema": ...} too),
 llama-server's `json_schema` (a schema) and `grammar` (GBNF), and k3kit's `lark_grammar`
@@ -106,6 +107,10 @@ class _Sampled(_Body):
     # llama-server's and vLLM's: true never ends the output at the model's end tokens (their
     # logits get the lowest logit_bias, -100), so it runs to max_tokens, a stop string or a grammar's end
     ignore_eos: bool | None = None
+    # vLLM's: true adds the prompt's token ids and each choice's generated ids to the response (in a
+    # stream, the prompt's in the first chunk and each chunk's own), so an agent can send back the
+    # exact ids it got instead of text that may tokenize differently
+    return_token_ids: bool | None = None
     # structured output (output_spec): OpenAI's response_format, llama-server's json_schema and
     # grammar (GBNF), k3kit's lark_grammar (llguidance's Lark)
     response_format: dict[str, Any] | None = None

@@ -391,7 +391,7 @@ def build_app(state: ServerState) -> ASGIApp:
         return await respond(scheduler, codec, siblings(gen, body.n or 1), request, chat=True,
                              stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                             outputs=outputs)
+                             outputs=outputs, token_ids=bool(body.return_token_ids))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -411,12 +411,13 @@ def build_app(state: ServerState) -> ASGIApp:
             gen = replace(gen, grammar=grammar)
         return await respond(scheduler, codec, siblings(gen, body.n or 1), request, chat=False,
                              stream=bool(body.stream),
-                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                             token_ids=bool(body.return_token_ids))
 
     async def respond(scheduler: Scheduler, codec: TextCodec, gens: list[GenerationRequest],
                       request: Request, *,
                       chat: bool, stream: bool, include_usage: bool,
-                      outputs: list[ChatOutput | None] | None = None) -> Response:
+                      outputs: list[ChatOutput | None] | None = None, token_ids: bool = False) -> Response:
         """Submit the request's choices together (all or none: a full queue is a 429 for all) and
         answer with their merged events (k3kit.serve.responses)."""
         if len(gens) > 1 and gens[0].cache_prompt and scheduler.stats().prompt_cache:
@@ -441,7 +442,7 @@ def build_app(state: ServerState) -> ASGIApp:
         if rec is not None:
             rec.request_id = rid
         reply = Reply(codec, rid, int(time.time()), state.model_id, chat, include_usage, rec,
-                      outputs or [None] * len(gens), state.abort)
+                      outputs or [None] * len(gens), state.abort, token_ids)
         if stream:
             return _Streamed(stream_events(choices, reply), ended, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -89,6 +89,7 @@ class Reply:
     rec: AccessRecord | None
     outputs: list[ChatOutput | None]     # one per choice (a chat format's parser, or None: plain text)
     abort: asyncio.Event                  # set: the shutdown timeout ran out, end now
+    token_ids: bool = False               # vLLM's return_token_ids: the prompt's and the output's ids
 
     @property
     def object(self) -> str:
@@ -242,6 +243,7 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
     n = len(choices.gens)
     prompt_tokens = len(choices.gens[0].prompt_ids)
     texts: list[list[str]] = [[] for _ in range(n)]
+    ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finishes: list[FinishEvent | None] = [None] * n
     generated = 0
@@ -253,6 +255,7 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
                 raise cut_short()
             if isinstance(ev, TokenEvent):
                 texts[i].append(ev.text)
+                ids[i].extend(ev.tokens)
                 lps[i].extend(ev.logprobs or ())
                 generated += len(ev.tokens)
                 if reply.rec is not None and ev.tokens:
@@ -285,9 +288,16 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
             choice["message"] = message
         else:
             choice["text"] = content
+        if reply.token_ids:
+            choice["token_ids"] = ids[i]
+            if not reply.chat:
+                choice["prompt_token_ids"] = list(choices.gens[i].prompt_ids)
         bodies.append(choice)
-    return {"id": reply.rid, "object": reply.object, "created": reply.created, "model": reply.model_id,
+    body = {"id": reply.rid, "object": reply.object, "created": reply.created, "model": reply.model_id,
             "choices": bodies, "usage": usage(done)}
+    if reply.token_ids and reply.chat:
+        body["prompt_token_ids"] = list(choices.gens[0].prompt_ids)
+    return body
 
 
 async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
@@ -298,10 +308,22 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
     finishes: list[FinishEvent | None] = [None] * n
     seen = 0             # tokens streamed, for the access log of a stream the client left
     prompt_tokens = len(choices.gens[0].prompt_ids)
+    pending: list[list[int]] = [[] for _ in range(n)]     # ids not yet sent (return_token_ids)
+    opened = [False] * n                                   # the choice's first chunk went out
 
     def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-        c = {"id": reply.rid, "object": obj, "created": reply.created, "model": reply.model_id,
-             "choices": [choice]}
+        c: dict[str, Any] = {"id": reply.rid, "object": obj, "created": reply.created,
+                             "model": reply.model_id, "choices": [choice]}
+        if reply.token_ids:        # vLLM's shape: the prompt's ids in the first chunk, then each chunk's own
+            i = choice["index"]
+            choice["token_ids"], pending[i] = pending[i], []
+            if not opened[i]:
+                prompt = list(choices.gens[i].prompt_ids)
+                if reply.chat:
+                    c["prompt_token_ids"] = prompt
+                else:
+                    choice["prompt_token_ids"] = prompt
+        opened[choice["index"]] = True
         if reply.include_usage:
             c["usage"] = None
         return c
@@ -322,7 +344,9 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                     if reply.rec is not None and ev.tokens:
                         reply.rec.token()
                     seen += len(ev.tokens)
-                    if not ev.text and not ev.logprobs:
+                    pending[i].extend(ev.tokens)
+                    ids_due = reply.token_ids and bool(ev.tokens)    # asked-for ids go out with their token
+                    if not ev.text and not ev.logprobs and not ids_due:
                         continue
                     logprobs: Any = None
                     if ev.logprobs:
@@ -334,7 +358,7 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                     output = reply.outputs[i]
                     if output is not None:
                         delta = output.feed(ev.text)
-                        if delta is None and logprobs is None:
+                        if delta is None and logprobs is None and not ids_due:
                             continue
                         body = {"delta": delta or {"content": ""}}
                     yield sse(chunk({"index": i, **body, "logprobs": logprobs, "finish_reason": None}))
