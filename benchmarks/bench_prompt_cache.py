@@ -2,7 +2,7 @@
 
     python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--exchanges 8]
         [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--interval N]
-        [--expert-cache-mib M] [--off-turns all|2,8] [--plot PNG] [--json]
+        [--expert-cache-mib M] [--off-turns all|LIST] [--plot PNG] [--json]
 
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
 instructions, text of the standard library), then `--exchanges` exchanges (turns of the
@@ -14,10 +14,10 @@ workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget
 the table gives per turn the median TTFT over the conversations, the ratio off/on, the prompt
 tokens restored and the expert bytes read from the file (the store's ledger) from the turn's
 start until every conversation had its first token (the prefill's payload; the replies' decode
-reads the same with the cache on or off). `--off-turns 2,8` measures the cache-off side of those
-turns only, replaying their prompts without a cache after the run with it (where the whole
-cache-off workload would take hours: a K3-geometry slice with 8 conversations) and checking that
-the replayed turns' replies are the cached run's tokens.
+reads the same with the cache on or off). `--off-turns LIST` (exchange numbers) measures the
+cache-off side of those exchanges only, replaying their prompts without a cache after the run
+with it (where the whole cache-off workload would take hours: a K3-geometry slice with 8
+conversations) and checking that the replayed exchanges' replies are the cached run's tokens.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ same GGUF: time to first token per turn, and after both servers restart.
 
     python benchmarks/bench_prompt_cache_server.py [--model GGUF] [--conversations 1] [--exchanges 8]
         [--system-tokens 4000] [--tool-tokens 300] [--reply-tokens 100] [--threads 1]
-        [--llama-server PATH] [--slot-save] [--json]
+        [--llama-server PATH] [--repack on|off] [--slot-save] [--json]
 
 Each server runs alone (one, then the other): `--conversations` clients each hold a conversation
 of a ~`--system-tokens` system prompt and `--exchanges` exchanges (a ~`--tool-tokens` tool
@@ -15,7 +15,8 @@ one more exchange of each conversation measures TTFT after a restart.
 
 k3kit serve: its defaults (prompt cache in RAM) plus `--prompt-cache-dir` (a fresh temporary
 directory), which is how a user keeps the cache across restarts. llama-server: its defaults for
-prompt caching (`cache_prompt` on, the default context checkpoints and `--cache-ram`), one slot
+prompt caching (`cache_prompt` on, the default context checkpoints and `--cache-ram`) and weight
+repacking (`--repack off` passes `--no-repack`), one slot
 per conversation (`-np`, `-c` = slots x `--ctx`), the same threads; with `--slot-save` it is
 also given `--slot-save-path` and each slot is saved before the restart and restored after it
 (`/slots?action=save|restore`), the nearest llama-server comes to a cache that survives.
@@ -167,7 +168,7 @@ def commands(args: argparse.Namespace, which: str, port: int, cache_dir: Path) -
                          "or pass --llama-server")
     cmd = [str(binary), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(n), "-c", str(args.ctx * n), "--cont-batching", "-t", str(args.threads),
-           "-tb", str(args.threads), *server_repack_args(False)]
+           "-tb", str(args.threads), *server_repack_args(args.repack == "on")]
     return cmd + (["--slot-save-path", str(cache_dir)] if args.slot_save else [])
 
 
@@ -225,6 +226,8 @@ def main() -> int:
     ap.add_argument("--expert-cache-mib", type=int, default=4096)
     ap.add_argument("--llama-server", default=None,
                     help="llama-server binary (default: benchmarks/llama_server.py's)")
+    ap.add_argument("--repack", choices=("on", "off"), default="on",
+                    help="llama-server's weight repacking for its CPU kernels (on: its default)")
     ap.add_argument("--slot-save", action="store_true",
                     help="llama-server saves its slots before the restart and restores them after it")
     ap.add_argument("--servers", default="k3kit,llama-server")

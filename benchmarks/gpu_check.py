@@ -8,13 +8,14 @@ such while the others still run. Sections (`--sections`, all by default):
 
   mini      the shipped mini K3: greedy decode tok/s on the GPU, AR and `--draft default`, tokens
             compared with the CPU's (`--arith float`, the GPU's arithmetic) and DSpark with AR;
+            and with `--cpu-moe` (routed experts on the CPU, the rest and the drafter on the GPU);
   profile   `torch.profiler` over 16 decoded mini tokens: the share of the wall time in GPU
             kernels, kernel launches and device-to-host copies per token;
   host      `k3kit bench --host-profile` rows (ops, syncs, host µs per layer per token), when the
             installed k3kit has it;
   slice     a K3-geometry slice (`k3kit synth --geometry k3`, hidden 7168, Q4_K trunk, MXFP4
-            experts): decode tok/s with the trunk quantized (the GPU kernels) and `--trunk float
-            --dtype bf16`, and the CPU's figure on the same box;
+            experts): decode tok/s with the trunk quantized (the GPU kernels), `--trunk float
+            --dtype bf16` and `--cpu-moe`, and the CPU's figure on the same box;
   serve     `k3kit bench --concurrency 1,16` on the mini on the GPU, AR and `--draft default`;
   kernels   `benchmarks/bench_gpu_qmatmul.py` (Triton products vs torch), when present.
 
@@ -119,6 +120,8 @@ def section_mini(args: argparse.Namespace) -> list[dict[str, Any]]:
         gpu = run_model(model, args.device, [("ar", False), ("draft", True)], args.tokens, prompt,
                         draft=draft)
         cpu = run_model(model, "cpu", [("ar", False)], args.tokens, prompt, arith="float")
+        split = (run_model(model, args.device, [("ar", False), ("draft", True)], args.tokens, prompt,
+                           draft=draft, cpu_moe=-1) if args.device.startswith("cuda") else None)
         ar, sd, c = gpu["ar"], gpu["draft"], cpu["ar"]
         rows.append({
             "prompt": prompt.splitlines()[0],
@@ -132,6 +135,12 @@ def section_mini(args: argparse.Namespace) -> list[dict[str, Any]]:
             "first_gpu_cpu_difference": first_difference(ar["token_ids"], c["token_ids"]),
             "tokens": len(ar["token_ids"]),
         })
+        if split is not None:          # --cpu-moe: the experts on this box's CPU, the rest on the GPU
+            rows[-1] |= {"cpu_moe_ar_tok_s": round(split["ar"]["stats"]["decode_tok_s"], 1),
+                         "cpu_moe_draft_tok_s": round(split["draft"]["stats"]["decode_tok_s"], 1),
+                         "cpu_moe_draft_equals_ar": split["draft"]["token_ids"] == split["ar"]["token_ids"],
+                         "first_cpu_moe_gpu_difference": first_difference(split["ar"]["token_ids"],
+                                                                          ar["token_ids"])}
     return rows
 
 
@@ -202,6 +211,7 @@ def section_slice(args: argparse.Namespace) -> list[dict[str, Any]]:
         ("quantized trunk", args.device, {}, {}),
         ("quantized trunk, torch dequant", args.device, {}, {"K3KIT_GPU_KERNELS": "torch"}),
         ("float trunk bf16", args.device, {"trunk": "float", "dtype": _bf16()}, {}),
+        ("--cpu-moe (experts on the CPU)", args.device, {"cpu_moe": -1}, {}),
         ("CPU, same box", "cpu", {}, {}),
     ]
     base: list[int] | None = None

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from test_moe_fused import H, make_store
 from test_quantized_linear import ggml_weight
 
-from k3kit.adapters.kimi_k3 import StoreExperts
+from k3kit.adapters.store_experts import StoreExperts
 from k3kit.kernels import fused, qmatmul
 from k3kit.layers import moe as moe_mod
 from k3kit.layers.moe import group_routes

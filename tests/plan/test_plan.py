@@ -139,6 +139,10 @@ def test_json_is_consistent(k3_q4, capsys):
     split = [int(x) for x in cmd.split("--tensor-split ")[1].split()[0].split(",")]
     assert sum(split) == r["placement"]["ngl"] == 94 and "--n-cpu-moe 93" in cmd
     assert "rpc" not in r["commands"] and r["commands"]["k3kit"].startswith("k3kit serve ")
+    # k3kit: the seed's split where its quantized trunk fits the GPUs: experts in RAM, its cache sized
+    k3 = r["commands"]["k3kit"]
+    assert "--device cuda:0," in k3 and "--cpu-moe" in k3
+    assert int(k3.split("--expert-cache-mib ")[1].split()[0]) > 0
 
 
 def test_presets_toml_and_flags(k3_q8, tmp_path, capsys):

@@ -39,9 +39,9 @@ from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
 from k3kit.adapters.kimi_k3_state import SequenceSnapshots
+from k3kit.adapters.store_experts import StoreExperts
 from k3kit.kernels import threads as kthreads
 from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
-from k3kit.layers.moe import ExpertWeights, MatmulWeight
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
 from k3kit.models.kimi_k3.gguf_load import (
@@ -60,6 +60,7 @@ from k3kit.runtime.loader import (
     LoadOptions,
     check_arith,
     check_trunk,
+    cpu_moe_layers,
     expert_keep,
     expert_prefetch,
     layer_devices,
@@ -75,56 +76,6 @@ SERIAL_ROWS = 64
 
 def _pass_threads(rows: int) -> AbstractContextManager[None]:
     return kthreads.serial_torch() if rows <= SERIAL_ROWS else nullcontext()
-
-
-class StoreExperts:
-    """ExpertProvider backed by an ExpertStore; counts the distinct experts each forward asks for."""
-
-    def __init__(self, store: ExpertStore, layer_dev: Sequence[torch.device]):
-        self.store = store
-        self.layer_dev = list(layer_dev)
-        self.requests = 0
-
-    def plan(self, layer: int, experts: list[int]) -> None:
-        self.store.plan(layer, experts)      # the store reads each planned miss one expert ahead
-
-    def prefetch(self, layer: int, experts: list[int]) -> None:
-        self.store.prefetch(layer, experts)  # a guess: read in the background, cached only if asked
-
-    def resident(self, layer: int, experts: Sequence[int]) -> bool:
-        """Whether every one of `experts` is in the store's cache (fetching them reads and evicts
-        nothing, so the weights of all of them can be held at once) on a CPU layer."""
-        return self.layer_dev[layer].type == "cpu" and self.store.missing_bytes(layer, experts) == 0
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        weights = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
-        self.requests += 1
-        return self._on_device(layer, weights)
-
-    def get_all(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
-        """`get` of each of `experts` (distinct, ascending: a routing's groups) in one store call."""
-        got = self.store.get(layer, experts)
-        self.requests += len(experts)
-        return [self._on_device(layer, got[e]) for e in experts]
-
-    def take_resident(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights] | None:
-        """`plan` and `get_all` in one step where every one of `experts` (distinct, ascending) is
-        cached on a CPU layer and the store reads nothing (ExpertStore.get_resident); else None."""
-        if self.layer_dev[layer].type != "cpu":
-            return None
-        got = self.store.get_resident(layer, experts)
-        if got is None:
-            return None
-        self.requests += len(experts)
-        return [ExpertWeights(*w) for w in got]
-
-    def _on_device(self, layer: int, weights: Sequence[Tensor | MatmulWeight]) -> ExpertWeights:
-        dev = self.layer_dev[layer]
-        if dev.type == "cpu" and not any(isinstance(w, Tensor) and w.device != dev for w in weights):
-            return ExpertWeights(*weights)
-        # a layer split over devices: move dequantized weights there (quantized ones are CPU-only)
-        gate, up, down = (w.to(dev) if isinstance(w, Tensor) and w.device != dev else w for w in weights)
-        return ExpertWeights(gate, up, down)
 
 
 @dataclass
@@ -392,12 +343,13 @@ class K3Adapter(SequenceSnapshots):
             if any(isinstance(m, nn.Linear) and not name.endswith("kv_b_proj")
                    for name, m in self.model.named_modules()):
                 limits.append(0)
-            if self.store.keep != "quantized":
-                limits.append(0)
-            else:
-                arith = self.store.arith or DEFAULT_ARITH      # what the store's products run in
-                limits += [invariant_rows(GGMLQuantizationType(t.ggml_type), self.dtype, arith)
-                           for ts in self.store.layers.values() for t in ts]
+            arith = self.store.arith or DEFAULT_ARITH          # what the store's products run in
+            for il, ts in self.store.layers.items():
+                if self.store.keep_of(il) != "quantized":
+                    limits.append(0)
+                else:
+                    limits += [invariant_rows(GGMLQuantizationType(t.ggml_type), self.dtype, arith)
+                               for t in ts]
             self._invariant_rows = max(min(limits, default=0), 0)
         return self._invariant_rows
 
@@ -541,8 +493,13 @@ class K3Adapter(SequenceSnapshots):
 
     @property
     def expert_kernel(self) -> str:
-        """'native-avx512' (quantized cache, native kernel and its vector path) or 'torch'."""
-        return f"native-{native_simd()}" if self.store.keep == "quantized" else "torch"
+        """'native-avx512' (quantized cache, native kernel and its vector path), 'torch', or both
+        ('native-avx512 + torch': --n-cpu-moe, experts in RAM and in VRAM)."""
+        kept = {self.store.keep_of(il) for il in self.store.layers}
+        native = f"native-{native_simd()}"
+        if "quantized" not in kept:
+            return "torch"
+        return native if kept == {"quantized"} else f"{native} + torch"
 
     def kernels(self) -> dict[str, dict[str, str]]:
         """Which kernel multiplies each ggml type, for the trunk and for the routed experts
@@ -565,13 +522,17 @@ class K3Adapter(SequenceSnapshots):
         if not trunk:
             trunk["all"] = f"torch ({self.options.dtype}, dequantized at load)"
         experts: dict[str, str] = {}
-        for tensors in self.store.layers.values():
+        for il, tensors in self.store.layers.items():
             for t in tensors:
                 qt = GGMLQuantizationType(t.ggml_type)
-                if self.store.keep == "quantized" and qt in NATIVE_TYPES:
-                    experts[qt.name] = kernel_label(qt, self.store.arith or DEFAULT_ARITH)
+                if self.store.keep_of(il) == "quantized" and qt in NATIVE_TYPES:
+                    label = kernel_label(qt, self.store.arith or DEFAULT_ARITH)
                 else:
-                    experts[qt.name] = "torch (dequantized on a miss)"
+                    dev = self.store.device_of(il)
+                    where = "" if dev.type == "cpu" else f", in {dev}"
+                    label = f"torch (dequantized on a miss{where})"
+                if experts.setdefault(qt.name, label) != label and label not in experts[qt.name]:
+                    experts[qt.name] += f"; {label}"      # --n-cpu-moe: some layers each way
         return {"trunk": trunk, "experts": experts}
 
     def memory(self) -> MemoryFigures:
@@ -687,8 +648,14 @@ def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
     if options.ggml_parity:
         model.set_ggml_q8_inputs(True, ggml_input_kinds(source, model))
     use_row_linear(model)     # decode rows as matrix-vector products (bf16/f16 only)
-    store = source.expert_store(expert_tensor_names(cfg), cache_mib=options.expert_cache_mib,
-                                dtype=options.dtype, device=devices[0], cold=options.cold,
-                                keep=expert_keep(options.expert_kernel, devices), arith=arith)
+    names = expert_tensor_names(cfg)
+    on_cpu = cpu_moe_layers(options.cpu_moe, names, devices)     # --cpu-moe / --n-cpu-moe
+    cpu = [torch.device("cpu")]
+    store_dev = cpu if on_cpu and on_cpu == set(names) else devices     # every expert in RAM
+    store = source.expert_store(names, cache_mib=options.expert_cache_mib, dtype=options.dtype,
+                                device=store_dev[0], cold=options.cold,
+                                keep=expert_keep(options.expert_kernel, store_dev),
+                                arith=options.expert_arith, cpu_layers=on_cpu if store_dev is devices else (),
+                                cpu_keep=expert_keep(options.expert_kernel, cpu))
     set_expert_prefetch(model.modules(), expert_prefetch(options.expert_prefetch, store))
     return K3Adapter(source, cfg, model, store, options, layer_dev)

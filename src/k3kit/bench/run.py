@@ -43,6 +43,7 @@ class BenchOptions:
     expert_prefetch: str = "auto"
     arith: str = "auto"
     cold: bool | str = False                # the expert read path (--expert-io: False = page, "direct")
+    cpu_moe: int = 0                        # --cpu-moe (-1) / --n-cpu-moe N
     prefill_chunk: int = 512
     feature_ring: str = "f16"
     draft_device: str | None = None
@@ -151,7 +152,7 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
 
     spec = RunSpec(model=o.model, draft=o.draft, n_prompt=o.n_prompt, n_gen=o.n_gen, reps=o.reps,
                    device=o.device, dtype=DTYPES[o.dtype_name], trunk=o.trunk, prefill_chunk=o.prefill_chunk,
-                   expert_prefetch=o.expert_prefetch, arith=o.arith, cold=o.cold,
+                   expert_prefetch=o.expert_prefetch, arith=o.arith, cold=o.cold, cpu_moe=o.cpu_moe,
                    feature_ring=o.feature_ring, draft_device=o.draft_device, pin_probs=pin_probs,
                    pin_where=str(o.pin_profile) if o.pin_profile else "")
     recorder = RouteRecorder() if o.profile_out is not None else None

@@ -51,6 +51,7 @@ class RunSpec:
     expert_prefetch: str = "auto"
     arith: str = "auto"
     cold: bool | str = False             # the expert read path: False (page cache) or "direct"
+    cpu_moe: int = 0                     # --cpu-moe (-1) / --n-cpu-moe N
     prefill_chunk: int = 512             # llama-bench's n_batch
     feature_ring: str = "f16"
     draft_device: str | None = None
@@ -105,7 +106,7 @@ def open_for(spec: RunSpec, cfg: Config) -> Session:
         kwargs["trunk"] = spec.trunk
     options = LoadOptions(device=spec.device, dtype=spec.dtype, expert_cache_mib=cfg.expert_cache_mib,
                           expert_kernel=cfg.expert_kernel, expert_prefetch=spec.expert_prefetch,
-                          arith=spec.arith, cold=spec.cold, **kwargs)
+                          arith=spec.arith, cold=spec.cold, cpu_moe=spec.cpu_moe, **kwargs)
     extra: dict[str, Any] = {"draft_device": spec.draft_device} if spec.draft_device else {}
     return open_session(spec.model, options, draft=spec.draft, block_size=cfg.block_size, **extra)
 

@@ -75,6 +75,8 @@ def serve_args(args: argparse.Namespace) -> list[str]:
     if getattr(args, "trunk", None):
         out += ["--trunk", args.trunk]
     out += ["--expert-prefetch", getattr(args, "expert_prefetch", "auto"), "--arith", args.arith]
+    if getattr(args, "cpu_moe", 0):
+        out += ["--n-cpu-moe", str(args.cpu_moe)]
     if getattr(args, "pin_experts", None):
         out += ["--pin-experts", args.pin_experts]
     if args.draft is not None:
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         pin_profile=Path(args.pin_experts) if getattr(args, "pin_experts", None) else None,
         device=args.device, dtype_name=args.dtype, trunk=getattr(args, "trunk", None),
         expert_prefetch=getattr(args, "expert_prefetch", "auto"), arith=args.arith, cold=io.cold,
+        cpu_moe=args.cpu_moe,
         prefill_chunk=args.prefill_chunk, feature_ring=args.feature_ring,
         draft_device=getattr(args, "draft_device", None), serve_args=serve_args(args),
         stdlib_docs=stdlib_docs, show_progress=not args.no_progress)
@@ -146,8 +149,8 @@ def run_host_profile(args: argparse.Namespace, model: Path, draft: Path | None, 
         torch.set_num_threads(args.threads)
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
-                          trunk=args.trunk,
-                          expert_prefetch=args.expert_prefetch, arith=args.arith)
+                          trunk=args.trunk, expert_prefetch=args.expert_prefetch, arith=args.arith,
+                          cpu_moe=args.cpu_moe)
     with open_session(model, options, draft=draft, block_size=args.block_size,
                       draft_device=getattr(args, "draft_device", None)) as session:
         w = workloads.resolve(args.workload, stdlib_docs)

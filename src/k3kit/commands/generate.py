@@ -62,6 +62,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "early; auto: on when the expert cache cannot hold every expert (auto)")
     parser.add_argument("--device", default="cpu", metavar="D",
                         help="cpu, cuda, cuda:N, or a comma list (cuda:0,cuda:1) to split layers")
+    parser.add_argument("--cpu-moe", dest="cpu_moe", action="store_const", const=-1, default=0,
+                        help="with a GPU --device: keep every routed expert in RAM, multiplied on the CPU "
+                        "by the native kernels through the expert store, and the rest of the model on the "
+                        "GPU (llama.cpp's --cpu-moe); without a GPU every expert is there already")
+    parser.add_argument("--n-cpu-moe", dest="cpu_moe", type=int, metavar="N",
+                        help="as --cpu-moe for the routed experts of the layers numbered below N; the "
+                        "other layers' experts go to the GPU (llama.cpp's --n-cpu-moe)")
     parser.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"),
                         help="compute dtype (f32): activations, and what quantized weights are "
                         "dequantized to where a product needs them whole (prefill GEMM, CUDA, "
@@ -142,7 +149,7 @@ def expert_io(path: Path, args: argparse.Namespace) -> ExpertIO:
     the read path and the cache budget a load uses. Headers only, before anything loads."""
     from k3kit.plan.expert_io import for_model
     return for_model(path, getattr(args, "expert_io", "auto"), args.expert_cache_mib,
-                     device=getattr(args, "device", "cpu"))
+                     device=getattr(args, "device", "cpu"), cpu_moe=getattr(args, "cpu_moe", 0))
 
 
 def check_cache_mib(args: argparse.Namespace) -> None:
@@ -231,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=io.cache_mib, cold=io.cold,
                           expert_kernel=args.expert_kernel, trunk=args.trunk,
-                          expert_prefetch=args.expert_prefetch, arith=args.arith)
+                          expert_prefetch=args.expert_prefetch, arith=args.arith, cpu_moe=args.cpu_moe)
     if args.threads:
         torch.set_num_threads(args.threads)
     pins = pin_profile(path, args)

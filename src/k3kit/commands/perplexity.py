@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, ggml_parity=bool(args.ggml_parity),
-                          expert_prefetch=args.expert_prefetch, arith=args.arith)
+                          expert_prefetch=args.expert_prefetch, arith=args.arith, cpu_moe=args.cpu_moe)
     if args.threads:
         torch.set_num_threads(args.threads)
     pins = pin_profile(path, args)

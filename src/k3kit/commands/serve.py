@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, expert_prefetch=args.expert_prefetch,
-                          arith=args.arith)
+                          arith=args.arith, cpu_moe=args.cpu_moe)
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None

@@ -94,7 +94,9 @@ class ExpertProvider(Protocol):
     after another; `get_all(layer, experts) -> list[ExpertWeights]`: `get` of each, in one
     call (the fused path asks it when it has it); and `take_resident(layer, experts)`: the plan
     and `get_all` in one step when every one of them is held and nothing is being read (else
-    None, and nothing done), asked first by the fused path."""
+    None, and nothing done), asked first by the fused path; and `device(layer)`: where that
+    layer's experts are multiplied, when not where the rows are (experts kept in RAM under a
+    trunk on a GPU): `run_experts` moves the rows there and the result back."""
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
@@ -251,6 +253,10 @@ class RoutedMoE(nn.Module):
         if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             shapes = f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, x {tuple(x.shape)}"
             raise ValueError(f"layer {self.layer}: {shapes} disagree")
+        home = self.experts_device(experts, x)
+        if home != x.device:         # the experts live elsewhere: the rows go there, the sum comes back
+            return self.run_experts(x.to(home), ids.to(home), weights.to(home), experts,
+                                    prefetch).to(x.device)
         if self.route_counts is not None:
             counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
             self.route_counts += counts.to(self.route_counts.device)
@@ -262,6 +268,11 @@ class RoutedMoE(nn.Module):
                 return self._run_batched(x, groups, weights)
             experts = ModuleExperts(self)
         return self._run_each(x, groups, weights, experts, prefetch)
+
+    def experts_device(self, experts: ExpertProvider | None, x: Tensor) -> torch.device:
+        """Where `experts` multiply this layer's rows: the provider's `device(layer)`, else x's."""
+        where = getattr(experts, "device", None)
+        return where(self.layer) if where is not None else x.device
 
     def _run_each(self, x: Tensor, groups: RouteGroups, weights: Tensor, experts: ExpertProvider,
                   prefetch: tuple[int, Sequence[int]] | None = None) -> Tensor:

@@ -165,9 +165,10 @@ def model_bytes(path: str | Path) -> tuple[int, int]:
 
 
 def for_model(path: str | Path, asked: str, cache_mib: float | None, device: str = "cpu",
-              available: int | None = None) -> ExpertIO:
+              available: int | None = None, cpu_moe: int = 0) -> ExpertIO:
     """`choose` for a model file on this machine now: `available`, else K3KIT_MEM_AVAILABLE, else
-    MemAvailable."""
+    MemAvailable. With a GPU and `cpu_moe` -1 (--cpu-moe: every routed expert in RAM, the trunk
+    in VRAM) the experts and their cache are sized against RAM as on the CPU, the trunk apart."""
     if asked not in MODES:
         raise K3Error(f"--expert-io {asked!r}: expected one of {', '.join(MODES)}")
     routed, trunk = model_bytes(path)
@@ -175,6 +176,8 @@ def for_model(path: str | Path, asked: str, cache_mib: float | None, device: str
         available = env_available()
     avail = mem_available() if available is None else available
     on_gpu = any(d.strip() and not d.strip().startswith("cpu") for d in device.split(","))
+    if on_gpu and cpu_moe < 0:
+        on_gpu, trunk = False, 0
     return choose(asked=asked, routed_bytes=routed, trunk_bytes=trunk, available=avail,
                   cache_mib=cache_mib, on_gpu=on_gpu)
 

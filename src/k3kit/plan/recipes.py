@@ -7,9 +7,9 @@ the plan gives VRAM on their GPU; `-md`/`-devd`/`-ngld` for the drafter. `LLAMA_
 is the seed's llama.cpp patch (no populate of the 1.4 TB mapping); `--no-repack` keeps llama.cpp
 from copying mapped experts into anonymous buffers bigger than RAM.
 
-k3kit serve is what k3kit's own runtime can do with the same box: its GPU path dequantizes the
-trunk to the compute dtype, so a quantized-on-GPU placement is llama.cpp's; k3kit then serves
-the trunk quantized from the CPU, with the page-cache budget as its expert cache.
+k3kit serve is what k3kit's own runtime does with the same box: the seed's split where its quantized
+trunk fits the GPUs (the file's bytes in VRAM, every routed expert in RAM through the expert cache:
+`--cpu-moe`), else everything from the CPU; the plan's RAM budget for experts is its expert cache.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def rpc_servers(hw: Hardware) -> list[str]:
 
 def k3kit_serve(facts: ModelFacts, hw: Hardware, pl: Placement, *, ctx: int, draft: DraftFacts | None,
                 draft_path: str | None, verify: int, gpu_reserve: int) -> tuple[str, list[str]]:
-    """k3kit serve on the head node: GPU layers when a 16-bit trunk fits them, else the CPU quantized."""
+    """k3kit serve on the head node: the seed's split when the quantized trunk fits the GPUs (the
+    trunk as the file's bytes in VRAM, multiplied by the Triton kernels; every routed expert in RAM
+    through the expert cache, `--cpu-moe`), else everything on the CPU."""
     notes: list[str] = []
     cmd = ["k3kit", "serve", _q(facts.paths[0]), "--ctx", str(ctx)]
     gpus = [g for g in pl.gpus if g.node == 0]
@@ -94,20 +96,18 @@ def k3kit_serve(facts: ModelFacts, hw: Hardware, pl: Placement, *, ctx: int, dra
     spare = [g.capacity - gpu_reserve - b for g, b in zip(gpus, need, strict=True)]
     cache = max(pl.experts.ram_bytes, 0)
     if gpus and min(spare) > 0:
-        cmd += ["--device", ",".join(f"cuda:{i}" for i in range(len(gpus))), "--dtype", "bf16"]
-        cache = min(cache, spare[0])
-        notes.append(f"k3kit's GPU path holds the trunk dequantized to bf16 "
-                     f"({fmt_bytes(facts.trunk_bf16_bytes)}, layers split evenly, token_embd on cuda:0) "
-                     "and caches experts dequantized on cuda:0")
+        cmd += ["--device", ",".join(f"cuda:{i}" for i in range(len(gpus))), "--cpu-moe"]
+        cache += min(pl.experts.gpu_bytes, max(pl.ram.free, 0))     # the plan's VRAM experts, in RAM here
+        notes.append(f"k3kit holds the trunk as the file's bytes on the GPUs ({fmt_bytes(sum(need))} with "
+                     "KV/state, layers split evenly, token_embd on cuda:0) and every routed expert in RAM, "
+                     "multiplied on the CPU (--cpu-moe); the drafter runs on cuda:0")
     else:
         cmd += ["--device", "cpu", "--trunk", "quantized"]
         if gpus:
             worst = min(range(len(gpus)), key=lambda i: spare[i])
-            notes.append(f"k3kit's GPU path dequantizes the trunk to bf16 "
-                         f"({fmt_bytes(facts.trunk_bf16_bytes)}; "
-                         f"cuda:{worst} would need {fmt_bytes(need[worst])} of "
-                         f"{fmt_bytes(gpus[worst].capacity - gpu_reserve)}), so this plan's quantized GPU "
-                         "placement is llama-server's; k3kit serves the trunk quantized from RAM")
+            notes.append(f"k3kit's even layer split would need {fmt_bytes(need[worst])} on cuda:{worst} of "
+                         f"{fmt_bytes(gpus[worst].capacity - gpu_reserve)}, so this plan's GPU placement is "
+                         "llama-server's; k3kit serves the trunk quantized from RAM")
     cmd += ["--expert-cache-mib", str(-(-cache // (1 << 20)))]
     if draft is not None:
         cmd += ["--draft", _q(draft_path or "DRAFT.gguf"), "--verify-budget", str(verify)]
@@ -117,14 +117,15 @@ def k3kit_serve(facts: ModelFacts, hw: Hardware, pl: Placement, *, ctx: int, dra
 
 
 def k3kit_gpu_need(facts: ModelFacts, n_dev: int, ctx: int) -> list[int]:
-    """Bytes per GPU of k3kit's float trunk: runtime.loader.layer_devices' even split, embedding on the
-    first device, the output layer on the last, each layer's KV/state with it."""
+    """Bytes per GPU of k3kit's quantized trunk (the file's bytes): runtime.loader.layer_devices'
+    even split, token_embd on the first device, the output layer on the last, each layer's KV/state
+    with it; the routed experts stay in RAM (--cpu-moe)."""
     need = [0] * n_dev
     n = facts.n_layer
     for la in facts.layers:
-        need[min(n_dev - 1, la.index * n_dev // max(n, 1))] += la.bf16_bytes + la.kv_state_bytes(ctx)
-    need[0] += facts.input_bf16_bytes
-    need[-1] += facts.output_bf16_bytes
+        need[min(n_dev - 1, la.index * n_dev // max(n, 1))] += la.trunk_bytes + la.kv_state_bytes(ctx)
+    need[0] += facts.input_bytes
+    need[-1] += facts.output_bytes
     return need
 
 

@@ -36,7 +36,7 @@ import contextlib
 import mmap
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,13 +71,19 @@ class LoadOptions:
     trunk: str = "quantized"             # "quantized": the file's bytes; "float": dequantized to `dtype`
     expert_prefetch: str = "auto"        # "auto", "on" or "off": see expert_prefetch()
     arith: str = "auto"                  # quantized products: "auto", "float" or "ggml" (check_arith)
+    cpu_moe: int = 0                     # experts kept on the CPU under a GPU trunk (cpu_moe_layers)
+    expert_arith: str = ""               # the experts' products; "" = `arith` (see __post_init__)
 
     def __post_init__(self) -> None:
         # Resolved here, once, so that the model, the expert store and `--stats/--json` all see the
         # arithmetic that runs ("float" or "ggml"), never "auto". The device string is not parsed
-        # (a bad one is reported by `devices` at load, as before).
+        # (a bad one is reported by `devices` at load, as before). Experts kept on the CPU under a
+        # GPU trunk (cpu_moe) multiply in the CPU's arithmetic, as a CPU run's do.
+        asked = self.arith
         if self.arith == "auto":
             self.arith = resolve_arith(self.device)
+        if not self.expert_arith:
+            self.expert_arith = resolve_arith("cpu") if asked == "auto" and self.cpu_moe else self.arith
 
     @property
     def devices(self) -> list[torch.device]:
@@ -152,6 +158,18 @@ def check_arith(arith: str, device: str = "cpu") -> str:
     if arith not in ARITHS:
         raise K3Error(f"--arith {arith!r}: expected one of {', '.join(ARITH_CHOICES)}")
     return arith
+
+
+def cpu_moe_layers(cpu_moe: int, layers: Collection[int], devices: Sequence[torch.device]) -> frozenset[int]:
+    """The MoE layers whose routed experts stay in RAM, multiplied on the CPU by the native
+    kernels, while their layers run on a GPU: llama.cpp's `--cpu-moe` (cpu_moe -1: every layer)
+    and `--n-cpu-moe N` (N: the layers numbered below N; the rest keep their experts in VRAM).
+    Empty when every device is the CPU (the experts are there already) or cpu_moe is 0."""
+    if cpu_moe < -1:
+        raise K3Error(f"--n-cpu-moe {cpu_moe}: must be >= 0")
+    if cpu_moe == 0 or all(d.type == "cpu" for d in devices):
+        return frozenset()
+    return frozenset(il for il in layers if cpu_moe < 0 or il < cpu_moe)
 
 
 EXPERT_PREFETCH = ("auto", "on", "off")
@@ -366,11 +384,13 @@ class GGUFSource:
 
     def expert_store(self, layers: Mapping[int, Sequence[str]], *, cache_mib: float,
                      dtype: torch.dtype, device: torch.device | str, cold: bool | str,
-                     keep: str = "dequantized", arith: str = "") -> ExpertStore:
+                     keep: str = "dequantized", arith: str = "", cpu_layers: Collection[int] = (),
+                     cpu_keep: str = "quantized") -> ExpertStore:
         """ExpertStore over 3-D expert tensors, named per layer in the order `get` returns them."""
         try:
             return ExpertStore.from_gguf(self.model, layers, cache_mib=cache_mib, dtype=dtype,
-                                         device=device, cold=cold, keep=keep, arith=arith)
+                                         device=device, cold=cold, keep=keep, arith=arith,
+                                         cpu_layers=cpu_layers, cpu_keep=cpu_keep)
         except ValueError as e:
             raise FormatError(f"{self.where}: {e}") from None
 

@@ -133,13 +133,24 @@ class LatentMoE(RoutedMoE):
         if self.training and self.batched_for(experts):
             self.balance_loss = balance_loss(self.router.weight, xf, ids, cfg.num_experts)
         xl = self.routed_down(xf) if self.routed_down is not None else xf
-        y = self.run_experts(xl, ids, w, experts, self.guess_next(xf, experts))
+        guess = self.guess_next(xf, experts)
+        home = self.experts_device(experts, xl)
+        shared: Tensor | None = None
+        if home != xl.device:
+            # routed experts in RAM under a trunk on a GPU (--cpu-moe): the rows cross first (the
+            # layer's one wait for the GPU), then the shared expert is queued on the GPU, where it
+            # runs while the CPU multiplies the routed ones
+            xh, ih, wh = xl.to(home), ids.to(home), w.to(home)
+            shared = self.shared(xf) if self.shared is not None else None
+            y = self.run_experts(xh, ih, wh, experts, guess).to(xl.device)
+        else:
+            y = self.run_experts(xl, ids, w, experts, guess)
         if self.routed_norm is not None:
             y = rms_norm(y, self.routed_norm, cfg.rms_norm_eps)
         if self.routed_up is not None:
             y = self.routed_up(y)
         if self.shared is not None:
-            y = y + self.shared(xf)
+            y = y + (shared if shared is not None else self.shared(xf))
         return y.reshape(*lead, -1), ids.reshape(*lead, -1)
 
 

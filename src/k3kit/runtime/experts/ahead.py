@@ -104,7 +104,7 @@ class ReadAhead(MappedMisses):
 
     def _reads_ahead(self, layer: int) -> bool:
         return self.read_ahead and layer in self.layers and all(
-            self._kept_quantized(t) and t.is_file for t in self.layers[layer])
+            self._kept_quantized(t, layer) and t.is_file for t in self.layers[layer])
 
     def _ahead_limit(self) -> int:
         """Bytes the background reads may hold at once (one expert is always allowed)."""

@@ -64,7 +64,7 @@ class MappedMisses(SliceReads):
             return False
         for t in self.layers[layer]:
             f = self._files.get(t.path) if t.path is not None else None
-            if f is None or f.mm is None or not self._kept_quantized(t):
+            if f is None or f.mm is None or not self._kept_quantized(t, layer):
                 return False
         return True
 

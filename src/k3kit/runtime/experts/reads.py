@@ -27,6 +27,7 @@ from .cache import ExpertCache, Weight
 from .io import DIRECT_ALIGN, AlignedScratch, MappedFile
 from .tensor import ExpertTensor
 
+CPU = torch.device("cpu")
 CHECK_CHUNK = 1 << 19   # bytes read, then scale-checked while still in cache (whole blocks)
 
 
@@ -43,6 +44,8 @@ class SliceReads:
 
     layers: dict[int, tuple[ExpertTensor, ...]]
     keep: str
+    cpu_keep: str
+    cpu_layers: frozenset[int]
     arith: str
     dtype: torch.dtype
     device: torch.device
@@ -71,7 +74,7 @@ class SliceReads:
         for t in self.layers[layer]:
             n = t.expert_nbytes
             t0 = time.perf_counter()
-            if self._kept_quantized(t):     # read straight into the buffer the cache will hold
+            if self._kept_quantized(t, layer):     # read straight into the buffer the cache will hold
                 q = self._quantized(t, self._buffer(t, e))
                 io_bytes, check = self._read_slice(layer, e, t, q.raw.numpy())
                 t1 = time.perf_counter()
@@ -81,7 +84,8 @@ class SliceReads:
                 io_bytes, check = self._read_slice(layer, e, t, raw)
                 t1 = time.perf_counter()
                 w = dequantize(raw, t.ggml_type, t.shape, self.dtype)
-                tensors.append(w if self.device.type == "cpu" else w.to(self.device))
+                dev = self.device_of(layer)
+                tensors.append(w if dev.type == "cpu" else w.to(dev))
             ledger.io_bytes += io_bytes
             ledger.read_seconds += t1 - t0 - check
             ledger.check_seconds += check
@@ -170,9 +174,18 @@ class SliceReads:
                                     "the file is corrupt", qtype, first_block + bad)
         return time.perf_counter() - t0
 
-    def _kept_quantized(self, t: ExpertTensor) -> bool:
-        """Whether the cache holds this projection as its bytes (keep="quantized", native type)."""
-        return self.keep == "quantized" and t.ggml_type in NATIVE_TYPES
+    def keep_of(self, layer: int) -> str:
+        """How `layer`'s experts are cached: the store's `keep`, or `cpu_keep` for a layer whose
+        experts stay on the CPU while the rest go to a GPU (`cpu_layers`)."""
+        return self.cpu_keep if layer in self.cpu_layers else self.keep
+
+    def device_of(self, layer: int) -> torch.device:
+        """Where `layer`'s experts are held and multiplied."""
+        return CPU if layer in self.cpu_layers else self.device
+
+    def _kept_quantized(self, t: ExpertTensor, layer: int) -> bool:
+        """Whether the cache holds this projection of `layer` as its bytes (kept quantized, native type)."""
+        return self.keep_of(layer) == "quantized" and t.ggml_type in NATIVE_TYPES
 
     def _quantized(self, t: ExpertTensor, buf: torch.Tensor) -> QuantizedMatrix:
         return QuantizedMatrix(buf, GGMLQuantizationType(t.ggml_type), (t.shape[0], t.shape[1]), self.dtype,

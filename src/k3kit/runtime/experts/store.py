@@ -25,7 +25,7 @@ weights in that order.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,6 +62,11 @@ class ExpertStore(ReadAhead):
     keep: "dequantized" (torch tensors in `dtype`) or "quantized": projections of a type
             with a native kernel (MXFP4) stay as their bytes, copied out of the file into a
             `QuantizedMatrix` (CPU only); other types are still dequantized.
+    cpu_layers, cpu_keep: with `device` a GPU, the layers whose experts stay on the CPU and how
+            they are cached there (llama.cpp's --cpu-moe and --n-cpu-moe: the trunk in VRAM,
+            those experts in RAM multiplied by the native kernels); `device_of(layer)` says
+            where a layer's experts are. A loader names them only when `device` is not the CPU
+            (on the CPU every layer's experts are there already and `keep` holds for all).
     cold: False (mmap, page cache does what it does), "fadvise" (pread, then
             POSIX_FADV_DONTNEED before and after each read), or "direct" (O_DIRECT
             with aligned buffers; falls back to "fadvise" where the filesystem refuses).
@@ -132,6 +137,8 @@ class ExpertStore(ReadAhead):
         device: str | torch.device = "cpu",
         cold: bool | str = False,
         keep: str = "dequantized",
+        cpu_layers: Collection[int] = (),
+        cpu_keep: str = "quantized",
         madvise_random: bool = True,
         slice_readahead: bool = True,
         release_pages: bool = True,
@@ -151,11 +158,14 @@ class ExpertStore(ReadAhead):
             raise ValueError(f"cold must be False, 'fadvise' or 'direct', not {cold!r}")
         if cache_mib < 0:
             raise ValueError("cache_mib must be >= 0")
-        if keep not in ("dequantized", "quantized"):
-            raise ValueError(f"keep must be 'dequantized' or 'quantized', not {keep!r}")
+        for name, mode in (("keep", keep), ("cpu_keep", cpu_keep)):
+            if mode not in ("dequantized", "quantized"):
+                raise ValueError(f"{name} must be 'dequantized' or 'quantized', not {mode!r}")
         if keep == "quantized" and torch.device(device).type != "cpu":
             raise ValueError("keep='quantized' runs on the CPU only")
         self.keep = keep
+        self.cpu_layers = frozenset(int(x) for x in cpu_layers)     # on the CPU as `cpu_keep` says
+        self.cpu_keep = cpu_keep
         self.arith = arith        # arithmetic of the native products of kept-quantized experts
         self.layers: dict[int, tuple[ExpertTensor, ...]] = {int(k): tuple(v) for k, v in layers.items()}
         self._cache = ExpertCache(int(cache_mib * MIB))
@@ -224,7 +234,7 @@ class ExpertStore(ReadAhead):
                                           f"(needs {t.offset + t.nbytes} bytes, file has {f.size})")
                     if madvise_random:
                         f.advise_random(t.offset, t.nbytes)
-                    if (self.huge_pages and self.map_misses and self._kept_quantized(t)
+                    if (self.huge_pages and self.map_misses and self._kept_quantized(t, layer)
                             and t.expert_nbytes >= 2 * PAGE_TABLE_SPAN):    # slices worth mapping
                         f.advise_huge(t.offset, t.nbytes)
                 elif t.offset + t.nbytes > t.buffer().nbytes:
@@ -265,7 +275,7 @@ class ExpertStore(ReadAhead):
         """Bytes one expert of `layer` occupies in the cache (what `cache_mib` budgets): its
         quantized bytes for projections kept quantized, dequantized tensors for the rest."""
         item = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(t.expert_nbytes if self._kept_quantized(t)
+        return sum(t.expert_nbytes if self._kept_quantized(t, layer)
                    else int(np.prod(t.shape)) * item for t in self.layers[layer])
 
     @property
