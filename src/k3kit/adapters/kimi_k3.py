@@ -41,7 +41,9 @@ from torch import Tensor, nn
 from k3kit.adapters.kimi_k3_state import SequenceSnapshots
 from k3kit.adapters.store_experts import StoreExperts
 from k3kit.kernels import threads as kthreads
+from k3kit.kernels.gpu import supports as gpu_supports
 from k3kit.kernels.qmatmul import DEFAULT_ARITH, NATIVE_TYPES, invariant_rows, kernel_label, native_simd
+from k3kit.layers.moe import GROUPED_MAX_ROWS
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, quantized_modules
 from k3kit.models.kimi_k3.config import K3ModelConfig
 from k3kit.models.kimi_k3.gguf_load import (
@@ -345,7 +347,9 @@ class K3Adapter(SequenceSnapshots):
                 limits.append(0)
             arith = self.store.arith or DEFAULT_ARITH          # what the store's products run in
             for il, ts in self.store.layers.items():
-                if self.store.keep_of(il) != "quantized":
+                if self.store.keep_of(il) == "triton":        # a grouped GEMV per expert's rows
+                    limits.append(GROUPED_MAX_ROWS)
+                elif self.store.keep_of(il) != "quantized":
                     limits.append(0)
                 else:
                     limits += [invariant_rows(GGMLQuantizationType(t.ggml_type), self.dtype, arith)
@@ -493,13 +497,12 @@ class K3Adapter(SequenceSnapshots):
 
     @property
     def expert_kernel(self) -> str:
-        """'native-avx512' (quantized cache, native kernel and its vector path), 'torch', or both
-        ('native-avx512 + torch': --n-cpu-moe, experts in RAM and in VRAM)."""
+        """'native-avx512' (quantized cache, native kernel and its vector path), 'triton' (the
+        bytes on a device, the Triton kernels), 'torch' (dequantized), or those in use joined by
+        ' + ' (--n-cpu-moe: experts in RAM and in VRAM)."""
+        names = {"quantized": f"native-{native_simd()}", "triton": "triton", "dequantized": "torch"}
         kept = {self.store.keep_of(il) for il in self.store.layers}
-        native = f"native-{native_simd()}"
-        if "quantized" not in kept:
-            return "torch"
-        return native if kept == {"quantized"} else f"{native} + torch"
+        return " + ".join(names[k] for k in names if k in kept)
 
     def kernels(self) -> dict[str, dict[str, str]]:
         """Which kernel multiplies each ggml type, for the trunk and for the routed experts
@@ -527,6 +530,8 @@ class K3Adapter(SequenceSnapshots):
                 qt = GGMLQuantizationType(t.ggml_type)
                 if self.store.keep_of(il) == "quantized" and qt in NATIVE_TYPES:
                     label = kernel_label(qt, self.store.arith or DEFAULT_ARITH)
+                elif self.store.keep_of(il) == "triton" and gpu_supports(qt):
+                    label = f"triton (the file's bytes in {self.store.device_of(il)}, grouped GEMV)"
                 else:
                     dev = self.store.device_of(il)
                     where = "" if dev.type == "cpu" else f", in {dev}"
@@ -656,6 +661,6 @@ def load(source: GGUFSource, options: LoadOptions) -> K3Adapter:
                                 device=store_dev[0], cold=options.cold,
                                 keep=expert_keep(options.expert_kernel, store_dev),
                                 arith=options.expert_arith, cpu_layers=on_cpu if store_dev is devices else (),
-                                cpu_keep=expert_keep(options.expert_kernel, cpu))
+                                cpu_keep=expert_keep(options.expert_kernel.replace("triton", "auto"), cpu))
     set_expert_prefetch(model.modules(), expert_prefetch(options.expert_prefetch, store))
     return K3Adapter(source, cfg, model, store, options, layer_dev)

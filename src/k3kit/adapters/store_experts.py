@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from k3kit.kernels.gpu import TritonMatrix
 from k3kit.layers.moe import ExpertWeights, MatmulWeight
 from k3kit.runtime.experts import ExpertStore
 
@@ -42,8 +43,8 @@ class StoreExperts:
 
     def resident(self, layer: int, experts: Sequence[int]) -> bool:
         """Whether every one of `experts` is in the store's cache (fetching them reads and evicts
-        nothing, so the weights of all of them can be held at once), multiplied on the CPU."""
-        return self.device(layer).type == "cpu" and self.store.missing_bytes(layer, experts) == 0
+        nothing, so the weights of all of them can be held at once)."""
+        return self.store.missing_bytes(layer, experts) == 0
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         weights = self.store.get(layer, [expert])[expert]   # the store drops a miss's pages
@@ -69,8 +70,13 @@ class StoreExperts:
 
     def _on_device(self, layer: int, weights: Sequence[Tensor | MatmulWeight]) -> ExpertWeights:
         dev = self.device(layer)
-        if not any(isinstance(w, Tensor) and w.device != dev for w in weights):
+        if not any(isinstance(w, Tensor | TritonMatrix) and _device(w) != dev for w in weights):
             return ExpertWeights(*weights)
-        # a layer split over devices: move dequantized weights there (quantized ones are CPU-only)
-        gate, up, down = (w.to(dev) if isinstance(w, Tensor) and w.device != dev else w for w in weights)
+        # a layer split over devices: move the device's weights there (CPU-quantized ones stay)
+        gate, up, down = (w.to(dev) if isinstance(w, Tensor | TritonMatrix) and _device(w) != dev else w
+                          for w in weights)
         return ExpertWeights(gate, up, down)
+
+
+def _device(w: Tensor | TritonMatrix) -> torch.device:
+    return w.device if isinstance(w, Tensor) else w.raw.device

@@ -53,10 +53,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "not fit the RAM left after the trunk and the cache, else page (auto)")
     parser.add_argument("--cold", dest="expert_io", action="store_const", const="direct",
                         help="the same as --expert-io direct")
-    parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "torch"),
+    parser.add_argument("--expert-kernel", default="auto", choices=("auto", "native", "triton", "torch"),
                         help="native: cache experts as their quantized bytes and multiply them "
-                        "directly (CPU); torch: dequantize each miss to the compute dtype; "
-                        "auto: native when built (auto)")
+                        "directly (CPU); triton: cache them as their bytes on the GPU and multiply them "
+                        "with the Triton kernels, a layer's routed rows in one launch per projection; "
+                        "torch: dequantize each miss to the compute dtype; auto: native on the CPU when "
+                        "built, triton on CUDA when installed (auto)")
     parser.add_argument("--expert-prefetch", default="auto", choices=("auto", "on", "off"),
                         help="each MoE layer guesses the next layer's experts and starts reading them "
                         "early; auto: on when the expert cache cannot hold every expert (auto)")

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3kit.kernels import fused
+from k3kit.kernels import fused, gpu
 from k3kit.kernels import threads as kthreads
 from k3kit.kernels.qmatmul import QuantizedMatrix, experts_fusable, experts_matmul_q8
 
@@ -63,6 +63,9 @@ FUSED_MAX_ROWS = 8
 # products are microseconds of arithmetic, less than a call's own cost (the mini's 128 x 64
 # experts: a 55-row pass after a long restored prompt 33 -> 25 ms); K3's are 1,000x larger.
 FUSED_SMALL_WEIGHTS = 1 << 14
+# Routed rows per expert up to which experts kept for the Triton kernels run as one grouped GEMV
+# launch per projection (kernels.gpu.GEMV_MAX_ROWS: beyond it a product is a tiled GEMM).
+GROUPED_MAX_ROWS = 16
 
 
 class MatmulWeight(Protocol):
@@ -278,9 +281,11 @@ class RoutedMoE(nn.Module):
                   prefetch: tuple[int, Sequence[int]] | None = None) -> Tensor:
         """Fetch each distinct expert once, in plan order, and run all its rows together."""
         N, k = weights.shape
-        fusable = (self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
-                   and x.device.type == "cpu"
-                   and (max(groups.counts, default=0) <= FUSED_MAX_ROWS or self._small_experts()))
+        plain = self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
+        fusable = plain and x.device.type == "cpu" and (max(groups.counts, default=0) <= FUSED_MAX_ROWS
+                                                        or self._small_experts())
+        # experts kept as their bytes for the Triton kernels: one grouped launch per projection
+        groupable = plain and max(groups.counts, default=0) <= GROUPED_MAX_ROWS
         # all cached, nothing in flight: the plan and the fetches in one step (a decode step's usual case)
         take = getattr(experts, "take_resident", None) if fusable else None
         fetched: list[ExpertWeights] | None = take(self.layer, groups.experts) if take is not None else None
@@ -291,12 +296,15 @@ class RoutedMoE(nn.Module):
         if prefetch is not None and hint is not None:
             hint(*prefetch)
         resident = getattr(experts, "resident", None)
-        if fetched is None and fusable and resident is not None and resident(self.layer, groups.experts):
+        if fetched is None and (fusable or groupable) and resident is not None \
+                and resident(self.layer, groups.experts):
             get_all = getattr(experts, "get_all", None)
             fetched = (get_all(self.layer, groups.experts) if get_all is not None
                        else [experts.get(self.layer, e) for e in groups.experts])
         if fetched is not None:
-            y = self._run_fused(x, groups, fetched)
+            y = self._run_grouped(x, groups, fetched) if groupable else None
+            if y is None and fusable:
+                y = self._run_fused(x, groups, fetched)
             order = groups.host_order if groups.host_order is not None else groups.order
             if y is not None and (summed := fused.slot_sum(y, order, weights)) is not None:
                 return summed          # one native pass: the same products and sums as below
@@ -353,6 +361,40 @@ class RoutedMoE(nn.Module):
                 h[start:start + c] = self.act(gu[0, start:start + c], gu[1, start:start + c])
                 start += c
         y = experts_matmul_q8([[d] for d in qd], h, counts, checked=True)[0]
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _run_grouped(self, x: Tensor, groups: RouteGroups, fetched: list[ExpertWeights]) -> Tensor | None:
+        """Every expert's rows through the Triton kernels in two grouped launches (gate and up
+        together, then down), rows in grouped order [N*k, d]; None unless every weight is a
+        `kernels.gpu.TritonMatrix`, one type and shape per projection. A pair's row is the GEMV
+        program `expert` runs for it (`_gemv` per row), and `act` runs as `_run_fused` runs it:
+        each output has `expert`'s bits."""
+        gates, ups, downs = ([w[i] for w in fetched] for i in range(3))
+        if not all(isinstance(m, gpu.TritonMatrix) for m in gates + ups + downs):
+            return None
+        kinds = [{(m.qtype, m.in_features, m.out_features) for m in cast(list[gpu.TritonMatrix], ms)}
+                 for ms in (gates + ups, downs)]
+        if any(len(kd) != 1 for kd in kinds):
+            return None
+        (qgu, d_in, d_ff), (qd, _, d_out) = (next(iter(kd)) for kd in kinds)
+        counts = groups.counts
+        rows = groups.host_rows if groups.host_rows is not None else groups.rows.tolist()
+        mat = [i for i, c in enumerate(counts) for _ in range(c)]
+        e, p = len(counts), len(mat)
+        mats = cast(list[gpu.TritonMatrix], gates + ups)
+        gu = gpu.grouped_gemv(x, [m.raw for m in mats], mat + [e + i for i in mat], list(rows) * 2, qgu,
+                              d_in, d_ff).to(x.dtype)
+        g, u = gu[:p], gu[p:]
+        if x.device.type != "cpu" or _whole_vectors(g):
+            h = self.act(g, u)
+        else:
+            h = torch.empty(p, d_ff, dtype=x.dtype)
+            start = 0
+            for c in counts:   # per expert: an elementwise kernel's bits may depend on its length
+                h[start:start + c] = self.act(g[start:start + c], u[start:start + c])
+                start += c
+        down = cast(list[gpu.TritonMatrix], downs)
+        y = gpu.grouped_gemv(h, [m.raw for m in down], mat, list(range(p)), qd, d_ff, d_out)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _run_batched(self, x: Tensor, groups: RouteGroups, weights: Tensor) -> Tensor:

@@ -49,6 +49,7 @@ from k3kit.errors import FormatError, K3Error
 from k3kit.gguf import quants
 from k3kit.gguf.reader import KV, TensorInfo
 from k3kit.gguf.shards import Model
+from k3kit.kernels import gpu
 from k3kit.kernels.dequant import SUPPORTED, dequantize
 from k3kit.kernels.qmatmul import ARITHS, native_available
 from k3kit.runtime.experts import ExpertStore
@@ -106,7 +107,7 @@ def parse_device(spec: str) -> torch.device:
     return dev
 
 
-EXPERT_KERNELS = ("auto", "native", "torch")
+EXPERT_KERNELS = ("auto", "native", "triton", "torch")
 TRUNKS = ("float", "quantized")
 
 
@@ -199,8 +200,13 @@ def expert_keep(kernel: str, devices: Sequence[torch.device]) -> str:
 
     native: experts stay quantized in the cache and multiply through the native kernel
             (k3kit.kernels.qmatmul); CPU only, needs the extension built at install.
+    triton: experts stay as their bytes on the device (VRAM: the file's size, not a 16-bit
+            copy) and multiply through the Triton kernels (k3kit.kernels.gpu), a MoE layer's
+            routed rows in one grouped launch per projection; CUDA, or the CPU under
+            TRITON_INTERPRET=1 (the kernels' tests).
     torch:  experts are dequantized to the compute dtype on a miss and cached that way.
-    auto:   native when it is built and every device is the CPU, else torch.
+    auto:   native when it is built and every device is the CPU; triton on CUDA when triton is
+            installed; else torch.
     """
     if kernel not in EXPERT_KERNELS:
         raise K3Error(f"--expert-kernel {kernel!r}: expected one of {', '.join(EXPERT_KERNELS)}")
@@ -212,8 +218,15 @@ def expert_keep(kernel: str, devices: Sequence[torch.device]) -> str:
         if not on_cpu:
             raise K3Error("--expert-kernel native runs on the CPU only; use --expert-kernel torch with CUDA")
         return "quantized"
+    if kernel == "triton":
+        if not gpu.available(devices[0]):
+            raise K3Error(f"--expert-kernel triton: the Triton kernels cannot run on {devices[0]} (they need "
+                          "triton and CUDA, or TRITON_INTERPRET=1 on the CPU)")
+        return "triton"
     if kernel == "auto" and native_available() and on_cpu:
         return "quantized"
+    if kernel == "auto" and not on_cpu and gpu.available(devices[0]):
+        return "triton"
     return "dequantized"
 
 

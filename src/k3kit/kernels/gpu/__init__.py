@@ -128,6 +128,45 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, n_in: int, n_out: int
     return y
 
 
+def grouped_gemv(x: torch.Tensor, mats: list[torch.Tensor], pair_mat: list[int], pair_row: list[int],
+                 qtype: int, n_in: int, n_out: int) -> torch.Tensor:
+    """y[p] = x[pair_row[p]] @ W_{pair_mat[p]}.T for every pair p in one launch (a MoE layer's routed
+    rows, each against its expert's matrix): `mats` ggml [n_in, n_out] matrices of one `qtype` on
+    x's device. float32 [pairs, n_out]; each row bitwise what `matmul` gives that row alone."""
+    for m in mats:
+        _check(m, qtype, n_in, n_out)
+    if any(not 0 <= i < len(mats) for i in pair_mat) or len(pair_row) != len(pair_mat) \
+            or any(not 0 <= r < x.shape[0] for r in pair_row):
+        raise ValueError("grouped_gemv: a pair names no matrix or no row")
+    return _kernels().grouped_gemv(x.float().contiguous(), mats, pair_mat, pair_row, int(qtype), n_in, n_out)
+
+
+class TritonMatrix:
+    """A ggml matrix kept as its bytes on a device and multiplied there by these kernels (a
+    MatmulWeight, k3kit.layers.moe): a routed expert's projection in VRAM (or, under Triton's
+    interpreter, in RAM) at the file's size, not dequantized."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, shape: tuple[int, int], dtype: torch.dtype):
+        _check(raw, qtype, shape[0], shape[1])
+        self.raw, self.qtype, self.dtype = raw, int(qtype), dtype
+        self.in_features, self.out_features = shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def to(self, device: torch.device) -> TritonMatrix:
+        if self.raw.device == device:
+            return self
+        shape = (self.in_features, self.out_features)
+        return TritonMatrix(self.raw.to(device), self.qtype, shape, self.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> x @ W.T [n, out] in x's dtype (GEMV float32 sums up to GEMV_MAX_ROWS rows)."""
+        y = matmul(x, self.raw, self.qtype, self.in_features, self.out_features, self.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ggml [n_in, n_out] tensor's bytes -> [n_out, n_in] in `dtype`: bitwise what

@@ -65,6 +65,27 @@ def _gemv(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
     tl.store(y_ptr + m.to(tl.int64) * N + n, y, mask=n < N)
 
 
+@triton.jit(do_not_specialize=["P"])
+def _gemv_grouped(x_ptr, w_ptr, offs_ptr, xrows_ptr, tab, y_ptr, P, N, K, row_bytes,
+                  QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
+    """`_gemv` over (row, matrix) pairs of one launch: pair p multiplies x row xrows[p] by the
+    matrix whose bytes start offs[p] bytes past w_ptr (a MoE layer's routed experts, each kept
+    where its cache put it). Per pair the same program as `_gemv`'s for one row: the same bits."""
+    pid = tl.program_id(0)
+    p = pid % P
+    n = (pid // P) * BN + tl.arange(0, BN)
+    nmask = (n < N)[:, None, None]
+    row = w_ptr + tl.load(offs_ptr + p) + n.to(tl.int64)[:, None, None] * row_bytes
+    xrow = x_ptr + tl.load(xrows_ptr + p) * K
+    acc = tl.zeros([BN, G, S], dtype=tl.float32)
+    for t in range(0, tl.cdiv(K, G * S)):
+        w, k = tile(QT, row, t, nmask, K, G, S, tab)
+        xv = tl.load(xrow + k, mask=k < K, other=0.0)
+        acc += w * xv
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(y_ptr + p.to(tl.int64) * N + n, y, mask=n < N)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
                QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr, RMAX: tl.constexpr):
@@ -154,6 +175,27 @@ def gemv(x: torch.Tensor, w: torch.Tensor, qtype: int, n_in: int, n_out: int,
     grid = (triton.cdiv(n_out, bn) * m,)
     _gemv[grid](x, w, _grids(w.device), y, m, n_out, n_in, w.numel() // n_out,
                 QT=qtype, BN=bn, G=g, S=s, num_warps=GEMV_WARPS)
+    return y
+
+
+def grouped_gemv(x: torch.Tensor, mats: list[torch.Tensor], pair_mat: list[int], pair_row: list[int],
+                 qtype: int, n_in: int, n_out: int) -> torch.Tensor:
+    """y[p] = x[pair_row[p]] @ W_{pair_mat[p]}.T for every pair p, in one launch: x float32 [M, n_in]
+    (contiguous), `mats` uint8 tensors of ggml [n_in, n_out] matrices of `qtype` on x's device.
+    float32 [len(pairs), n_out]; each row bitwise `gemv`'s (`_gemv`) for that row and matrix."""
+    p = len(pair_mat)
+    y = torch.empty(p, n_out, dtype=torch.float32, device=x.device)
+    if p == 0:
+        return y
+    base = min(mats, key=lambda m: m.data_ptr())
+    at = base.data_ptr()
+    offs = torch.tensor([mats[i].data_ptr() - at for i in pair_mat], dtype=torch.int64, device=x.device)
+    rows = torch.tensor(pair_row, dtype=torch.int64, device=x.device)
+    g, s = GROUPS[qtype]
+    bn = GEMV_BN[qtype]
+    _gemv_grouped[(triton.cdiv(n_out, bn) * p,)](x, base, offs, rows, _grids(x.device), y, p, n_out, n_in,
+                                                 mats[0].numel() // n_out, QT=qtype, BN=bn, G=g, S=s,
+                                                 num_warps=GEMV_WARPS)
     return y
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from k3kit.kernels.gpu import TritonMatrix
 from k3kit.kernels.qmatmul import QuantizedMatrix
 
 from .grow import MIN_BYTES as GROW_MIN_BYTES
@@ -32,7 +33,7 @@ from .io import DIRECT_ALIGN
 MIB = 1 << 20
 MAX_SPARE = 4   # evicted quantized buffers kept per size for reuse (one expert's projections)
 
-Weight = torch.Tensor | QuantizedMatrix
+Weight = torch.Tensor | QuantizedMatrix | TritonMatrix
 Key = tuple[int, int]    # (layer, expert)
 
 

@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from k3kit.gguf.quants import CorruptBlockError, first_nonfinite_block
 from k3kit.gguf.quants.scales import CHECKED
+from k3kit.kernels import gpu
 from k3kit.kernels.dequant import dequantize
 from k3kit.kernels.qmatmul import NATIVE_TYPES, QuantizedMatrix
 
@@ -79,6 +80,12 @@ class SliceReads:
                 io_bytes, check = self._read_slice(layer, e, t, q.raw.numpy())
                 t1 = time.perf_counter()
                 tensors.append(q)
+            elif self._kept_triton(t, layer):     # the bytes, copied to the device the kernels read them on
+                raw = self._scratch(n)
+                io_bytes, check = self._read_slice(layer, e, t, raw)
+                t1 = time.perf_counter()
+                held = torch.from_numpy(raw[:n]).to(self.device_of(layer), copy=True)
+                tensors.append(gpu.TritonMatrix(held, t.ggml_type, (t.shape[0], t.shape[1]), self.dtype))
             else:
                 raw = self._scratch(n)
                 io_bytes, check = self._read_slice(layer, e, t, raw)
@@ -182,6 +189,11 @@ class SliceReads:
     def device_of(self, layer: int) -> torch.device:
         """Where `layer`'s experts are held and multiplied."""
         return CPU if layer in self.cpu_layers else self.device
+
+    def _kept_triton(self, t: ExpertTensor, layer: int) -> bool:
+        """Whether the cache holds this projection of `layer` as its bytes on the device, for the
+        Triton kernels (keep="triton", a type they decode)."""
+        return self.keep_of(layer) == "triton" and gpu.supports(t.ggml_type)
 
     def _kept_quantized(self, t: ExpertTensor, layer: int) -> bool:
         """Whether the cache holds this projection of `layer` as its bytes (kept quantized, native type)."""

@@ -35,6 +35,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from k3kit.errors import FormatError
+from k3kit.kernels import gpu
 from k3kit.kernels.dequant import SUPPORTED, block_size
 
 from .ahead import PRECISION_WARMUP, PREFETCH_PRECISION, ReadAhead
@@ -61,7 +62,10 @@ class ExpertStore(ReadAhead):
             batch being returned. Pinned experts are never evicted (and still count).
     keep: "dequantized" (torch tensors in `dtype`) or "quantized": projections of a type
             with a native kernel (MXFP4) stay as their bytes, copied out of the file into a
-            `QuantizedMatrix` (CPU only); other types are still dequantized.
+            `QuantizedMatrix` (CPU only); other types are still dequantized. "triton": the
+            bytes of a type the GPU kernels decode, copied to `device` as a
+            `kernels.gpu.TritonMatrix` (VRAM holds the file's bytes, not a 16-bit copy; the
+            MoE runs a layer's routed rows through one grouped kernel per projection).
     cpu_layers, cpu_keep: with `device` a GPU, the layers whose experts stay on the CPU and how
             they are cached there (llama.cpp's --cpu-moe and --n-cpu-moe: the trunk in VRAM,
             those experts in RAM multiplied by the native kernels); `device_of(layer)` says
@@ -159,10 +163,15 @@ class ExpertStore(ReadAhead):
         if cache_mib < 0:
             raise ValueError("cache_mib must be >= 0")
         for name, mode in (("keep", keep), ("cpu_keep", cpu_keep)):
-            if mode not in ("dequantized", "quantized"):
-                raise ValueError(f"{name} must be 'dequantized' or 'quantized', not {mode!r}")
+            if mode not in ("dequantized", "quantized", "triton"):
+                raise ValueError(f"{name} must be 'dequantized', 'quantized' or 'triton', not {mode!r}")
         if keep == "quantized" and torch.device(device).type != "cpu":
             raise ValueError("keep='quantized' runs on the CPU only")
+        if keep == "triton" and not gpu.available(device):
+            raise ValueError(f"keep='triton' needs the Triton kernels on {device} (CUDA, or the CPU under "
+                             "TRITON_INTERPRET=1)")
+        if cpu_keep == "triton":
+            raise ValueError("cpu_keep='triton': the CPU layers' experts are 'quantized' or 'dequantized'")
         self.keep = keep
         self.cpu_layers = frozenset(int(x) for x in cpu_layers)     # on the CPU as `cpu_keep` says
         self.cpu_keep = cpu_keep
@@ -275,7 +284,7 @@ class ExpertStore(ReadAhead):
         """Bytes one expert of `layer` occupies in the cache (what `cache_mib` budgets): its
         quantized bytes for projections kept quantized, dequantized tensors for the rest."""
         item = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(t.expert_nbytes if self._kept_quantized(t, layer)
+        return sum(t.expert_nbytes if self._kept_quantized(t, layer) or self._kept_triton(t, layer)
                    else int(np.prod(t.shape)) * item for t in self.layers[layer])
 
     @property
