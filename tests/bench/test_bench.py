@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3kit.adapters import load_model
 from k3kit.bench.config import Config, expand, parse_concurrency, parse_sweep
 from k3kit.bench.workloads import Workload, fit, resolve, stdlib_texts
 from k3kit.cli import main
@@ -25,6 +26,7 @@ from k3kit.gguf.shards import Model
 from k3kit.plan.facts import read_facts
 from k3kit.plan.profile import load_profile
 from k3kit.runtime.experts.pinning import plan_pins
+from k3kit.runtime.loader import LoadOptions
 
 MINI = Path(__file__).resolve().parents[2] / "src/k3kit/mini/assets/mini-k3/mini-k3.gguf"
 P, N = 16, 4
@@ -110,6 +112,18 @@ def test_bench_r1_writes_complete_results(tmp_path, capsys):
     check_timing(tg, N, 1)
     assert pp["payload_bytes_per_token"] == pytest.approx(pp["payload_bytes"] / P)
     assert tg["payload_bytes_per_token"] == pytest.approx(tg["payload_bytes"] / N)
+    # what a decoded token reads: the trunk but the embedding table, and each routed expert fetched
+    with load_model(MINI, LoadOptions(expert_cache_mib=0)) as lm:
+        mem = lm.model.memory()
+    weights = mem.trunk_bytes - mem.input_bytes
+    top_k = facts.experts_used * len(mem.experts)
+    assert 0 < mem.input_bytes < mem.trunk_bytes
+    unit = sum(e.cached_bytes for e in mem.experts) / len(mem.experts)
+    assert weights < tg["read_bytes_per_token"] <= weights + top_k * unit * (1 + 1e-9)
+    assert tg["read_gbps"] == pytest.approx(tg["read_bytes_per_token"] * tg["avg_ts"] / 1e9)
+    assert res["machine"]["copy_gbps"] > 0.1 and tg["read_of_copy_bw"] == pytest.approx(
+        tg["read_gbps"] / res["machine"]["copy_gbps"])
+    assert "read_bytes_per_token" not in pp
     probe = res["probes"][0]
     assert probe["prompt_tokens"] == P and probe["verify_rows"] == N and probe["draft_steps"] == 0
     assert probe["avg_commit_per_step"] == 1.0

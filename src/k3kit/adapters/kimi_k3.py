@@ -547,11 +547,18 @@ class K3Adapter(SequenceSnapshots):
         return MemoryFigures(trunk_bytes=self.trunk_bytes, trunk_file_bytes=self.trunk_file_bytes,
                              expert_cache_bytes=s.resident_bytes, expert_cache_budget=store.cache_bytes,
                              experts_per_token=self.cfg.num_experts_per_tok, experts=experts,
-                             trunk=self.trunk)
+                             trunk=self.trunk, input_bytes=_module_bytes(self.model.embed))
 
     def close(self) -> None:
         self.store.close()
         self.source.close()
+
+
+def _module_bytes(m: nn.Module) -> int:
+    """What a module's weights hold: a quantized embedding's bytes, else its parameters'."""
+    if isinstance(m, QuantizedEmbedding):
+        return int(m.nbytes)
+    return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
 def _install_layer_split(model: K3Model, layer_dev: Sequence[torch.device]) -> None:

@@ -59,7 +59,10 @@ def _spec(samples: Sequence[Sample]) -> dict[str, Any]:
 
 
 def k3kit_rows(results: Sequence[ConfigResult], common: dict[str, Any], workload: str,
-               draft: str | None, n_prompt: int, n_gen: int) -> list[dict[str, Any]]:
+               draft: str | None, n_prompt: int, n_gen: int, copy_gbps: float = 0.0) -> list[dict[str, Any]]:
+    """llama-bench's rows for k3kit's runs; a decode row also says the bytes a token reads (the trunk
+    once, each routed expert fetched once per pass) and that rate against the device's copy
+    bandwidth (`copy_gbps`, bench.bandwidth)."""
     rows: list[dict[str, Any]] = []
     for r in results:
         c = r.config
@@ -87,6 +90,11 @@ def k3kit_rows(results: Sequence[ConfigResult], common: dict[str, Any], workload
                    | {"expert_hit_rate": _rate(sum(x.tg_hits for x in s), sum(x.tg_misses for x in s)),
                       "payload_bytes": tg_bytes,
                       "payload_bytes_per_token": tg_bytes / tg_tokens if tg_tokens else 0.0})
+            fetched = sum(x.tg_hits + x.tg_misses for x in s)
+            read = r.weights_per_token + (fetched / tg_tokens * r.expert_bytes if tg_tokens else 0.0)
+            row |= {"read_bytes_per_token": read, "read_gbps": read * row["avg_ts"] / 1e9}
+            if copy_gbps:
+                row["read_of_copy_bw"] = row["read_gbps"] / copy_gbps
             if draft is not None:
                 row |= _spec(s)
             rows.append(row)
@@ -174,6 +182,14 @@ def _params(n: int) -> str:
     return str(n)
 
 
+def _rate_cell(r: dict[str, Any]) -> str:
+    """GB/s a decode row reads, and its share of the device's copy bandwidth where measured."""
+    if "read_gbps" not in r:
+        return ""
+    share = f" ({r['read_of_copy_bw']:.2f})" if "read_of_copy_bw" in r else ""
+    return f"{r['read_gbps']:.1f}{share}"
+
+
 def markdown(res: dict[str, Any]) -> str:
     rows = res["rows"]
     lines = []
@@ -183,7 +199,8 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{res['reps']} repetitions; {res['machine']['cpu_info']}")
     lines.append("")
     spec = any("committed_per_pass" in r for r in rows)
-    head = ["engine", "config", "threads", "test", "t/s", "hit rate", "payload/token", "peak RSS"]
+    head = ["engine", "config", "threads", "test", "t/s", "hit rate", "payload/token", "peak RSS",
+            "read/token", "GB/s (of copy)"]
     if spec:
         head += ["commit/pass", "verify rows/pass"]
     if any("ratio_vs_llama_cpp" in r for r in rows):
@@ -197,7 +214,8 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
                  f"{100 * r['expert_hit_rate']:.1f}%" if "expert_hit_rate" in r else "",
                  _size(r["payload_bytes_per_token"]) if "payload_bytes_per_token" in r else "",
-                 _size(r["peak_rss_bytes"]) if "peak_rss_bytes" in r else ""]
+                 _size(r["peak_rss_bytes"]) if "peak_rss_bytes" in r else "",
+                 _size(r["read_bytes_per_token"]) if "read_bytes_per_token" in r else "", _rate_cell(r)]
         if spec:
             cells += [f"{r['committed_per_pass']:.2f}" if "committed_per_pass" in r else "",
                       f"{r['verify_rows_per_pass']:.2f}" if "verify_rows_per_pass" in r else ""]

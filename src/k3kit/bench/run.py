@@ -15,6 +15,7 @@ from typing import Any
 
 from k3kit import __version__
 from k3kit.bench import report, workloads
+from k3kit.bench.bandwidth import copy_gbps
 from k3kit.bench.config import Config, expand
 from k3kit.bench.profile import RouteRecorder
 from k3kit.errors import K3Error
@@ -204,7 +205,9 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
               "model_size": info["model_size"], "model_n_params": info["model_n_params"],
               "n_batch": o.prefill_chunk, "n_threads": torch.get_num_threads(), "use_mmap": True}
     wname = w.name
-    rows = report.k3kit_rows(results, common, wname, str(o.draft) if o.draft else None, o.n_prompt, o.n_gen)
+    copy = copy_gbps(o.device.split(",")[0]) if o.n_gen > 0 else 0.0
+    rows = report.k3kit_rows(results, common, wname, str(o.draft) if o.draft else None, o.n_prompt, o.n_gen,
+                             copy_gbps=copy)
     prow = report.peer_rows(peers, common, wname, o.n_prompt, o.n_gen)
     report.add_ratios(rows, prow)
     crow = (report.concurrency_rows(rounds, common, o.n_gen)
@@ -214,7 +217,8 @@ def run_bench(o: BenchOptions, command: Sequence[str] = ()) -> dict[str, Any]:
         "started": started, "seconds": time.perf_counter() - t0,
         "load_seconds": run_info.get("load_seconds", 0.0),
         "machine": {"cpu_info": common["cpu_info"], "cores": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "platform": platform.platform()},
+                    "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "copy_gbps": copy, "copy_device": o.device.split(",")[0]},
         "model": info, "draft": str(o.draft) if o.draft else None,
         "workload": w.to_dict() | {"prompts_used": len(prompts), "prompt_tokens": [len(p) for p in prompts]},
         "n_prompt": o.n_prompt, "n_gen": o.n_gen, "reps": o.reps,

@@ -87,6 +87,8 @@ class ConfigResult:
     pinned: dict[str, object] | None = None
     peak_rss: int = 0
     test_time: str = ""
+    weights_per_token: int = 0       # trunk bytes a decoded token reads (all but the embedding table)
+    expert_bytes: float = 0.0        # one routed expert as the cache holds it (mean over MoE layers)
 
 
 class Ledger:
@@ -172,8 +174,11 @@ def run_config(session: Session, spec: RunSpec, cfg: Config, label: str, prompts
                default_threads: int, recorder: RouteRecorder | None,
                tick: Callable[[str], None]) -> ConfigResult:
     plan = prepare(session, spec, cfg, default_threads)
-    out = ConfigResult(cfg, label, expert_kernel=session.target.expert_kernel,
-                       trunk=str(session.target.memory().trunk),
+    mem = session.target.memory()
+    units = [e.cached_bytes for e in mem.experts]
+    out = ConfigResult(cfg, label, expert_kernel=session.target.expert_kernel, trunk=str(mem.trunk),
+                       weights_per_token=mem.trunk_bytes - mem.input_bytes,
+                       expert_bytes=sum(units) / len(units) if units else 0.0,
                        pinned=plan.to_dict() if plan is not None else None,
                        test_time=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"))
     tick("warm-up")

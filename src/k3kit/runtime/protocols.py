@@ -207,6 +207,7 @@ class MemoryFigures:
     experts_per_token: int = 0     # routed experts each token uses per layer (top-k)
     experts: tuple[RoutedExperts, ...] = ()
     trunk: str = "float"           # "float" (dequantized to the compute dtype) or "quantized" (file bytes)
+    input_bytes: int = 0           # of trunk_bytes, the input embedding table (a token reads one row)
 
 
 @runtime_checkable
