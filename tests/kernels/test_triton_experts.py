@@ -6,21 +6,14 @@ here before triton is first imported), as tests/kernels/test_triton_kernels.py r
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from triton_device import device  # noqa: E402  (sets TRITON_INTERPRET before triton loads)
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1",
-                    allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+DEV = device()
 
 from k3kit.adapters import load_model  # noqa: E402
 from k3kit.gguf import quants  # noqa: E402
@@ -28,10 +21,6 @@ from k3kit.kernels import gpu  # noqa: E402
 from k3kit.layers import moe  # noqa: E402
 from k3kit.mini.paths import shipped_gguf  # noqa: E402
 from k3kit.runtime.loader import LoadOptions  # noqa: E402
-
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if not gpu.available(DEV):
-    pytest.skip("Triton kernels cannot run here (TRITON_INTERPRET=0 without CUDA)", allow_module_level=True)
 
 
 def _raw(qtype: T, n_in: int, n_out: int, seed: int) -> torch.Tensor:

@@ -12,34 +12,23 @@ Sizes are small: the interpreter runs every program in Python.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from triton_device import device  # noqa: E402  (sets TRITON_INTERPRET before triton loads)
 
-if not torch.cuda.is_available():
-    # read by triton when it defines jit functions, its own (tl.sum's) at import included
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1",
-                    allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+DEV = device()
 
 from k3kit.gguf import quants  # noqa: E402
 from k3kit.kernels import gpu  # noqa: E402
 from k3kit.kernels.dequant import dequantize  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.MXFP4,
          T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
          T.TQ1_0, T.TQ2_0, T.F16, T.BF16]
 assert set(TYPES) == set(gpu.SUPPORTED)
-if not gpu.available(DEV):
-    pytest.skip("Triton kernels cannot run here (TRITON_INTERPRET=0 without CUDA)", allow_module_level=True)
 
 
 def _raw(qtype: T, n_in: int, n_out: int, seed: int, scale_range=(1e-3, 1e-2)) -> torch.Tensor:

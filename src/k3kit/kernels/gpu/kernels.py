@@ -47,6 +47,19 @@ DEQUANT_BN = 8
 _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+@triton.jit
+def _row_dot(row, xrow, nmask, K, tab, QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+             S: tl.constexpr):
+    """One row of x (at `xrow`) times BN weight rows (at `row`): elementwise products over the
+    whole row in a [BN, G, S] float32 accumulator, reduced once at the end: one program's GEMV."""
+    acc = tl.zeros([BN, G, S], dtype=tl.float32)
+    for t in range(0, tl.cdiv(K, G * S)):
+        w, k = tile(QT, row, t, nmask, K, G, S, tab)
+        xv = tl.load(xrow + k, mask=k < K, other=0.0)
+        acc += w * xv
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
           QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
@@ -55,13 +68,7 @@ def _gemv(x_ptr, w_ptr, tab, y_ptr, M, N, K, row_bytes,
     n = (pid // M) * BN + tl.arange(0, BN)
     nmask = (n < N)[:, None, None]
     row = w_ptr + n.to(tl.int64)[:, None, None] * row_bytes
-    xrow = x_ptr + m.to(tl.int64) * K
-    acc = tl.zeros([BN, G, S], dtype=tl.float32)
-    for t in range(0, tl.cdiv(K, G * S)):
-        w, k = tile(QT, row, t, nmask, K, G, S, tab)
-        xv = tl.load(xrow + k, mask=k < K, other=0.0)
-        acc += w * xv
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = _row_dot(row, x_ptr + m.to(tl.int64) * K, nmask, K, tab, QT, BN, G, S)
     tl.store(y_ptr + m.to(tl.int64) * N + n, y, mask=n < N)
 
 
@@ -76,13 +83,7 @@ def _gemv_grouped(x_ptr, w_ptr, offs_ptr, xrows_ptr, tab, y_ptr, P, N, K, row_by
     n = (pid // P) * BN + tl.arange(0, BN)
     nmask = (n < N)[:, None, None]
     row = w_ptr + tl.load(offs_ptr + p) + n.to(tl.int64)[:, None, None] * row_bytes
-    xrow = x_ptr + tl.load(xrows_ptr + p) * K
-    acc = tl.zeros([BN, G, S], dtype=tl.float32)
-    for t in range(0, tl.cdiv(K, G * S)):
-        w, k = tile(QT, row, t, nmask, K, G, S, tab)
-        xv = tl.load(xrow + k, mask=k < K, other=0.0)
-        acc += w * xv
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = _row_dot(row, x_ptr + tl.load(xrows_ptr + p) * K, nmask, K, tab, QT, BN, G, S)
     tl.store(y_ptr + p.to(tl.int64) * N + n, y, mask=n < N)
 
 
