@@ -302,9 +302,9 @@ class RoutedMoE(nn.Module):
             fetched = (get_all(self.layer, groups.experts) if get_all is not None
                        else [experts.get(self.layer, e) for e in groups.experts])
         if fetched is not None:
-            y = self._run_grouped(x, groups, fetched) if groupable else None
-            if y is None and fusable:
-                y = self._run_fused(x, groups, fetched)
+            y = self._run_fused(x, groups, fetched) if fusable else None     # the CPU's native weights
+            if y is None and groupable:
+                y = self._run_grouped(x, groups, fetched)
             order = groups.host_order if groups.host_order is not None else groups.order
             if y is not None and (summed := fused.slot_sum(y, order, weights)) is not None:
                 return summed          # one native pass: the same products and sums as below
@@ -369,6 +369,8 @@ class RoutedMoE(nn.Module):
         `kernels.gpu.TritonMatrix`, one type and shape per projection. A pair's row is the GEMV
         program `expert` runs for it (`_gemv` per row), and `act` runs as `_run_fused` runs it:
         each output has `expert`'s bits."""
+        if not isinstance(fetched[0].gate, gpu.TritonMatrix):
+            return None
         gates, ups, downs = ([w[i] for w in fetched] for i in range(3))
         if not all(isinstance(m, gpu.TritonMatrix) for m in gates + ups + downs):
             return None
