@@ -2,7 +2,7 @@
 
     python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--exchanges 8]
         [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--interval N]
-        [--expert-cache-mib M] [--off-turns all|LIST] [--plot PNG] [--json]
+        [--expert-cache-mib M] [--off-exchanges all|LIST] [--plot PNG] [--json]
 
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
 instructions, text of the standard library), then `--exchanges` exchanges (turns of the
@@ -14,7 +14,7 @@ workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget
 the table gives per turn the median TTFT over the conversations, the ratio off/on, the prompt
 tokens restored and the expert bytes read from the file (the store's ledger) from the turn's
 start until every conversation had its first token (the prefill's payload; the replies' decode
-reads the same with the cache on or off). `--off-turns LIST` (exchange numbers) measures the
+reads the same with the cache on or off). `--off-exchanges LIST` (exchange numbers) measures the
 cache-off side of those exchanges only, replaying their prompts without a cache after the run
 with it (where the whole cache-off workload would take hours: a K3-geometry slice with 8
 conversations) and checking that the replayed exchanges' replies are the cached run's tokens.
@@ -185,7 +185,7 @@ def main() -> int:
                     help="tokens between recurrent copies (default: the server's, from the state size)")
     ap.add_argument("--expert-cache-mib", type=float, default=LoadOptions.expert_cache_mib,
                     help="the expert LRU's budget (a file larger than it streams experts every turn)")
-    ap.add_argument("--off-turns", default="all",
+    ap.add_argument("--off-exchanges", default="all",
                     help="turns measured with the cache off: 'all' runs the whole workload without it; a "
                          "list (2,8) replays only those turns' prompts without a cache, after the cached run")
     ap.add_argument("--plot", default=None, metavar="PNG")
@@ -212,13 +212,13 @@ def main() -> int:
         run_turns(session, None, warm, min(n, 2), text)      # touch the weights and the expert cache first
         interval = args.interval or default_interval(m.recurrent_bytes, m.positional_row_bytes)
         same = None
-        if args.off_turns == "all":
+        if args.off_exchanges == "all":
             off = run_turns(session, None, args, n, text)
             on = run_turns(session, PromptCache(2 << 30, interval), args, n, text)
         else:
             asked: list[tuple[list[tuple[int, ...]], list[list[int]]]] = []
             on = run_turns(session, PromptCache(2 << 30, interval), args, n, text, asked)
-            off, same = replay_off(session, args, asked, [int(x) for x in args.off_turns.split(",")])
+            off, same = replay_off(session, args, asked, [int(x) for x in args.off_exchanges.split(",")])
         result["rows"][n] = {"off": off, "on": on, "same_tokens": same}
         name = Path(model).name + (" + DSpark" if args.draft else "")
         print(f"\n{n} conversation(s), {name}: median per turn")
