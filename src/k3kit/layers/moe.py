@@ -282,10 +282,10 @@ class RoutedMoE(nn.Module):
         """Fetch each distinct expert once, in plan order, and run all its rows together."""
         N, k = weights.shape
         plain = self.exact_order and self.input_round is None and type(self).expert is RoutedMoE.expert
-        fusable = plain and x.device.type == "cpu" and (max(groups.counts, default=0) <= FUSED_MAX_ROWS
-                                                        or self._small_experts())
+        most = max(groups.counts, default=0)       # rows of the busiest expert
+        fusable = plain and x.device.type == "cpu" and (most <= FUSED_MAX_ROWS or self._small_experts())
         # experts kept as their bytes for the Triton kernels: one grouped launch per projection
-        groupable = plain and max(groups.counts, default=0) <= GROUPED_MAX_ROWS
+        groupable = plain and most <= GROUPED_MAX_ROWS
         # all cached, nothing in flight: the plan and the fetches in one step (a decode step's usual case)
         take = getattr(experts, "take_resident", None) if fusable else None
         fetched: list[ExpertWeights] | None = take(self.layer, groups.experts) if take is not None else None
