@@ -2,12 +2,16 @@
 
     python benchmarks/bench_prompt_cache.py [--model GGUF] [--system-tokens 4000] [--exchanges 8]
         [--conversations 1,8] [--tool-tokens 300] [--reply-tokens 100] [--draft] [--interval N]
-        [--expert-cache-mib M] [--off-exchanges all|LIST] [--plot PNG] [--json]
+        [--expert-cache-mib M] [--off-exchanges all|LIST] [--think-s 1] [--ahead on|off]
+        [--plot PNG] [--json]
 
 Each conversation: a system prompt of about `--system-tokens` tokens (tool definitions and
 instructions, text of the standard library), then `--exchanges` exchanges (turns of the
 conversation), each adding a user message of about `--tool-tokens` tokens (a tool's output)
-and the model's reply (up to `--reply-tokens`, greedy). The conversations of one row run
+and the model's reply (up to `--reply-tokens`, greedy), sent back as the assistant message the
+chat route answers with; the client then takes `--think-s` (a tool runs) before its next turn,
+while the server prefills that turn's start (its prefill ahead, k3kit.serve.next_turn; `--ahead
+off` leaves it out; the "ahead MB" column is the expert bytes it read). The conversations of one row run
 together through one BatchScheduler (continuous batching, in process, no HTTP: what is
 measured is the scheduler and the model). The same
 workload runs with the cache off (`--prompt-cache-mib 0`) and on (default budget), alternating;
@@ -39,9 +43,13 @@ from k3kit.errors import K3Error
 from k3kit.mini.paths import shipped_draft, shipped_gguf
 from k3kit.runtime.loader import LoadOptions
 from k3kit.runtime.sampling import Sampling
+from k3kit.serve.api import ChatRequest
 from k3kit.serve.batch import BatchScheduler
+from k3kit.serve.next_turn import next_turn_ids
 from k3kit.serve.prompt_cache import PromptCache, default_interval
 from k3kit.serve.scheduler import FinishEvent, GenerationRequest, TokenEvent
+from k3kit.serve.tool_parsers import ChatOutput, output_parser
+from k3kit.serve.tools import ChatInputs, chat_inputs
 
 SOURCES = ["json/__init__.py", "argparse.py", "pathlib.py", "textwrap.py", "shutil.py", "logging/__init__.py"]
 
@@ -59,10 +67,13 @@ def cut(codec, text: str, tokens: int, start: int = 0) -> str:
 
 class Conversation:
     """One client's conversation and its next prompt. With a chat template the messages are
-    rendered and tokenized again every turn, as a client does; a synthetic file (random
-    vocabulary, no template) keeps token ids instead: the reply's own tokens, then the next
-    message's as plain "role: content" text (its random tokens' text would not tokenize back to
-    them, and every turn would miss the cache where a real model's conversation hits it)."""
+    rendered and tokenized again every turn, as a client does, and each reply goes back as the
+    assistant message the chat route answers with (its parser's content, tool calls and
+    reasoning); the server's prefill ahead of the next turn (k3kit.serve.next_turn) is `ahead`. A
+    synthetic file (random vocabulary, no template) keeps token ids instead: the reply's own
+    tokens, then the next message's as plain "role: content" text (its random tokens' text would
+    not tokenize back to them, and every turn would miss the cache where a real model's
+    conversation hits it)."""
 
     def __init__(self, codec, system: str):
         self.codec = codec
@@ -71,53 +82,94 @@ class Conversation:
             codec.chat.render([{"role": "system", "content": system}], add_generation_prompt=True)
         except K3Error:
             self.templated = False
-        self.messages = [{"role": "system", "content": system}]
+        self.messages: list[dict] = [{"role": "system", "content": system}]
         self.ids: list[int] = [] if self.templated else list(codec.encode(f"system: {system}\n"))
+        self.text = ""
+        self.body: ChatRequest | None = None
+        self.inputs: ChatInputs | None = None
 
     def ask(self, content: str) -> list[int]:
         """Add a user message; the prompt of the request that answers it."""
         self.messages.append({"role": "user", "content": content})
-        if self.templated:
-            return list(self.codec.encode(self.codec.chat.render(self.messages, add_generation_prompt=True)))
+        if self.templated:            # as the chat route reads and renders the messages
+            self.body = ChatRequest.model_validate({"messages": self.messages})
+            self.inputs = inputs = chat_inputs(self.body, self.codec.chat.source)
+            self.text = self.codec.chat.render(inputs.messages, add_generation_prompt=True,
+                                               tools=inputs.tools, **inputs.variables)
+            return list(self.codec.encode(self.text))
         self.ids += self.codec.encode(f"user: {content}\nassistant: ", add_bos=False)
         return list(self.ids)
 
-    def answer(self, text: str, tokens: list[int]) -> None:
-        """Add the model's reply (its text and the tokens that produced it)."""
-        self.messages.append({"role": "assistant", "content": text})
-        self.ids += tokens
+    def parser(self):
+        i = self.inputs
+        if i is None:
+            return None
+        return output_parser(i.format, self.text, tools=i.tools, call_offset=i.call_offset)
+
+    def request(self, prompt: tuple[int, ...], reply_tokens: int) -> GenerationRequest:
+        """The request the chat route makes of the prompt (its format's markers shown to the parser)."""
+        parser = self.parser()
+        shown = self.codec.control_ids(parser.markers) if parser is not None else frozenset()
+        return GenerationRequest(prompt, reply_tokens, Sampling(), shown=shown)
+
+    def answer(self, text: str, tokens: list[int]) -> list[int]:
+        """Add the model's reply (its text and the tokens that produced it); the tokens the server
+        prefills ahead of the next turn ([]: none)."""
+        if not self.templated:
+            self.messages.append({"role": "assistant", "content": text})
+            self.ids += tokens
+            return []
+        assert self.body is not None
+        parser = self.parser()
+        if parser is None:
+            message = {"role": "assistant", "content": text}
+        else:
+            out = ChatOutput(parser)
+            out.feed(text)
+            out.finish()
+            message = out.message()
+        self.messages.append(message)
+        return next_turn_ids(self.codec, self.body, message)
 
 
 def run_turns(session, cache: PromptCache | None, args, n_conv: int, text: str,
               asked: list[tuple[list[tuple[int, ...]], list[list[int]]]] | None = None) -> list[dict]:
     """The workload through one scheduler; `asked`, when given, receives each turn's prompts and
-    replies' token ids."""
+    replies' token ids. With the cache, each reply's conversation is prefilled ahead (as the chat
+    route does) during the client's `--think-s` before its next turn."""
     codec = session.codec
     sched = BatchScheduler(session.model, codec, loaded=session.target, max_batch=256, max_queue=64,
                            prompt_cache=cache, step_factory=args.step)
     system = cut(codec, text, args.system_tokens)
     convs = [Conversation(codec, system) for _ in range(n_conv)]
     rows = []
+    ahead_bytes = 0
     try:
         for t in range(args.exchanges):
             asks = [cut(codec, text, args.tool_tokens, start=(1 + t * n_conv + i) * 4000)
                     for i in range(n_conv)]
             prompts = [tuple(c.ask(a)) for c, a in zip(convs, asks, strict=True)]
-            row, replies = measure(session, sched, prompts, args.reply_tokens)
-            rows.append({"turn": t + 1, **row})
+            reqs = [c.request(p, args.reply_tokens) for c, p in zip(convs, prompts, strict=True)]
+            row, replies = measure(session, sched, reqs)
+            rows.append({"turn": t + 1, **row, "ahead_bytes": ahead_bytes})
             if asked is not None:
                 asked.append((prompts, [list(ids) for _, ids in replies]))
-            for c, (reply, tokens) in zip(convs, replies, strict=True):
-                c.answer(reply, tokens)
+            before = session.target.stats().bytes_read
+            for c, r, (reply, tokens) in zip(convs, reqs, replies, strict=True):
+                ahead = c.answer(reply, tokens)
+                if cache is not None and args.ahead and len(ahead) > len(r.prompt_ids):
+                    sched.prefill_ahead(ahead, r)
+            time.sleep(args.think_s)
+            ahead_bytes = session.target.stats().bytes_read - before
     finally:
         sched.close()
     return rows
 
 
-def measure(session, sched, prompts: list[tuple[int, ...]], reply_tokens: int) -> tuple[dict, list]:
-    """One turn: every prompt submitted at once; median TTFT, cached tokens, the prefill's expert
+def measure(session, sched, reqs: list[GenerationRequest]) -> tuple[dict, list]:
+    """One turn: every request submitted at once; median TTFT, cached tokens, the prefill's expert
     bytes (read until the last first token), and the replies (text, ids)."""
-    reqs = [GenerationRequest(p, reply_tokens, Sampling()) for p in prompts]
+    prompts = [r.prompt_ids for r in reqs]
     before = session.target.stats().bytes_read
     firsts: list[int] = []          # expert bytes read when each first token came
     ttft, cached, replies = asyncio.run(_serve(sched, reqs, partial(_ledger, session, firsts)))
@@ -138,7 +190,8 @@ def replay_off(session, args, asked: list[tuple[list[tuple[int, ...]], list[list
                                max_queue=64, prompt_cache=None, step_factory=args.step)
         try:
             prompts, cached_replies = asked[t - 1]
-            row, replies = measure(session, sched, prompts, args.reply_tokens)
+            row, replies = measure(session, sched, [GenerationRequest(p, args.reply_tokens, Sampling())
+                                                    for p in prompts])
         finally:
             sched.close()
         rows.append({"turn": t, **row})
@@ -188,9 +241,14 @@ def main() -> int:
     ap.add_argument("--off-exchanges", default="all",
                     help="turns measured with the cache off: 'all' runs the whole workload without it; a "
                          "list (2,8) replays only those turns' prompts without a cache, after the cached run")
+    ap.add_argument("--think-s", type=float, default=1.0,
+                    help="seconds each client takes between a reply and its next turn (a tool runs)")
+    ap.add_argument("--ahead", choices=("on", "off"), default="on",
+                    help="the server's prefill ahead of each conversation's next turn (with the cache)")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    args.ahead = args.ahead == "on"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -223,13 +281,14 @@ def main() -> int:
         name = Path(model).name + (" + DSpark" if args.draft else "")
         print(f"\n{n} conversation(s), {name}: median per turn")
         print("| turn | prompt tokens | TTFT off (s) | TTFT on (s) | off/on | cached tokens | "
-              "prefill expert MB off | on |")
-        print("|---|---|---|---|---|---|---|---|")
+              "prefill expert MB off | on | ahead MB |")
+        print("|---|---|---|---|---|---|---|---|---|")
         pairs = [(a, on[a["turn"] - 1]) for a in off]
         for a, b in pairs:
             print(f"| {a['turn']} | {a['prompt_tokens']:.0f} | {a['ttft_s']:.3f} | {b['ttft_s']:.3f} | "
                   f"{a['ttft_s'] / max(b['ttft_s'], 1e-9):.1f}x | {b['cached_tokens']:.0f} | "
-                  f"{a['expert_bytes'] / 1e6:.1f} | {b['expert_bytes'] / 1e6:.1f} |")
+                  f"{a['expert_bytes'] / 1e6:.1f} | {b['expert_bytes'] / 1e6:.1f} | "
+                  f"{b['ahead_bytes'] / 1e6:.1f} |")
         later = [a["ttft_s"] / max(b["ttft_s"], 1e-9) for a, b in pairs if a["turn"] > 1]
         if later:
             print(f"exchanges {', '.join(str(a['turn']) for a, _ in pairs if a['turn'] > 1)}: "

@@ -6,6 +6,7 @@ scripted Kimi-K3-format answer in odd-sized pieces, and the `openai` client read
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ class Scripted:
     def __init__(self, text: str) -> None:
         self.text = text
         self.requests: list[GenerationRequest] = []
+        self.ahead: list[tuple[int, ...]] = []
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         self.requests.append(request)
@@ -68,6 +70,10 @@ class Scripted:
 
     def cancel(self, request_id: str) -> None:
         pass
+
+    def prefill_ahead(self, prompt_ids, like: GenerationRequest) -> bool:
+        self.ahead.append(tuple(prompt_ids))
+        return True
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats()
@@ -234,3 +240,36 @@ def test_shown_control_tokens_decode_as_their_text(codec):
     assert codec.control_ids([text]) == frozenset({control})
     plain, shown = codec.streamer(), codec.streamer(codec.control_ids([text]))
     assert plain.push(control) == "" and shown.push(control) == text
+
+
+def _aheads(stub: Scripted, n: int) -> list[tuple[int, ...]]:
+    """The prefills ahead queued, once there are `n` (the chat route queues them from a task)."""
+    end = time.monotonic() + 10
+    while len(stub.ahead) < n and time.monotonic() < end:
+        time.sleep(0.01)
+    return stub.ahead
+
+
+def test_the_next_turn_is_prefilled_as_the_client_sends_it_back(served):
+    """Once a chat response ended (streamed or not), the server queues for prefill the tokens the
+    conversation's next request starts with: the reply rendered as the assistant message the
+    client got back (reasoning, content and calls), whatever message comes next."""
+    client, stub, _, codec = served
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model="k3", messages=ask, tools=TOOLS)
+    prompt = stub.requests[-1].prompt_ids
+    ahead = _aheads(stub, 1)[0]
+    assert len(ahead) > len(prompt)      # (this template renders no think opener in history)
+    msg = r.choices[0].message.model_dump(exclude_none=True)      # as the SDK's users send it back
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in msg["tool_calls"]]
+    for then in (results, [{"role": "user", "content": "Never mind."}]):
+        client.chat.completions.create(model="k3", messages=[*ask, msg, *then], tools=TOOLS)
+        assert stub.requests[-1].prompt_ids[:len(ahead)] == ahead
+        assert len(stub.requests[-1].prompt_ids) > len(ahead)
+    n = len(_aheads(stub, 3))
+    list(client.chat.completions.create(model="k3", messages=ask, tools=TOOLS, stream=True))
+    assert _aheads(stub, n + 1)[n] == ahead                  # streamed: the same message, the same start
+    client.chat.completions.create(model="k3", messages=ask, tools=TOOLS, n=2)
+    client.chat.completions.create(model="k3", messages=ask, tools=TOOLS, extra_body={"cache_prompt": False})
+    time.sleep(0.2)
+    assert len(stub.ahead) == n + 1                          # n > 1 or no cache: nothing ahead

@@ -74,6 +74,9 @@ class Stub:
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
+    def prefill_ahead(self, prompt_ids, like: GenerationRequest) -> bool:
+        return False
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(prompt_cached_tokens=CACHED * len(self.requests))
 

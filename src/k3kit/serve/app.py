@@ -31,6 +31,9 @@ already running go on, up to a timeout; those still running then end at once: a 
 error event and `data: [DONE]`, a non-streamed request with a 503 error, each cancelled in the
 scheduler. The listening socket stays open meanwhile, so a new client is told rather than refused.
 
+A chat response of one choice, once ended, queues its conversation's next start for prefill while
+the client is away (k3kit.serve.next_turn).
+
 `usage.prompt_tokens_details.cached_tokens` is the FinishEvent's `cached_tokens` (prompt tokens
 the scheduler's prompt cache restored); llama-server's `cache_prompt: false` turns it off for a
 request.
@@ -42,9 +45,10 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,6 +73,7 @@ from k3kit.serve.api import (
     siblings,
 )
 from k3kit.serve.grammar import request_grammar
+from k3kit.serve.next_turn import prefill_next_turn
 from k3kit.serve.page import STATIC_PREFIX, Page, is_public
 from k3kit.serve.responses import SHUTTING_DOWN, Choices, Reply, collect, token_text
 from k3kit.serve.responses import stream as stream_events
@@ -110,11 +115,18 @@ class ServerState:
     draining: bool = False                # shutting down: the generation routes answer 503
     running: set[str] = field(default_factory=set)            # ids of generation responses not ended yet
     abort: asyncio.Event = field(default_factory=asyncio.Event)   # set: end every running response now
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)   # work queued after responses (spawn)
 
     def ready(self, scheduler: Scheduler, codec: TextCodec, context_length: int, draft: bool = False) -> None:
         """Called once the model is loaded (from any thread): the routes start serving."""
         self.codec, self.context_length, self.draft = codec, context_length, draft
         self.scheduler = scheduler
+
+    def spawn(self, work: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        """Run `work(*args)` on the event loop, after the response in hand (its task kept until done)."""
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(work(*args))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def snapshot(self) -> SchedulerStats | None:
         if self.stats is not None:
@@ -388,10 +400,13 @@ def build_app(state: ServerState) -> ASGIApp:
                                         parallel_tool_calls=body.parallel_tool_calls)
         if grammar is not None:
             gen = replace(gen, grammar=grammar)
+        after = None
+        if outputs is not None and len(outputs) == 1 and outputs[0] is not None and gen.cache_prompt:
+            after = partial(state.spawn, prefill_next_turn, scheduler, codec, body, gen, outputs[0])
         return await respond(scheduler, codec, siblings(gen, body.n or 1), request, chat=True,
                              stream=bool(body.stream),
                              include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                             outputs=outputs, token_ids=bool(body.return_token_ids))
+                             outputs=outputs, token_ids=bool(body.return_token_ids), after=after)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -417,9 +432,11 @@ def build_app(state: ServerState) -> ASGIApp:
     async def respond(scheduler: Scheduler, codec: TextCodec, gens: list[GenerationRequest],
                       request: Request, *,
                       chat: bool, stream: bool, include_usage: bool,
-                      outputs: list[ChatOutput | None] | None = None, token_ids: bool = False) -> Response:
+                      outputs: list[ChatOutput | None] | None = None, token_ids: bool = False,
+                      after: Callable[[], None] | None = None) -> Response:
         """Submit the request's choices together (all or none: a full queue is a 429 for all) and
-        answer with their merged events (k3kit.serve.responses)."""
+        answer with their merged events (k3kit.serve.responses); `after` is called when every choice
+        ended as the model ended it (k3kit.serve.next_turn)."""
         if len(gens) > 1 and gens[0].cache_prompt and scheduler.stats().prompt_cache:
             gens = [replace(gens[0], share_prompt=True), *gens[1:]]      # the others wait for its prompt
         choices = Choices(scheduler, gens)
@@ -442,7 +459,7 @@ def build_app(state: ServerState) -> ASGIApp:
         if rec is not None:
             rec.request_id = rid
         reply = Reply(codec, rid, int(time.time()), state.model_id, chat, include_usage, rec,
-                      outputs or [None] * len(gens), state.abort, token_ids)
+                      outputs or [None] * len(gens), state.abort, token_ids, after)
         if stream:
             return _Streamed(stream_events(choices, reply), ended, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

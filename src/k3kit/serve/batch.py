@@ -19,6 +19,12 @@ k3kit.serve.batch_sequence._Seq. This module holds the Scheduler protocol, the w
 retirement, and re-exports the parts' tunables (PLAIN_FROM, RECENT_S, ...) and PassTiming:
 `k3kit.serve.batch` is the one import callers need.
 
+Prefill ahead (`prefill_ahead`): the start of a conversation's next request, as the chat route
+expects the client to send it back (k3kit.serve.next_turn), waits in a queue of its own and is
+admitted only when no request waits; it runs as a request that samples nothing, and its state
+goes into the prompt cache. A request whose prompt extends one running waits for it (then
+restores it whole) instead of prefilling the same rows beside it.
+
 Cancellation (a client that went away, or shutdown) is seen at the next pass: the sequence ends
 and its state is closed before its FinishEvent goes out, so a client that has its answer never
 sees its sequence still counted in stats(). A pass that raises fails the requests in it (their
@@ -31,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +50,7 @@ from k3kit.serve.batch_admission import ADMIT_MAX, ADMIT_SETTLE, Admission
 from k3kit.serve.batch_admission import PLAIN_FROM as PLAIN_FROM
 from k3kit.serve.batch_admission import RECENT_S as RECENT_S
 from k3kit.serve.batch_passes import PassBuilder
-from k3kit.serve.batch_sequence import _Seq
+from k3kit.serve.batch_sequence import Unheard, _Seq
 from k3kit.serve.batch_timing import PassTiming
 from k3kit.serve.batch_widths import COST_REFRESH as COST_REFRESH
 from k3kit.serve.batch_widths import REDRAFT_AFTER as REDRAFT_AFTER
@@ -57,6 +63,7 @@ from k3kit.serve.scheduler import (
     Scheduler,
     SchedulerClosed,
     SchedulerStats,
+    next_request_id,
 )
 from k3kit.serve.serial import StepFactory
 from k3kit.tokenizer.codec import TextCodec
@@ -123,6 +130,7 @@ class BatchScheduler(Admission, PassBuilder):
         self.stop_ids = frozenset(codec.stop_ids())
         self._cv = threading.Condition()
         self._queue: deque[_Seq] = deque()
+        self._ahead: deque[_Seq] = deque(maxlen=self.max_sequences)   # prefills ahead, the oldest dropped
         self._active: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}         # queued or active
         self._closed = False
@@ -153,6 +161,28 @@ class BatchScheduler(Admission, PassBuilder):
             self._cv.notify()
         return stream
 
+    def prefill_ahead(self, prompt_ids: Sequence[int], like: GenerationRequest) -> bool:
+        """The Scheduler protocol's: queue a prefill of `prompt_ids` that runs when no request waits
+        (see the module). One queued earlier whose tokens these extend (the same conversation's
+        earlier turn) is dropped."""
+        pc = self.prompt_cache
+        if self._snapshots is None or pc is None or not like.cache_prompt or not prompt_ids:
+            return False
+        if pc.holds(prompt_ids):
+            return False
+        request = GenerationRequest(tuple(int(t) for t in prompt_ids), 1, like.sampling, draft=like.draft,
+                                    id=next_request_id("ahead"), ahead=True)
+        seq = _Seq(Unheard(request), self.codec, self.stop_ids)
+        with self._cv:
+            if self._closed:
+                return False
+            for old in list(self._ahead):
+                if seq.prompt[:len(old.prompt)] == old.prompt:
+                    self._ahead.remove(old)
+            self._ahead.append(seq)
+            self._cv.notify()
+        return True
+
     def cancel(self, request_id: str) -> None:
         with self._cv:
             seq = self._by_id.get(request_id)
@@ -177,6 +207,7 @@ class BatchScheduler(Admission, PassBuilder):
             self._closed = True
             pending = list(self._queue)
             self._queue.clear()
+            self._ahead.clear()
             for seq in self._active:
                 seq.cancelled = True
             self._cv.notify_all()
@@ -193,7 +224,7 @@ class BatchScheduler(Admission, PassBuilder):
         torch.set_grad_enabled(False)      # thread-local: the model runs on this thread only
         while True:
             with self._cv:
-                while not self._queue and not self._active and not self._closed:
+                while not self._queue and not self._ahead and not self._active and not self._closed:
                     self._cv.wait()
                 if not self._active:
                     self._settle()
@@ -253,6 +284,11 @@ class BatchScheduler(Admission, PassBuilder):
                 if seq in self._active:
                     self._active.remove(seq)
                 self._by_id.pop(seq.request.id, None)
+                if seq.request.ahead:
+                    if seq.out.finish_reason == "length":
+                        self._stats.ahead_prefills += 1
+                        self._stats.ahead_tokens += seq.fed - seq.out.cached_tokens
+                    continue
                 self._count(seq.out.finish_reason or "error")
                 self._stats.generated_tokens += len(seq.out.tokens)
                 self._stats.prompt_cached_tokens += seq.out.cached_tokens

@@ -53,6 +53,7 @@ class Admission(SpeculativeWidths, PromptCaching):
     admit_max: float
     _cv: threading.Condition
     _queue: deque[_Seq]
+    _ahead: deque[_Seq]
     _active: list[_Seq]
     _closed: bool
     _submitted: int
@@ -63,27 +64,43 @@ class Admission(SpeculativeWidths, PromptCaching):
 
     def _admit(self) -> None:
         """Waiting requests into the active set, up to max_sequences (the lock held): each opens its
-        sequence state and, where it speculates, gets its SpeculativeDecoder."""
+        sequence state and, where it speculates, gets its SpeculativeDecoder. One whose prompt
+        extends a running prefill ahead waits for it; prefills ahead come in only when no request
+        waits (k3kit.serve.batch)."""
         coming = max(min(self.max_sequences, len(self._active) + len(self._queue)),
                      self._recent_load())
         self._would_memo = None
+        ahead = [s for s in self._active if s.request.ahead and not s.out.done]
+        held: list[_Seq] = []
         while self._queue and len(self._active) < self.max_sequences:
             seq = self._queue.popleft()
-            seq.handle = self.model.open_sequence()
-            self._active.append(seq)
-            if self.step_factory is not None and self.spec_model is not None \
-                    and seq.request.may_draft:
-                if self._speculates(seq, coming):
-                    target = self.spec_model.sequence_target(seq.handle)
-                    dec = self.step_factory(target, seq.sampler)
-                    self._proposals = dec.draft.n_proposals
-                    self._budgeted = dec.schedule.budget is not None
-                    # a decoder that does not mask with the request's grammar would not follow it
-                    if getattr(dec, "constraint", None) is seq.sampler.constraint:
-                        seq.dec = dec
-                else:
-                    self._stats.plain_sequences += 1
-            self._restore(seq)
+            if seq.request.cache_prompt and any(_extends(seq, a) for a in ahead):
+                held.append(seq)
+                continue
+            for a in [a for a in self._ahead if _extends(seq, a)]:
+                self._ahead.remove(a)             # its rows are this request's: no point in both
+            self._open(seq, coming)
+        self._queue.extendleft(reversed(held))
+        while self._ahead and not self._queue and len(self._active) < self.max_sequences:
+            self._open(self._ahead.popleft(), coming)
+
+    def _open(self, seq: _Seq, coming: int) -> None:
+        """Give `seq` its sequence state (and decoder), then restore what the prompt cache holds."""
+        seq.handle = self.model.open_sequence()
+        self._active.append(seq)
+        if self.step_factory is not None and self.spec_model is not None \
+                and seq.request.may_draft:
+            if self._speculates(seq, coming):
+                target = self.spec_model.sequence_target(seq.handle)
+                dec = self.step_factory(target, seq.sampler)
+                self._proposals = dec.draft.n_proposals
+                self._budgeted = dec.schedule.budget is not None
+                # a decoder that does not mask with the request's grammar would not follow it
+                if getattr(dec, "constraint", None) is seq.sampler.constraint:
+                    seq.dec = dec
+            else:
+                self._stats.plain_sequences += 1
+        self._restore(seq)
 
     def _recent_load(self) -> int:
         """The most sequences a pass held within the last RECENT_S seconds (0: none ran): the load a
@@ -136,3 +153,8 @@ class Admission(SpeculativeWidths, PromptCaching):
             self._cv.wait(min(self.admit_settle, left))
             if self._submitted == seen:           # nothing new for admit_settle (or a cancel): go
                 return
+
+
+def _extends(seq: _Seq, ahead: _Seq) -> bool:
+    """Whether `seq`'s prompt starts with the prompt of the prefill ahead `ahead`."""
+    return len(seq.prompt) >= len(ahead.prompt) and seq.prompt[:len(ahead.prompt)] == ahead.prompt

@@ -20,6 +20,8 @@ prompt is prefilled, and keeping what a finished request ran.
   ring rows go into the cache. A drafting sequence that stopped in the middle of an accepted
   block has committed tokens past the ones it reported; its end point is then not kept (its
   recurrent state is past them), the points inside the prompt are.
+A prefill ahead (k3kit.serve.batch) is one more such sequence: it ends when its prompt is in, and
+its lookups are not counted among the requests' hits and misses.
 Requests with `cache_prompt: false` neither read nor add to it.
 """
 
@@ -55,7 +57,7 @@ class PromptCaching:
         seq.interval = pc.interval
         ring = seq.dec.ring if seq.dec is not None else None
         hit = pc.lookup(seq.prompt, None if ring is None else ring.capacity,
-                        None if ring is None else ring.storage)
+                        None if ring is None else ring.storage, count=not seq.request.ahead)
         if hit is None:
             return
         try:
@@ -71,7 +73,9 @@ class PromptCaching:
         seq.fed = hit.pos
         seq.base = hit.key
         seq.out.cached_tokens = hit.pos
-        if hit.pos == len(seq.prompt):   # the whole prompt: its last row's logits were kept
+        if hit.pos == len(seq.prompt) and seq.request.ahead:    # held already: nothing to run
+            seq.out.cancel("length")
+        elif hit.pos == len(seq.prompt):   # the whole prompt: its last row's logits were kept
             assert hit.logits is not None
             seq.out.push(seq.sampler(hit.logits), hit.logits)
 
@@ -120,7 +124,8 @@ class PromptCaching:
         points = list(seq.points)
         n = st.pos
         if n <= len(known):
-            points.append(Point(n, st.recurrent))
+            if not points or points[-1].pos != n:    # (a prefill ahead took it, with its logits)
+                points.append(Point(n, st.recurrent))
         else:                            # committed past the reported tokens (a draft block's tail)
             n = len(known)
         pc.insert(known[:n], st.positional, points, self._ring_rows(seq, n), base=seq.base)

@@ -117,6 +117,9 @@ class PassBuilder(SpeculativeWidths, PromptCaching):
                 self._prefill_point(s, out.logits[-1])
                 if not s.decoding:
                     continue                      # a middle chunk: no token yet
+                if s.request.ahead:               # a prefill ahead: its state is all it is for
+                    s.out.cancel("length")
+                    continue
                 prompts_done += len(s.prompt) - s.out.cached_tokens
                 row = out.logits[-1]
                 s.out.push(s.sampler(row), row)

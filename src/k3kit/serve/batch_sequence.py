@@ -11,15 +11,26 @@ from __future__ import annotations
 from typing import Any
 
 from k3kit.runtime.sampling import Sampler
-from k3kit.serve.scheduler import Event, FinishEvent, RequestStream
+from k3kit.serve.scheduler import Event, FinishEvent, GenerationRequest, RequestStream
 from k3kit.serve.sequence import SequenceOutput
 from k3kit.tokenizer.codec import TextCodec
+
+
+class Unheard:
+    """The stream of a request nobody reads (a prefill ahead): its events go nowhere."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.id = request.id
+
+    def post(self, event: Event) -> None:
+        pass
 
 
 class _Seq:
     """One admitted request: its stream, output, sampler, model handle and prompt progress."""
 
-    def __init__(self, stream: RequestStream, codec: TextCodec, stop_ids: frozenset[int]) -> None:
+    def __init__(self, stream: RequestStream | Unheard, codec: TextCodec, stop_ids: frozenset[int]) -> None:
         self.stream = stream
         self.request = stream.request
         self.cancelled = False

@@ -93,6 +93,9 @@ class SchedulerCollector(Collector):
                               ("disk_entries", "entries in --prompt-cache-dir"),
                               ("disk_bytes", "bytes of the entries in --prompt-cache-dir")):
                 yield gauge(f"prompt_cache_{name}", doc, pc.get(name, 0))
+            yield counter("prompt_cache_ahead_prefills", "conversations' next turns prefilled while their "
+                          "clients were away", s.ahead_prefills)
+            yield counter("prompt_cache_ahead_tokens", "prompt rows those prefills ran", s.ahead_tokens)
 
 
 def metrics_page(stats: Callable[[], SchedulerStats | None]) -> Callable[[], tuple[bytes, str]]:

@@ -212,10 +212,11 @@ class PromptCache:
 
     # -- what the scheduler asks -----------------------------------------------------------------
     def lookup(self, prompt: Sequence[int], window: int | None = None,
-               ring_storage: str | None = None) -> Hit | None:
+               ring_storage: str | None = None, count: bool = True) -> Hit | None:
         """The deepest restorable point for `prompt` (see the module), or None (counted as a miss).
         `window`: the draft's ring capacity when the sequence drafts (its rows must be covered, in
-        `ring_storage`), None when it does not."""
+        `ring_storage`), None when it does not. `count` False: a prefill ahead of a request, not
+        one (the hit and miss counters are the requests')."""
         p = np.asarray(prompt, dtype=np.int64)
         with self._lock:
             e: Entry | None = None
@@ -235,7 +236,7 @@ class PromptCache:
                         self._trim()
                     break
             if e is None:
-                self.counters.misses += 1
+                self.counters.misses += count
                 return None
             e.used = time.monotonic()
             if e.preloaded:                    # its first restore: the directory's, read ahead
@@ -245,9 +246,19 @@ class PromptCache:
             ring_rows = None
             if window is not None and e.ring is not None:
                 ring_rows = e.ring.rows(max(e.ring.start, pos - window), pos)
-            self.counters.hits += 1
-            self.counters.cached_tokens += pos
+            self.counters.hits += count
+            self.counters.cached_tokens += pos * count
             return Hit(pos, pt.recurrent, tuple(t[:pos] for t in e.positional), pt.logits, ring_rows, key)
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry (in RAM or on disk) has a recurrent copy at the end of `tokens`."""
+        p = np.asarray(tokens, dtype=np.int64)
+        n = len(p)
+        with self._lock:
+            pairs = [(e.tokens, set(e.points)) for e in self.entries.values()]
+            if self.disk is not None:
+                pairs += [(d.tokens, set(d.points)) for d in self.disk.index.values()]
+            return any(n in pts and common_prefix(t, p) == n for t, pts in pairs)
 
     def _best(self, p: np.ndarray, window: int | None, ring_storage: str | None) -> tuple[int, str, bool]:
         """(position, entry key, whether only the disk holds it) of the deepest usable point."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +90,7 @@ class Reply:
     outputs: list[ChatOutput | None]     # one per choice (a chat format's parser, or None: plain text)
     abort: asyncio.Event                  # set: the shutdown timeout ran out, end now
     token_ids: bool = False               # vLLM's return_token_ids: the prompt's and the output's ids
+    done: Callable[[], None] | None = None   # called once every choice ended as the model ended it
 
     @property
     def object(self) -> str:
@@ -295,6 +296,8 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
         bodies.append(choice)
     body = {"id": reply.rid, "object": reply.object, "created": reply.created, "model": reply.model_id,
             "choices": bodies, "usage": usage(done)}
+    if reply.done is not None:
+        reply.done()
     if reply.token_ids and reply.chat:
         body["prompt_token_ids"] = list(choices.gens[0].prompt_ids)
     return body
@@ -382,6 +385,8 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                 if len(done) < n:
                     continue
                 _logged(reply.rec, done)
+                if reply.done is not None:
+                    reply.done()
                 if reply.include_usage:
                     yield sse({"id": reply.rid, "object": obj, "created": reply.created,
                                "model": reply.model_id, "choices": [], "usage": usage(done)})

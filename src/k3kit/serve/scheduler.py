@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,6 +50,7 @@ class GenerationRequest:
     shown: frozenset[int] = frozenset()   # control tokens decoded as their text (a chat format's markers)
     grammar: Grammar | None = None        # the output must follow it (k3kit.runtime.constraint)
     share_prompt: bool = False            # put the prompt's state in the prompt cache once prefilled (n > 1)
+    ahead: bool = False                   # prefill only, into the prompt cache: no token (prefill_ahead)
 
     def sampler(self) -> Sampler:
         """A fresh Sampler for this request: its sampling, its prompt (penalties) and, with a
@@ -135,6 +136,8 @@ class SchedulerStats:
     decode_passes: int = 0                # target passes with at least one decoding sequence
     drafted_passes: int = 0               # of which ran a draft step first
     plain_sequences: int = 0              # greedy requests served without their draft (where it cannot pay)
+    ahead_prefills: int = 0               # conversations' next turns prefilled while their clients were away
+    ahead_tokens: int = 0                 # the prompt rows those ran
     prompt_cache: dict[str, int] = field(default_factory=dict)   # PromptCache.stats(); empty: no cache
 
 
@@ -151,6 +154,12 @@ class Scheduler(Protocol):
         ...
 
     def stats(self) -> SchedulerStats: ...
+
+    def prefill_ahead(self, prompt_ids: Sequence[int], like: GenerationRequest) -> bool:
+        """Prefill `prompt_ids` (the start of a conversation's next request) into the prompt cache
+        when no request is waiting, as `like` (the request that just ended) would run it; False
+        where nothing is queued (no prompt cache, or the cache already holds it)."""
+        ...
 
     def close(self) -> None:
         """Cancel everything, finish every open stream and release the worker(s)."""

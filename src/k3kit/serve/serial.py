@@ -120,6 +120,10 @@ class SerialScheduler:
             return replace(self._stats, active=1 if self._active is not None else 0, queued=len(self._queue),
                            requests=dict(self._stats.requests))
 
+    def prefill_ahead(self, prompt_ids: Sequence[int], like: GenerationRequest) -> bool:
+        """Nothing: this scheduler keeps no prompt cache."""
+        return False
+
     def close(self, timeout: float = 30.0) -> None:
         with self._cv:
             self._closed = True

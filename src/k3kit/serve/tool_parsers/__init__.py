@@ -59,6 +59,7 @@ class ChatOutput:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[dict[str, Any]] = []
+        self.ended = False           # finish() ran: the response ended as the model ended it
 
     def _take(self, pieces: list[Piece]) -> dict[str, Any] | None:
         """Record `pieces` and return them as one chat delta (None when they carry nothing)."""
@@ -93,6 +94,7 @@ class ChatOutput:
         return self._take(self.parser.feed(text)) if text else None
 
     def finish(self) -> dict[str, Any] | None:
+        self.ended = True
         return self._take(self.parser.finish())
 
     def message(self) -> dict[str, Any]:
