@@ -40,6 +40,15 @@ setup(
             optional=True,
         ),
         Extension(
+            "k3kit.kernels._attn",
+            sources=["src/k3kit/kernels/_attn.c"],
+            # MLA attention's two float32 products over a prompt chunk with AVX-512 (kernels/attn.py;
+            # without it, or on a CPU without AVX-512F, torch's products run). Explicit FMAs only.
+            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
+        Extension(
             "k3kit.kernels._fused",
             sources=["src/k3kit/kernels/_fused.c"],
             # row-wise norms, the attn-res mix and situ in one call each (kernels/fused.py;

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
+from k3kit.kernels import attn as attn_kernels
 from k3kit.kernels.qmatmul import QuantizedHeads
 from k3kit.layers.norm import rms_norm
 from k3kit.layers.quantized_linear import GGMLWeight
@@ -244,7 +245,10 @@ def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Te
     the scale, the mask and the softmax to the second product (1.5x faster on the mini at 4k
     positions). Every row attends over all S columns, later ones masked, so a group's bounds
     change only how many rows each product holds (on the mini's widths no bit; at some wider
-    ones the GEMM's last bits follow the row count, as they follow a pass's)."""
+    ones the GEMM's last bits follow the row count, as they follow a pass's). On a CPU with
+    AVX-512 the products and the masked softmax run natively (k3kit.kernels.attn: torch's MKL
+    takes its AVX2 code on AMD processors; 2x on a Zen 5 core), each output's sum in an order its
+    row and column fix."""
     B, T, H, C = Q.shape
     S = K.shape[1]
     L = c_all.shape[-1]
@@ -260,16 +264,31 @@ def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Te
     out = Q.new_empty(B, T, H, L)
     Kt = K.transpose(1, 2)
     step = max(1, SCORE_BUDGET // (B * H * S))
+    native = attn_kernels.available() and all(x.dtype is torch.float32 and x.is_cpu for x in (Q, K, c_all))
     for a in range(0, T, step):
         b = min(T, a + step)
         t = b - a
-        scores = torch.bmm(Q[:, a:b].reshape(B, t * H, C), Kt).view(B, t, H, S).mul_(scale)
+        if native:           # the same two products (AVX-512, each sum in a fixed order), per sequence
+            scores = Q.new_empty(B, t, H, S)
+            for i in range(B):
+                q = Q[i, a:b].reshape(t * H, C)
+                native = attn_kernels.scores(q, K[i], scores[i].view(t * H, S), scale)
+        if not native:
+            scores = torch.bmm(Q[:, a:b].reshape(B, t * H, C), Kt).view(B, t, H, S).mul_(scale)
         first = offset + a + 1                 # the first column row a must not see
-        if first < S:                          # row a + i sees columns before first + i
-            future = torch.ones(t, S - first, dtype=torch.bool, device=Q.device).triu()
-            scores[..., first:].masked_fill_(future[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[:, a:b] = torch.bmm(probs.view(B, t * H, S), c_all).view(B, t, H, L)
+        for i in range(B) if native else ():
+            native = attn_kernels.softmax(scores[i].view(t * H, S), H, first)
+        if native:
+            probs = scores
+        else:
+            if first < S:                      # row a + i sees columns before first + i
+                future = torch.ones(t, S - first, dtype=torch.bool, device=Q.device).triu()
+                scores[..., first:].masked_fill_(future[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+        for i in range(B) if native else ():
+            native = attn_kernels.values(probs[i].view(t * H, S), c_all[i], out[i, a:b].view(t * H, L))
+        if not native:
+            out[:, a:b] = torch.bmm(probs.view(B, t * H, S), c_all).view(B, t, H, L)
     return out
 
 
