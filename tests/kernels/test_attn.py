@@ -28,7 +28,7 @@ def test_scores_and_values_match_float64(m, k, n):
     q = torch.randn(m, k + 3, generator=g)[:, :k]            # strided rows
     keys = torch.randn(n, k + 5, generator=g)[:, :k]
     out = torch.empty(m, n)
-    assert attn.scores(q, keys, out, 0.125)
+    assert attn.scores(q, attn.keys(keys), n, out, 0.125)
     ref = q.double() @ keys.double().T * 0.125
     assert torch.allclose(out.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item() + 1e-12)
     p = torch.rand(m, n, generator=g)
@@ -48,16 +48,16 @@ def test_an_outputs_bits_depend_on_its_row_and_column_alone():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        attn.scores(q, keys, whole_s, 0.3)
+        attn.scores(q, attn.keys(keys), n, whole_s, 0.3)
         attn.values(p, v, whole_v)
         torch.set_num_threads(1)
         for a, b in [(0, 1), (3, 10), (17, 50)]:
             part_s, part_v = torch.empty(b - a, n), torch.empty(b - a, 128)
-            attn.scores(q[a:b], keys, part_s, 0.3)
+            attn.scores(q[a:b], attn.keys(keys), n, part_s, 0.3)
             attn.values(p[a:b], v, part_v)
             assert torch.equal(part_s, whole_s[a:b]) and torch.equal(part_v, whole_v[a:b])
         cols = torch.empty(m, 40)
-        attn.scores(q, keys[100:140], cols, 0.3)
+        attn.scores(q, attn.keys(keys[100:140]), 40, cols, 0.3)
         assert torch.equal(cols, whole_s[:, 100:140])
     finally:
         torch.set_num_threads(threads)
@@ -65,11 +65,14 @@ def test_an_outputs_bits_depend_on_its_row_and_column_alone():
 
 def test_refused_where_it_cannot_run():
     q, keys, out = torch.randn(4, 8), torch.randn(5, 8), torch.empty(4, 5)
-    assert not attn.scores(q.double(), keys.double(), out.double(), 1.0)
-    assert not attn.scores(q.T.contiguous().T, keys, out, 1.0)     # columns not unit-stride
-    assert not attn.scores(q, keys, torch.empty(4, 6), 1.0)
+    packed = attn.keys(keys)
+    assert packed is not None and attn.keys(keys.double()) is None
+    assert not attn.scores(q.double(), packed, 5, out.double(), 1.0)
+    assert not attn.scores(q.T.contiguous().T, packed, 5, out, 1.0)     # columns not unit-stride
+    assert not attn.scores(q, packed, 5, torch.empty(4, 6), 1.0)
+    assert not attn.scores(q, packed[1:], 5, out, 1.0)                  # not the keys' packing
     with torch.enable_grad():
-        assert not attn.scores(q, keys, out, 1.0)
+        assert not attn.scores(q, packed, 5, out, 1.0)
 
 
 def test_attend_gives_the_torch_paths_values(monkeypatch):

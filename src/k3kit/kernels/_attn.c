@@ -18,14 +18,16 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 
 #define MR 6           /* rows per micro-kernel */
 #define NT_COLS 32     /* scores: key columns per packed panel (two vectors) */
 #define PV_COLS 64     /* values: output columns per micro-kernel (four vectors) */
 #define PARALLEL_FROM (1 << 22)   /* multiply-adds below this run on the calling thread */
+#define PV_KBLOCK 256   /* values: keys per pass over the output rows (their values stay in L2) */
 
 #define AVX512 __attribute__((target("avx512f")))
 
@@ -46,7 +48,7 @@ AVX512 static void pack_panel(const float *b, int64_t ldb, int64_t n, int64_t K,
 }
 
 /* MR rows of a (stride lda, rows past `rows` read from zeros) against one packed panel */
-AVX512 static void nt_kernel(const float *a, int64_t lda, int rows, const float *p, int64_t K, float scale,
+AVX512 static inline __attribute__((always_inline)) void nt_kernel(const float *a, int64_t lda, int rows, const float *p, int64_t K, float scale,
                              float *y, int64_t ldy, int64_t cols) {
     __m512 acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -73,40 +75,33 @@ AVX512 static void nt_kernel(const float *a, int64_t lda, int rows, const float 
     }
 }
 
-/* y[m, n] (stride ldy) = scale * a[m, K] (stride lda) · bᵀ, b [n, K] (stride ldb) */
-AVX512 static int scores_nt(const float *a, int64_t lda, const float *b, int64_t ldb, float *y, int64_t ldy,
-                            int64_t m, int64_t n, int64_t K, float scale, int threads) {
+/* b [n, K] (stride ldb) packed for scores_nt: panel q at p + q * K * NT_COLS */
+AVX512 static void pack_keys(const float *b, int64_t ldb, int64_t n, int64_t K, float *p, int threads) {
     const int64_t panels = (n + NT_COLS - 1) / NT_COLS;
-    const int nt = threads_for(m * n * K, panels, threads);
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *p = aligned_alloc(64, (size_t)((K * NT_COLS * sizeof(float) + 63) / 64 * 64));
-        if (!p) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t q = 0; q < panels; q++) {
-                const int64_t j0 = q * NT_COLS;
-                const int64_t cols = n - j0 < NT_COLS ? n - j0 : NT_COLS;
-                pack_panel(b, ldb, n, K, j0, p);
-                for (int64_t i0 = 0; i0 < m; i0 += MR) {
-                    const int rows = (int)(m - i0 < MR ? m - i0 : MR);
-                    nt_kernel(a + i0 * lda, lda, rows, p, K, scale, y + i0 * ldy + j0, ldy, cols);
-                }
-            }
-            free(p);
-        }
-    }
-    return failed ? -1 : 0;
+    const int nt = threads_for(n * K * 16, panels, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t q = 0; q < panels; q++) pack_panel(b, ldb, n, K, q * NT_COLS, p + q * K * NT_COLS);
 }
 
-#define PV_KBLOCK 256   /* keys per pass over the output rows (their values stay in L2) */
+/* y[m, n] (stride ldy) = scale * a[m, K] (stride lda) · bᵀ, b [n, K] packed by pack_keys */
+AVX512 static void scores_nt(const float *a, int64_t lda, const float *p, float *y, int64_t ldy,
+                             int64_t m, int64_t n, int64_t K, float scale, int threads) {
+    const int64_t panels = (n + NT_COLS - 1) / NT_COLS;
+    const int nt = threads_for(m * n * K, panels, threads);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t q = 0; q < panels; q++) {
+        const int64_t j0 = q * NT_COLS;
+        const int64_t cols = n - j0 < NT_COLS ? n - j0 : NT_COLS;
+        for (int64_t i0 = 0; i0 < m; i0 += MR) {
+            const int rows = (int)(m - i0 < MR ? m - i0 : MR);
+            nt_kernel(a + i0 * lda, lda, rows, p + q * K * NT_COLS, K, scale, y + i0 * ldy + j0, ldy, cols);
+        }
+    }
+}
 
 /* MR rows of y[:, j0:j0+PV_COLS] += ap · b[k0:k1, j0:j0+PV_COLS], ap the rows' a[:, k0:k1] packed
  * k-major (ap[(k - k0) * MR + r], zeros for rows past `rows`); `first`: start from 0 */
-AVX512 static void pv_kernel(const float *ap, int rows, const float *b, int64_t ldb, int64_t k0, int64_t k1,
+AVX512 static inline __attribute__((always_inline)) void pv_kernel(const float *ap, int rows, const float *b, int64_t ldb, int64_t k0, int64_t k1,
                              float *y, int64_t ldy, int64_t cols, int first) {
     __m512 acc[MR][4];
     __mmask16 mk[4];
@@ -137,26 +132,47 @@ AVX512 static void pv_kernel(const float *ap, int rows, const float *b, int64_t 
 }
 
 /* y[m, n] (stride ldy) = a[m, K] (stride lda) · b[K, n] (stride ldb); each output's sum runs over k
- * in order (a block of keys at a time, the accumulator kept in y between blocks: no extra rounding) */
-AVX512 static void probs_v(const float *a, int64_t lda, const float *b, int64_t ldb, float *y, int64_t ldy,
-                           int64_t m, int64_t n, int64_t K, int threads) {
+ * in order (a block of keys at a time, the accumulator kept in y between blocks: no extra rounding).
+ * A block of keys' values is read once from memory and used by every row of the thread's share
+ * before the next (a long context's values do not fit a cache: reading them once per six rows
+ * made the product memory-bound, 3x slower than MKL at K3's 16k positions). */
+AVX512 static int probs_v(const float *a, int64_t lda, const float *b, int64_t ldb, float *y, int64_t ldy,
+                          int64_t m, int64_t n, int64_t K, int threads) {
     const int64_t blocks = (m + MR - 1) / MR;
     const int nt = threads_for(m * n * K, blocks, threads);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int64_t q = 0; q < blocks; q++) {
-        float ap[PV_KBLOCK * MR];
-        const int64_t i0 = q * MR;
-        const int rows = (int)(m - i0 < MR ? m - i0 : MR);
-        int64_t k0 = 0;
-        do {
-            const int64_t k1 = K - k0 < PV_KBLOCK ? K : k0 + PV_KBLOCK;
-            for (int64_t k = k0; k < k1; k++)
-                for (int r = 0; r < MR; r++) ap[(k - k0) * MR + r] = r < rows ? a[(i0 + r) * lda + k] : 0.0f;
-            for (int64_t j0 = 0; j0 < n; j0 += PV_COLS)
-                pv_kernel(ap, rows, b + j0, ldb, k0, k1, y + i0 * ldy + j0, ldy, n - j0, k0 == 0);
-            k0 = k1;
-        } while (k0 < K);
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int me = nt > 1 ? omp_get_thread_num() : 0;
+        const int64_t q0 = blocks * me / nt, q1 = blocks * (me + 1) / nt;   /* this thread's row blocks */
+        float *ap = malloc((size_t)((q1 - q0) * PV_KBLOCK * MR) * sizeof(float) + 1);
+        if (!ap) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            int64_t k0 = 0;
+            do {
+                const int64_t k1 = K - k0 < PV_KBLOCK ? K : k0 + PV_KBLOCK;
+                for (int64_t q = q0; q < q1; q++) {
+                    const int64_t i0 = q * MR;
+                    const int rows = (int)(m - i0 < MR ? m - i0 : MR);
+                    float *aq = ap + (q - q0) * PV_KBLOCK * MR;
+                    for (int64_t k = k0; k < k1; k++)
+                        for (int r = 0; r < MR; r++) aq[(k - k0) * MR + r] = r < rows ? a[(i0 + r) * lda + k] : 0.0f;
+                }
+                for (int64_t j0 = 0; j0 < n; j0 += PV_COLS)
+                    for (int64_t q = q0; q < q1; q++) {
+                        const int64_t i0 = q * MR;
+                        const int rows = (int)(m - i0 < MR ? m - i0 : MR);
+                        pv_kernel(ap + (q - q0) * PV_KBLOCK * MR, rows, b + j0, ldb, k0, k1, y + i0 * ldy + j0, ldy,
+                                  n - j0, k0 == 0);
+                    }
+                k0 = k1;
+            } while (k0 < K);
+            free(ap);
+        }
     }
+    return failed ? -1 : 0;
 }
 
 /* exp of 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial,
@@ -221,22 +237,37 @@ static int have_avx512(void) {
     return __builtin_cpu_supports("avx512f");
 }
 
-/* scores_nt(a, lda, b, ldb, y, ldy, m, n, k, scale, threads) */
-static PyObject *py_scores_nt(PyObject *self, PyObject *args) {
-    Py_ssize_t a, lda, b, ldb, y, ldy, m, n, k;
-    float scale;
-    int threads = 1, rc = 0;
+/* pack_keys(b, ldb, n, k, p, threads): p holds ceil(n / 32) * 32 * k floats */
+static PyObject *py_pack_keys(PyObject *self, PyObject *args) {
+    Py_ssize_t b, ldb, n, k, p;
+    int threads = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnf|i", &a, &lda, &b, &ldb, &y, &ldy, &m, &n, &k, &scale, &threads))
+    if (!PyArg_ParseTuple(args, "nnnnn|i", &b, &ldb, &n, &k, &p, &threads)) return NULL;
+    if (!have_avx512() || !b || !p || n < 1 || k < 1 || ldb < k) {
+        PyErr_SetString(PyExc_ValueError, "pack_keys: no AVX-512, or bad buffers or sizes");
         return NULL;
-    if (!have_avx512() || !a || !b || !y || m < 0 || n < 0 || k < 1 || lda < k || ldb < k || ldy < n) {
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pack_keys(PTR(const float, b), ldb, n, k, PTR(float, p), threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* scores_nt(a, lda, p, y, ldy, m, n, k, scale, threads): p from pack_keys */
+static PyObject *py_scores_nt(PyObject *self, PyObject *args) {
+    Py_ssize_t a, lda, p, y, ldy, m, n, k;
+    float scale;
+    int threads = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnf|i", &a, &lda, &p, &y, &ldy, &m, &n, &k, &scale, &threads))
+        return NULL;
+    if (!have_avx512() || !a || !p || !y || m < 0 || n < 1 || k < 1 || lda < k || ldy < n) {
         PyErr_SetString(PyExc_ValueError, "scores_nt: no AVX-512, or bad buffers or sizes");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = scores_nt(PTR(const float, a), lda, PTR(const float, b), ldb, PTR(float, y), ldy, m, n, k, scale, threads);
+    scores_nt(PTR(const float, a), lda, PTR(const float, p), PTR(float, y), ldy, m, n, k, scale, threads);
     Py_END_ALLOW_THREADS
-    if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -250,9 +281,11 @@ static PyObject *py_probs_v(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "probs_v: no AVX-512, or bad buffers or sizes");
         return NULL;
     }
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    probs_v(PTR(const float, a), lda, PTR(const float, b), ldb, PTR(float, y), ldy, m, n, k, threads);
+    rc = probs_v(PTR(const float, a), lda, PTR(const float, b), ldb, PTR(float, y), ldy, m, n, k, threads);
     Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -279,7 +312,8 @@ static PyObject *py_available(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"scores_nt", py_scores_nt, METH_VARARGS, "scale * A Bᵀ in float32 (attention scores)."},
+    {"pack_keys", py_pack_keys, METH_VARARGS, "Keys packed for scores_nt."},
+    {"scores_nt", py_scores_nt, METH_VARARGS, "scale * A Bᵀ in float32 (attention scores), B packed."},
     {"probs_v", py_probs_v, METH_VARARGS, "A B in float32 (attention probabilities times values)."},
     {"softmax", py_softmax, METH_VARARGS, "Causal softmax of a group's score rows in place."},
     {"available", py_available, METH_NOARGS, "Whether this CPU runs the kernels (AVX-512F)."},

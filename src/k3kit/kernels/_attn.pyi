@@ -3,9 +3,12 @@
 Buffers are addresses (`Tensor.data_ptr()`) of float32 rows with unit stride; k3kit.kernels.attn
 checks them before it calls. Both raise ValueError on a CPU without AVX-512F (see `available`)."""
 
-def scores_nt(a: int, lda: int, b: int, ldb: int, y: int, ldy: int, m: int, n: int, k: int, scale: float,
+def pack_keys(b: int, ldb: int, n: int, k: int, p: int, threads: int = 1, /) -> None:
+    """b [n, k] (row stride ldb) packed for scores_nt into p (ceil(n / 32) * 32 * k floats)."""
+
+def scores_nt(a: int, lda: int, p: int, y: int, ldy: int, m: int, n: int, k: int, scale: float,
               threads: int = 1, /) -> None:
-    """y [m, n] = scale * a [m, k] · b [n, k]ᵀ (row strides lda, ldb, ldy in floats)."""
+    """y [m, n] = scale * a [m, k] · bᵀ, b [n, k] as pack_keys packed it (row strides lda, ldy)."""
 
 def probs_v(a: int, lda: int, b: int, ldb: int, y: int, ldy: int, m: int, n: int, k: int,
             threads: int = 1, /) -> None:

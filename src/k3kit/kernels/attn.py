@@ -38,13 +38,23 @@ def _ok(*ts: Tensor) -> bool:
     return all(t.dtype is torch.float32 and t.is_cpu and t.dim() == 2 and t.stride(1) == 1 for t in ts)
 
 
-def scores(q: Tensor, k: Tensor, out: Tensor, scale: float) -> bool:
-    """out [m, n] = scale * (q [m, K] @ k [n, K]ᵀ); False: not run (use torch)."""
+def keys(k: Tensor) -> Tensor | None:
+    """The keys k [n, K] laid out for `scores` (panels of 32 keys), once per attention call: a
+    prompt chunk's row groups all multiply the same keys. None: not run (use torch)."""
+    n, kk = k.shape
+    if not _ok(k) or n < 1 or kk < 1:
+        return None
+    packed = k.new_empty(-(-n // 32) * 32 * kk)
+    _attn.pack_keys(k.data_ptr(), k.stride(0), n, kk, packed.data_ptr(), kthreads.native())
+    return packed
+
+
+def scores(q: Tensor, packed: Tensor, n: int, out: Tensor, scale: float) -> bool:
+    """out [m, n] = scale * (q [m, K] @ k [n, K]ᵀ), k as `keys` packed it; False: not run (use torch)."""
     m, kk = q.shape
-    n = k.shape[0]
-    if not _ok(q, k, out) or kk < 1 or k.shape[1] != kk or out.shape != (m, n):
+    if not _ok(q, out) or kk < 1 or n < 1 or packed.numel() != -(-n // 32) * 32 * kk or out.shape != (m, n):
         return False
-    _attn.scores_nt(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), out.data_ptr(), out.stride(0),
+    _attn.scores_nt(q.data_ptr(), q.stride(0), packed.data_ptr(), out.data_ptr(), out.stride(0),
                     m, n, kk, float(scale), kthreads.native())
     return True
 

@@ -264,15 +264,19 @@ def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Te
     out = Q.new_empty(B, T, H, L)
     Kt = K.transpose(1, 2)
     step = max(1, SCORE_BUDGET // (B * H * S))
-    native = attn_kernels.available() and all(x.dtype is torch.float32 and x.is_cpu for x in (Q, K, c_all))
+    packed: list[Tensor | None] = []
+    if attn_kernels.available() and all(x.dtype is torch.float32 and x.is_cpu for x in (Q, K, c_all)):
+        packed = [attn_kernels.keys(K[i]) for i in range(B)]     # laid out once for every group
+    native = bool(packed) and all(p is not None for p in packed)
     for a in range(0, T, step):
         b = min(T, a + step)
         t = b - a
         if native:           # the same two products (AVX-512, each sum in a fixed order), per sequence
             scores = Q.new_empty(B, t, H, S)
-            for i in range(B):
+            for i, keys in enumerate(packed):
+                assert keys is not None
                 q = Q[i, a:b].reshape(t * H, C)
-                native = attn_kernels.scores(q, K[i], scores[i].view(t * H, S), scale)
+                native = attn_kernels.scores(q, keys, S, scores[i].view(t * H, S), scale)
         if not native:
             scores = torch.bmm(Q[:, a:b].reshape(B, t * H, C), Kt).view(B, t, H, S).mul_(scale)
         first = offset + a + 1                 # the first column row a must not see
