@@ -104,3 +104,31 @@ def test_causal_softmax_matches_torchs_masked_softmax(rows, n, heads, first):
     part = x[heads:].clone()                              # a row's bits: its values and its limit alone
     attn.softmax(part, heads, first + 1)
     assert torch.equal(part, y[heads:])
+
+
+def test_the_workspace_is_kept_per_thread_and_slot_up_to_its_limit(monkeypatch):
+    import threading
+    a = attn.workspace(1000, "t-a")
+    assert a.numel() == 1000 and a.dtype is torch.float32
+    assert attn.workspace(800, "t-a").data_ptr() == a.data_ptr()        # kept: no new pages
+    assert attn.workspace(800, "t-b").data_ptr() != a.data_ptr()        # another slot, another buffer
+    other: list[int] = []
+    t = threading.Thread(target=lambda: other.append(attn.workspace(800, "t-a").data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != a.data_ptr()                                     # another thread, another buffer
+    grown = attn.workspace(2000, "t-a")
+    assert grown.numel() == 2000 and attn.workspace(1500, "t-a").data_ptr() == grown.data_ptr()
+    monkeypatch.setattr(attn, "WORKSPACE_KEEP", 100)
+    assert attn.workspace(5000, "t-a").numel() == 5000                  # past the limit: fresh, not kept
+    assert attn.workspace(1500, "t-a").data_ptr() == grown.data_ptr()
+
+
+def test_attend_takes_its_scores_and_keys_from_the_workspace():
+    g = torch.Generator().manual_seed(4)
+    Q = torch.randn(1, 40, 2, 160, generator=g)
+    K = torch.randn(1, 340, 160, generator=g)
+    first = mla.attend(Q, K, K[..., :128], 300, 0.125)
+    attn.workspace(1 << 16, "scores").fill_(float("nan"))                 # garbage left by another call
+    attn.workspace(1 << 16, "keys0").fill_(float("nan"))
+    assert torch.equal(mla.attend(Q, K, K[..., :128], 300, 0.125), first)

@@ -152,14 +152,15 @@ class _Clock:
 
 # (module, attribute) pairs: where the native extensions are called from
 _NATIVE_CALLERS = (("k3kit.kernels.qmatmul", "_qmatmul"), ("k3kit.kernels.kda_step", "_kda"),
-                   ("k3kit.kernels.fused", "_fused"), ("k3kit.layers.quantized_linear", "_qmatmul"))
+                   ("k3kit.kernels.fused", "_fused"), ("k3kit.layers.quantized_linear", "_qmatmul"),
+                   ("k3kit.kernels.attn", "_attn"))
 
 
 @contextmanager
 def native_clock() -> Iterator[_Clock]:
-    """Time every call into the native kernels (`_qmatmul`, `_kda`, `_fused`) while inside. The
-    modules that call them are found among those loaded (a model has loaded them; bench never
-    imports kernels)."""
+    """Time every call into the native kernels (`_qmatmul`, `_kda`, `_fused`, `_attn`) while
+    inside. The modules that call them are found among those loaded (a model has loaded them;
+    bench never imports kernels)."""
     acc = _Clock(now=clock())
     callers = ((sys.modules.get(name), attr) for name, attr in _NATIVE_CALLERS)
     saved = [(m, m.__dict__.get(attr), attr) for m, attr in callers if m is not None]

@@ -266,13 +266,13 @@ def attend(Q: Tensor, K: Tensor, c_all: Tensor, offset: int, scale: float) -> Te
     step = max(1, SCORE_BUDGET // (B * H * S))
     packed: list[Tensor | None] = []
     if attn_kernels.available() and all(x.dtype is torch.float32 and x.is_cpu for x in (Q, K, c_all)):
-        packed = [attn_kernels.keys(K[i]) for i in range(B)]     # laid out once for every group
+        packed = [attn_kernels.keys(K[i], f"keys{i}") for i in range(B)]  # laid out once for every group
     native = bool(packed) and all(p is not None for p in packed)
     for a in range(0, T, step):
         b = min(T, a + step)
         t = b - a
         if native:           # the same two products (AVX-512, each sum in a fixed order), per sequence
-            scores = Q.new_empty(B, t, H, S)
+            scores = attn_kernels.workspace(B * t * H * S).view(B, t, H, S)
             for i, keys in enumerate(packed):
                 assert keys is not None
                 q = Q[i, a:b].reshape(t * H, C)

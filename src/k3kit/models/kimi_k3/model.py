@@ -84,7 +84,14 @@ class K3Model(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's own initialisation goes through torch.nn.init, whose first call imports
+        # torch._dynamo (0.7 s of every load, where the model is built on the meta device and
+        # its table then read from the file); Tensor.normal_ is the same draw without it
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not table.is_meta:
+            with torch.no_grad():
+                table.normal_()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(K3Layer(cfg, il, with_experts) for il in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if cfg.attn_res_block_size > 0:
