@@ -12,7 +12,8 @@ Two ways to stream experts from storage, chosen per run:
   K3 file at 2.07x RAM, `page` delivered 0.25 of the disk's limit and `direct` 0.69, at a third
   of the peak RSS of llama.cpp's mmap (benchmarks/bench_out_of_core.py).
 
-`auto` (the default) decides at load from the model's headers and this machine's MemAvailable:
+`auto` (the default) decides at load from the model's headers and this machine's MemAvailable
+(or what this process's control group has left, where a container's limit allows less):
 `direct` when the routed experts do not fit the RAM left after the trunk, a headroom for the
 process (KV/state, activations, torch) and the expert cache; `page` when they do.
 
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from k3kit.errors import K3Error
+from k3kit.plan.cgroup import group_memory
 from k3kit.plan.units import fmt_bytes
 
 MODES = ("auto", "page", "direct")
@@ -138,15 +140,21 @@ def choose(*, asked: str, routed_bytes: int, trunk_bytes: int, available: int,
 
 def mem_available() -> int:
     """MemAvailable from /proc/meminfo in bytes (RAM the kernel can give without swapping, reclaimable
-    page cache included), 0 where there is none."""
+    page cache included), or less where this process's control group allows less (a container's
+    memory limit, which /proc/meminfo does not show: k3kit.plan.cgroup); 0 where neither is known."""
+    avail = 0
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    group = group_memory()
+    if group is not None:
+        avail = min(avail, group.available) if avail else group.available
+    return avail
 
 
 def model_bytes(path: str | Path) -> tuple[int, int]:

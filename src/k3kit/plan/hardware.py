@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from k3kit.errors import K3Error
+from k3kit.plan.cgroup import group_memory
 from k3kit.plan.units import fmt_bw, fmt_gib, parse_bandwidth, parse_size
 
 GiB = 1 << 30
@@ -290,6 +291,10 @@ def nvidia_gpus() -> list[GPU]:
 def measure_local(model_paths: list[Path]) -> Hardware:
     info = meminfo()
     ram = info.get("MemTotal")
+    group = group_memory()            # a container's limit: less than MemTotal says
+    if group is not None and (ram is None or group.limit < ram):
+        ram = group.limit
+        info["MemAvailable"] = min(info.get("MemAvailable", group.available), group.available)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -297,7 +302,10 @@ def measure_local(model_paths: list[Path]) -> Hardware:
     mem_bw = measure_memory_bw()
     disk_bw, disk_how = measure_disk_bw(model_paths)
     gpus = nvidia_gpus()
-    notes = [f"measured: RAM {fmt_gib(ram) if ram else '?'} (MemTotal; "
+    source = "MemTotal"
+    if group is not None and ram == group.limit:
+        source = f"the control group's limit, cgroup v{group.version}"
+    notes = [f"measured: RAM {fmt_gib(ram) if ram else '?'} ({source}; "
              f"{fmt_gib(info.get('MemAvailable', 0))} available now), {cores} cores",
              f"measured: memory read {fmt_bw(mem_bw)} (one numpy thread over 128 MiB: a lower bound)"]
     if disk_bw is None:
