@@ -22,10 +22,15 @@ CHUNK = 16 * MIB
 
 
 def mem_total() -> int:
+    """The RAM this process may use: MemTotal, or its control group's limit where that is less (a
+    container, or a memory cgroup set up to run a file of some multiple of RAM)."""
+    from k3kit.plan.cgroup import group_memory
     with open("/proc/meminfo", encoding="ascii") as f:
         for line in f:
             if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
+                total = int(line.split()[1]) * 1024
+                group = group_memory()
+                return min(total, group.limit) if group is not None else total
     raise RuntimeError("no MemTotal in /proc/meminfo")
 
 

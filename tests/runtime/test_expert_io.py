@@ -217,3 +217,34 @@ def test_a_512_token_prefill_reads_each_expert_once_per_chunk(model, cold):
         assert 4 < st.misses <= 24, (layer, st)         # at most the layer's 24 experts, each once
         assert st.bytes_read == st.misses * per
     assert s.bytes_read == s.misses * per
+
+
+def test_a_reserve_for_other_caches_comes_off_the_ram_left():
+    plain = eio.choose(asked="auto", routed_bytes=50 * GIB, trunk_bytes=3 * GIB, available=22 * GIB)
+    kept = eio.choose(asked="auto", routed_bytes=50 * GIB, trunk_bytes=3 * GIB, available=22 * GIB,
+                      reserved=4 * GIB)
+    assert kept.mode == "direct" and kept.reserved == 4 * GIB
+    assert kept.ram_left == plain.ram_left - 4 * GIB and kept.cache_bytes == kept.ram_left
+    assert kept.reserved + kept.cache_bytes + 3 * GIB + eio.headroom(22 * GIB) == 22 * GIB   # all fits
+    assert "prompt cache 4.29 GB" in kept.line() and "prompt cache" not in plain.line()
+    # a model whose experts fit beside the page cache without the reserve, but not with it
+    near = dict(asked="auto", routed_bytes=10 * GIB, trunk_bytes=GIB, available=16 * GIB)
+    assert eio.choose(**near).mode == "page" and eio.choose(**near, reserved=4 * GIB).mode == "direct"
+
+
+def test_serve_sets_the_prompt_cache_aside_before_sizing_the_expert_cache(model, monkeypatch):
+    from k3kit.cli import build_parser
+    from k3kit.commands.serve import memory_budgets
+    routed, trunk = eio.model_bytes(model)
+    # the experts fit beside the page cache in what is free, not in what the prompt cache leaves
+    available = eio.HEADROOM + eio.MIN_CACHE + trunk + routed + 64 * MIB
+    monkeypatch.setenv("K3KIT_MEM_AVAILABLE", str(available))
+    assert eio.for_model(model, "auto", None).mode == "page"
+    args = build_parser().parse_args(["serve", str(model)])
+    prompt_mib, io = memory_budgets(model, args)
+    assert prompt_mib * MIB == available // 4             # a quarter of what is free
+    assert io.mode == "direct" and io.reserved == available // 4
+    assert io.ram_left == available - available // 4 - trunk - eio.headroom(available)
+    assert io.cache_bytes == max(eio.MIN_CACHE, io.ram_left)
+    args = build_parser().parse_args(["serve", str(model), "--prompt-cache-mib", "0"])
+    assert memory_budgets(model, args)[1].reserved == 0

@@ -146,12 +146,14 @@ def pin_experts(target, probs, args: argparse.Namespace) -> None:
     pin(store, probs, str(args.pin_experts))
 
 
-def expert_io(path: Path, args: argparse.Namespace) -> ExpertIO:
+def expert_io(path: Path, args: argparse.Namespace, reserved: int = 0) -> ExpertIO:
     """--expert-io and --expert-cache-mib resolved for MODEL on this machine (k3kit.plan.expert_io):
-    the read path and the cache budget a load uses. Headers only, before anything loads."""
+    the read path and the cache budget a load uses, leaving `reserved` bytes to the process's
+    other caches (a server's prompt cache). Headers only, before anything loads."""
     from k3kit.plan.expert_io import for_model
     return for_model(path, getattr(args, "expert_io", "auto"), args.expert_cache_mib,
-                     device=getattr(args, "device", "cpu"), cpu_moe=getattr(args, "cpu_moe", 0))
+                     device=getattr(args, "device", "cpu"), cpu_moe=getattr(args, "cpu_moe", 0),
+                     reserved=reserved)
 
 
 def check_cache_mib(args: argparse.Namespace) -> None:

@@ -6,8 +6,12 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3kit.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3kit.plan.expert_io import ExpertIO
 
 NAME = "serve"
 HELP = "serve a GGUF model over an OpenAI-compatible HTTP API (needs the `serve` extra)"
@@ -92,9 +96,20 @@ def prompt_cache_mib(args: argparse.Namespace) -> float:
     """--prompt-cache-mib, or the default: a quarter of the RAM free now, at most 8 GiB."""
     if args.prompt_cache_mib is not None:
         return float(args.prompt_cache_mib)
-    from k3kit.plan.expert_io import mem_available
+    from k3kit.plan.expert_io import env_available, mem_available
     from k3kit.serve.prompt_cache import default_budget
-    return default_budget(mem_available()) / (1 << 20)
+    available = env_available()
+    return default_budget(mem_available() if available is None else available) / (1 << 20)
+
+
+def memory_budgets(path: Path, args: argparse.Namespace) -> tuple[float, ExpertIO]:
+    """(the prompt cache's MiB, the expert I/O and cache) for serving MODEL: the prompt cache's
+    RAM is set aside before the expert cache is sized from what is left. Both fill over the
+    server's life; sized from the same free RAM, together they would outgrow it (in a container,
+    past its limit, where the OOM killer ends the server)."""
+    from k3kit.commands.generate import expert_io
+    prompt_mib = prompt_cache_mib(args)
+    return prompt_mib, expert_io(path, args, reserved=int(prompt_mib * (1 << 20)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
         decode_step,
         default_model,
         draft_path,
-        expert_io,
         pin_experts,
         pin_profile,
     )
@@ -127,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     check_draft_args(args)
     path = Path(args.model) if args.model else default_model()
     draft = draft_path(args)
-    io = expert_io(path, args)
+    prompt_mib, io = memory_budgets(path, args)
     logging.getLogger("k3kit.serve").log(logging.WARNING if io.announce else logging.INFO, io.line())
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
@@ -151,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
                          max_sequences=args.max_sequences, max_queue=args.max_queue, ctx=args.ctx,
                          max_body_bytes=int(args.max_body_mib * (1 << 20)),
-                         prompt_cache_mib=prompt_cache_mib(args), prompt_cache_dir=args.prompt_cache_dir,
+                         prompt_cache_mib=prompt_mib, prompt_cache_dir=args.prompt_cache_dir,
                          prompt_cache_disk_mib=args.prompt_cache_disk_mib,
                          prompt_cache_interval=args.prompt_cache_interval,
                          shutdown_timeout=args.shutdown_timeout, warmup=not args.no_warmup)

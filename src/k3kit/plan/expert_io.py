@@ -63,7 +63,8 @@ class ExpertIO:
     routed_bytes: int          # the model's routed-expert bytes
     trunk_bytes: int
     available: int             # RAM available when decided (MemAvailable), 0 if unknown
-    ram_left: int              # available - trunk - headroom: what experts and caches may use
+    ram_left: int              # available - reserved - trunk - headroom: what experts and caches may use
+    reserved: int = 0          # RAM the process's other caches take (the server's prompt cache)
 
     @property
     def cold(self) -> bool | str:
@@ -87,8 +88,9 @@ class ExpertIO:
             return "RAM unknown here: the page cache"
         fits = "fit" if self.mode == "page" else "do not fit"
         left = fmt_bytes(max(self.ram_left, 0))
+        reserved = f" - prompt cache {fmt_bytes(self.reserved)}" if self.reserved else ""
         return (f"routed experts {fmt_bytes(self.routed_bytes)} {fits} the {left} of RAM left: "
-                f"{fmt_bytes(self.available)} available - trunk {fmt_bytes(self.trunk_bytes)} - "
+                f"{fmt_bytes(self.available)} available{reserved} - trunk {fmt_bytes(self.trunk_bytes)} - "
                 f"headroom {fmt_bytes(headroom(self.available))}")
 
     def line(self) -> str:
@@ -110,14 +112,16 @@ def headroom(available: int) -> int:
 
 
 def choose(*, asked: str, routed_bytes: int, trunk_bytes: int, available: int,
-           cache_mib: float | None = None, on_gpu: bool = False) -> ExpertIO:
+           cache_mib: float | None = None, on_gpu: bool = False, reserved: int = 0) -> ExpertIO:
     """The read path and the cache budget for a model of these sizes on a machine with `available`
-    bytes of RAM (0: unknown). `cache_mib` is an explicit --expert-cache-mib (None: size it)."""
+    bytes of RAM (0: unknown). `cache_mib` is an explicit --expert-cache-mib (None: size it);
+    `reserved`: bytes the process's other caches will take (a server's prompt cache), which the
+    expert cache and the page cache must leave to them."""
     if asked not in MODES:
         raise K3Error(f"--expert-io {asked!r}: expected one of {', '.join(MODES)}")
     if cache_mib is not None and not cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {cache_mib}: must be >= 0")
-    ram_left = available - trunk_bytes - headroom(available) if available else 0
+    ram_left = available - max(reserved, 0) - trunk_bytes - headroom(available) if available else 0
     explicit = int(cache_mib * MIB) if cache_mib is not None else None
     if asked != "auto":
         mode = asked
@@ -135,7 +139,8 @@ def choose(*, asked: str, routed_bytes: int, trunk_bytes: int, available: int,
     else:
         cache_bytes = max(MIN_CACHE, min(ram_left - routed_bytes, routed_bytes))
         cache_from = "RAM left beside the page cache"
-    return ExpertIO(mode, asked, int(cache_bytes), cache_from, routed_bytes, trunk_bytes, available, ram_left)
+    return ExpertIO(mode, asked, int(cache_bytes), cache_from, routed_bytes, trunk_bytes, available, ram_left,
+                    max(reserved, 0) if available else 0)
 
 
 def mem_available() -> int:
@@ -173,7 +178,7 @@ def model_bytes(path: str | Path) -> tuple[int, int]:
 
 
 def for_model(path: str | Path, asked: str, cache_mib: float | None, device: str = "cpu",
-              available: int | None = None, cpu_moe: int = 0) -> ExpertIO:
+              available: int | None = None, cpu_moe: int = 0, reserved: int = 0) -> ExpertIO:
     """`choose` for a model file on this machine now: `available`, else K3KIT_MEM_AVAILABLE, else
     MemAvailable. With a GPU and `cpu_moe` -1 (--cpu-moe: every routed expert in RAM, the trunk
     in VRAM) the experts and their cache are sized against RAM as on the CPU, the trunk apart."""
@@ -187,7 +192,7 @@ def for_model(path: str | Path, asked: str, cache_mib: float | None, device: str
     if on_gpu and cpu_moe < 0:
         on_gpu, trunk = False, 0
     return choose(asked=asked, routed_bytes=routed, trunk_bytes=trunk, available=avail,
-                  cache_mib=cache_mib, on_gpu=on_gpu)
+                  cache_mib=cache_mib, on_gpu=on_gpu, reserved=reserved)
 
 
 def for_plan(routed_bytes: int, trunk_bytes: int, ram_free: int, ram_total: int) -> ExpertIO:
