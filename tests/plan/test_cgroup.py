@@ -107,3 +107,56 @@ def test_mem_available_and_plans_ram_take_the_groups_smaller_figure(tmp_path, mo
     hw = hardware.measure_local([])
     assert hw.ram == GIB
     assert any("control group" in n for n in hw.notes)
+
+
+# -- CPU quotas ---------------------------------------------------------------------------------------
+
+def test_v2_cpu_quota_is_the_smallest_of_the_group_and_its_ancestors(tmp_path):
+    root = v2_root(tmp_path)
+    write(root / "kubepods", cpu__max="300000 100000\n")
+    write(root / "kubepods" / "pod1", cpu__max="max 100000\n")
+    assert cgroup.cpu_limit(root, proc(tmp_path, "0::/kubepods/pod1\n")) == 3.0
+    write(root / "kubepods" / "pod1", cpu__max="150000 100000\n")
+    assert cgroup.cpu_limit(root, proc(tmp_path, "0::/kubepods/pod1\n")) == 1.5
+
+
+def test_v1_cpu_quota_and_no_quota(tmp_path):
+    cpu = write(tmp_path / "fs" / "cpu" / "docker" / "abc", cpu__cfs_quota_us="200000\n",
+                cpu__cfs_period_us="100000\n")
+    line = "5:cpu,cpuacct:/docker/abc\n"
+    assert cgroup.cpu_limit(tmp_path / "fs", proc(tmp_path, line)) == 2.0
+    write(cpu, cpu__cfs_quota_us="-1\n")
+    assert cgroup.cpu_limit(tmp_path / "fs", proc(tmp_path, line)) is None
+
+
+@pytest.mark.parametrize("text", ["lots 100000", "100000", "0 100000", "100000 0", "1 2 3", "\x00"])
+def test_a_malformed_cpu_max_is_no_quota(tmp_path, text):
+    root = v2_root(tmp_path)
+    write(root / "g", cpu__max=text)
+    assert cgroup.cpu_limit(root, proc(tmp_path, "0::/g\n")) is None
+
+
+def test_commands_take_no_more_threads_than_the_quota(tmp_path, monkeypatch):
+    import torch
+
+    from k3kit.cli import build_parser
+    from k3kit.commands.generate import apply_threads
+    root = v2_root(tmp_path)
+    write(root / "box", cpu__max="100000 100000\n")
+    monkeypatch.setenv("K3KIT_CGROUP_ROOT", str(root))
+    monkeypatch.setenv("K3KIT_PROC_CGROUP", str(proc(tmp_path, "0::/box\n")))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert apply_threads(build_parser().parse_args(["generate", "--prompt", "x"])) == 1
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)                            # the user's count is the user's
+        assert apply_threads(build_parser().parse_args(["generate", "--prompt", "x", "--threads", "2"])) == 2
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")          # so is OMP_NUM_THREADS
+        assert apply_threads(build_parser().parse_args(["generate", "--prompt", "x"])) == 0
+        assert torch.get_num_threads() == 2
+        assert "CPU quota: 1 CPUs" in " ".join(hardware.measure_local([]).notes)
+    finally:
+        torch.set_num_threads(before)

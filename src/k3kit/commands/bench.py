@@ -93,13 +93,14 @@ def run(args: argparse.Namespace) -> int:
     from k3kit.bench.config import Config, parse_concurrency
     from k3kit.bench.report import render, write_outputs
     from k3kit.bench.run import BenchOptions, run_bench
-    from k3kit.commands.generate import check_draft_args, default_model, draft_path, expert_io
+    from k3kit.commands.generate import apply_threads, check_draft_args, default_model, draft_path, expert_io
 
     check_draft_args(args)
     if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
     if args.threads < 0:
         raise K3Error(f"--threads {args.threads}: must be >= 0")
+    apply_threads(args)          # what a run with no --threads takes as its default count
     model = Path(args.model) if args.model else default_model()
     draft = draft_path(args)
     from k3kit.runtime.speculative import parse_budget
@@ -145,8 +146,6 @@ def run_host_profile(args: argparse.Namespace, model: Path, draft: Path | None, 
 
     if args.n_gen < 1:
         raise K3Error(f"-n {args.n_gen}: --host-profile needs at least one decoded token")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     options = LoadOptions(device=args.device, dtype=DTYPES[args.dtype],
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, expert_prefetch=args.expert_prefetch, arith=args.arith,

@@ -156,6 +156,29 @@ def expert_io(path: Path, args: argparse.Namespace, reserved: int = 0) -> Expert
                      reserved=reserved)
 
 
+def apply_threads(args: argparse.Namespace) -> int:
+    """torch's CPU threads for a command: `--threads N`; where it is 0 (the default) and
+    OMP_NUM_THREADS is unset, torch's default (one per core) but no more than the control group's
+    CPU quota allows (a container's `--cpus`, k3kit.plan.cgroup.cpu_limit): past it, every parallel
+    region waits at its barrier for threads the quota has stopped. Returns the count set, 0 when
+    torch's default was kept."""
+    import os
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        return int(args.threads)
+    if os.environ.get("OMP_NUM_THREADS"):
+        return 0
+    from k3kit.plan.cgroup import cpu_limit
+    quota = cpu_limit()
+    if quota is None or torch.get_num_threads() <= max(1, int(quota)):
+        return 0
+    torch.set_num_threads(max(1, int(quota)))
+    return max(1, int(quota))
+
+
 def check_cache_mib(args: argparse.Namespace) -> None:
     if args.expert_cache_mib is not None and not args.expert_cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {args.expert_cache_mib}: must be >= 0")
@@ -243,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
                           expert_cache_mib=io.cache_mib, cold=io.cold,
                           expert_kernel=args.expert_kernel, trunk=args.trunk,
                           expert_prefetch=args.expert_prefetch, arith=args.arith, cpu_moe=args.cpu_moe)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     pins = pin_profile(path, args)
     session = open_session(path, options, draft=draft_path(args), block_size=args.block_size,
                            draft_device=args.draft_device)

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3kit.adapters import load_model
-    from k3kit.commands.generate import expert_io, pin_experts, pin_profile
+    from k3kit.commands.generate import apply_threads, expert_io, pin_experts, pin_profile
     from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.runtime.perplexity import LlamaBase, evaluate, open_base, plan_chunks
     from k3kit.runtime.protocols import CausalModel
@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, ggml_parity=bool(args.ggml_parity),
                           expert_prefetch=args.expert_prefetch, arith=args.arith, cpu_moe=args.cpu_moe)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     pins = pin_profile(path, args)
     loaded = load_model(path, options)
     try:

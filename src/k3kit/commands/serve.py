@@ -120,13 +120,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise K3Error(f"k3kit serve needs the serve extra (pip install 'k3kit[serve]'): "
                       f"{e.name} is missing") from None
-    import torch
-
     from k3kit.kernels.qmatmul import keep_freed_heap
 
     keep_freed_heap()        # every pass's transient tensors reuse heap pages (see engine.generate)
     from k3kit.adapters.session import open_session
     from k3kit.commands.generate import (
+        apply_threads,
         check_draft_args,
         decode_step,
         default_model,
@@ -147,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
                           expert_cache_mib=io.cache_mib, cold=io.cold, expert_kernel=args.expert_kernel,
                           trunk=args.trunk, expert_prefetch=args.expert_prefetch,
                           arith=args.arith, cpu_moe=args.cpu_moe)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     pins = pin_profile(path, args)
 

@@ -1,4 +1,5 @@
-"""The memory this process's control group allows: a container's limit that /proc/meminfo does not show.
+"""The memory and CPU time this process's control group allows: a container's limits, which
+/proc/meminfo and the CPU count do not show.
 
 A rented GPU box is often a container (Docker `--memory`, a Kubernetes limit, systemd's
 `MemoryMax`): /proc/meminfo there reports the host's RAM, and an expert cache or prompt cache
@@ -13,6 +14,12 @@ and language runtimes (the JVM, Go, .NET) read it:
   ancestors' smallest `limit_in_bytes`), `usage_in_bytes`, `total_inactive_file`.
 * Inside a container the group's path from /proc/self/cgroup often does not exist under the
   mount (the runtime mounts the container's own group at the root): the mount's root is read then.
+
+CPU time likewise (`cpu_limit`): a CPU quota (`docker --cpus`, a Kubernetes CPU limit) lets the
+group run `quota / period` CPUs' worth of time per period, while the scheduler still offers every
+core; one OpenMP thread per core then spends most of each period throttled at a barrier, waiting
+for threads the quota has stopped. v2: the smallest `cpu.max` ("QUOTA PERIOD" or "max PERIOD")
+of the group and its ancestors; v1: `cpu.cfs_quota_us / cpu.cfs_period_us` (-1: none).
 
 Every file is treated as hostile: a missing, unreadable or malformed one means "no limit known"
 (None), never an error. `K3KIT_CGROUP_ROOT` / `K3KIT_PROC_CGROUP` point the reader elsewhere
@@ -150,3 +157,62 @@ def group_memory(root: str | Path | None = None, proc_cgroup: str | Path | None 
                     found.append(g)
                 break
     return min(found, key=lambda g: g.available) if found else None
+
+
+def _quota(text: str | None, period_text: str | None = None) -> float | None:
+    """CPUs a quota allows: v2 "QUOTA PERIOD" (`period_text` None) or v1's two files; None: none."""
+    if text is None:
+        return None
+    if period_text is None:
+        parts = text.split()
+        if len(parts) != 2:
+            return None
+        text, period_text = parts
+    if text.strip() in ("max", "-1"):
+        return None
+    try:
+        quota, period = int(text), int(period_text)
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _ancestors(root: Path, group: Path) -> list[Path]:
+    out = [group]
+    while out[-1] != root and root in out[-1].parents:
+        out.append(out[-1].parent)
+    return out
+
+
+def cpu_limit(root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> float | None:
+    """CPUs' worth of time this process's control group may use (a quota: 2.5 = two and a half
+    CPUs), or None where no quota applies or none can be read."""
+    root = Path(root or os.environ.get("K3KIT_CGROUP_ROOT") or "/sys/fs/cgroup")
+    proc = Path(proc_cgroup or os.environ.get("K3KIT_PROC_CGROUP") or "/proc/self/cgroup")
+    found: list[float] = []
+    v2_path = v1_path = None
+    for line in (_read(proc) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2_path = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1_path = parts[2]
+    if v1_path is not None:
+        for mount in (root / "cpu", root / "cpu,cpuacct"):
+            if mount.is_dir():
+                for d in _ancestors(mount, _within(mount, v1_path)):
+                    q = _quota(_read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us") or "")
+                    if q is not None:
+                        found.append(q)
+                break
+    if v2_path is not None:
+        for mount in (root, root / "unified"):
+            if (mount / "cgroup.controllers").is_file():
+                for d in _ancestors(mount, _within(mount, v2_path)):
+                    q = _quota(_read(d / "cpu.max"))
+                    if q is not None:
+                        found.append(q)
+                break
+    return min(found) if found else None

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from k3kit.errors import K3Error
-from k3kit.plan.cgroup import group_memory
+from k3kit.plan.cgroup import cpu_limit, group_memory
 from k3kit.plan.units import fmt_bw, fmt_gib, parse_bandwidth, parse_size
 
 GiB = 1 << 30
@@ -299,6 +299,9 @@ def measure_local(model_paths: list[Path]) -> Hardware:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
+    quota = cpu_limit()                 # a container's CPU quota: fewer cores' worth of time
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
     mem_bw = measure_memory_bw()
     disk_bw, disk_how = measure_disk_bw(model_paths)
     gpus = nvidia_gpus()
@@ -306,7 +309,8 @@ def measure_local(model_paths: list[Path]) -> Hardware:
     if group is not None and ram == group.limit:
         source = f"the control group's limit, cgroup v{group.version}"
     notes = [f"measured: RAM {fmt_gib(ram) if ram else '?'} ({source}; "
-             f"{fmt_gib(info.get('MemAvailable', 0))} available now), {cores} cores",
+             f"{fmt_gib(info.get('MemAvailable', 0))} available now), {cores} cores"
+             + (f" (the control group's CPU quota: {quota:g} CPUs)" if quota is not None else ""),
              f"measured: memory read {fmt_bw(mem_bw)} (one numpy thread over 128 MiB: a lower bound)"]
     if disk_bw is None:
         notes.append(f"storage not measured ({disk_how}); assumed {fmt_bw(DEFAULT_DISK_BW)}")
