@@ -268,3 +268,20 @@ def test_markov_greedy_ties_and_nan_pick_as_torch_argmax():
     assert out[0].tolist() == [3, 6, 1] == torch.argmax(base, -1).tolist()
     assert fused.markov_greedy(base.bfloat16(), w1, w2t, 0) is None
     assert fused.markov_greedy(base, w1, w2t, V) is None          # an anchor outside the table
+
+
+@pytest.mark.parametrize("R,V,W", [(1, 4096, 128), (8, 4096, 128), (3, 5000, 128), (2, 100, 5), (2, 37, 1)])
+def test_apply_bitmask_gives_the_torch_ops_values(R, V, W, monkeypatch):
+    from k3kit.runtime import constraint
+    g = torch.Generator().manual_seed(R * V + W)
+    rows = torch.randn(R, V + 3, generator=g)[:, :V]           # strided rows: taken contiguous
+    rows[0, 0] = float("nan")
+    bits = torch.randint(-2**31, 2**31 - 1, (R, W), dtype=torch.int32, generator=g)
+    with torch.no_grad():
+        native = fused.apply_bitmask(rows, bits)
+        assert native is not None and native.shape == (R, V)
+        monkeypatch.setattr(fused, "_fused", None)
+        torch_ops = constraint.apply_bitmask(rows, bits)        # the ops it replaces
+    assert torch.equal(native.isnan(), torch_ops.isnan())
+    assert torch.equal(native.nan_to_num(), torch_ops.nan_to_num())
+    assert bool(torch.isinf(native[:, 32 * W:]).all())          # past the mask's last word: off

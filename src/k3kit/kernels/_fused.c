@@ -460,7 +460,35 @@ static PyObject *py_markov_greedy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A grammar's token mask on rows of logits: y[r, t] = x[r, t] where bit t % 32 of word t / 32 of row
+ * r's bitmask is set (t < 32 W), else -inf. A copy or -inf: the same values as the torch ops
+ * (shift, and, masked_fill) it replaces, in one pass instead of ten ops over the vocabulary. */
+static void mask_rows(const float *x, const uint32_t *bits, float *y, int64_t R, int64_t V, int64_t W) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * V;
+        const uint32_t *br = bits + r * W;
+        float *yr = y + r * V;
+        const int64_t n = V < 32 * W ? V : 32 * W;
+        for (int64_t t = 0; t < n; t++) yr[t] = (br[t >> 5] >> (t & 31)) & 1u ? xr[t] : -INFINITY;
+        for (int64_t t = n; t < V; t++) yr[t] = -INFINITY;
+    }
+}
+
+/* apply_bitmask(x, bits, y, R, V, W): x, y [R, V] float32 (y may not be x), bits [R, W] int32 */
+static PyObject *py_apply_bitmask(PyObject *self, PyObject *args) {
+    Py_ssize_t x, bits, y, R, V, W;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnn", &x, &bits, &y, &R, &V, &W)) return NULL;
+    if (!x || !bits || !y || x == y || R < 0 || V < 0 || W < 0) {
+        PyErr_SetString(PyExc_ValueError, "apply_bitmask: bad buffers or sizes");
+        return NULL;
+    }
+    mask_rows(PTR(const float, x), PTR(const uint32_t, bits), PTR(float, y), R, V, W);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"apply_bitmask", py_apply_bitmask, METH_VARARGS, "A grammar's token bitmask on rows of logits (-inf where off)."},
     {"markov_greedy", py_markov_greedy, METH_VARARGS, "DSpark's greedy Markov chain over a draft block."},
     {"rope_neox", py_rope_neox, METH_VARARGS, "NeoX rotary embedding of rows of heads."},
     {"slot_sum", py_slot_sum, METH_VARARGS, "Routed experts' outputs onto their rows, weighted, in slot order."},

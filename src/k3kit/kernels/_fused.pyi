@@ -30,3 +30,6 @@ def markov_greedy(base: int, w1: int, w2t: int, anchor: int, rows: int, toks: in
                   r: int, /) -> None:
     """DSpark's greedy Markov chain: rows[k] = base[k] + W2 . W1[prev] (W2 given transposed, [r, V]),
     toks[k] = prev = argmax rows[k], w1s[k] = W1[prev] (prev starts at the anchor)."""
+
+def apply_bitmask(x: int, bits: int, y: int, R: int, V: int, W: int, /) -> None:
+    """y [R, V] = x where bit t % 32 of bits[r, t // 32] (int32 [R, W]) is set, else -inf."""

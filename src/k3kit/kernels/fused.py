@@ -179,3 +179,17 @@ def markov_greedy(base: Tensor, w1: Tensor, w2t: Tensor, anchor: int) -> tuple[T
     _fused.markov_greedy(base.data_ptr(), w1.data_ptr(), w2t.data_ptr(), int(anchor), rows.data_ptr(),
                          toks.data_ptr(), w1s.data_ptr(), n, V, r)
     return toks, rows, w1s
+
+
+def apply_bitmask(rows: Tensor, bits: Tensor) -> Tensor | None:
+    """rows [R, V] float32 logits with -inf where `bits` [R, W] (int32, bit j of word i: token
+    32 i + j) is 0 and past its last word: a masked copy in one pass (a grammar's mask on every
+    decode row), or None (run the torch ops)."""
+    if not _ok(rows) or rows.dim() != 2 or bits.dim() != 2 or bits.dtype is not torch.int32 \
+            or not bits.is_cpu or bits.shape[0] != rows.shape[0]:
+        return None
+    rows, bits = _c(rows), _c(bits)
+    out = torch.empty_like(rows)
+    _fused.apply_bitmask(rows.data_ptr(), bits.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+                         bits.shape[1])
+    return out

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from k3kit.errors import K3Error
+from k3kit.kernels import fused
 
 # between two JSON tokens: nothing, a space, or a newline and an indent (llama.cpp's json grammar)
 JSON_WHITESPACE = r"(?:\x20|\n[\x20\t]{0,20})?"
@@ -171,6 +172,8 @@ def _shifts(device: torch.device) -> Tensor:
 def apply_bitmask(rows: Tensor, bits: Tensor) -> Tensor:
     """Rows of logits [R, V] with -inf where `bits` [R, W] (int32, bit j of word i: token 32 i + j)
     has a 0, and past its last word: a masked copy, on the rows' device."""
+    if (native := fused.apply_bitmask(rows, bits)) is not None:
+        return native
     r, v = rows.shape
     bits = bits.to(rows.device, non_blocking=True)
     allowed = ((bits.unsqueeze(-1) >> _shifts(rows.device)) & 1).reshape(r, -1).bool()
