@@ -12,13 +12,13 @@ and torch / native (> 1: native is faster), with the largest difference between 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from functools import partial
 
 import torch
 
+from k3kit.bench.run import cpu_info
 from k3kit.kernels import attn
 from k3kit.models.kimi_k3 import mla
 
@@ -33,17 +33,6 @@ def timed(f, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -55,7 +44,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if not attn.available():
         raise SystemExit("the native attention does not run here (no _attn extension or no AVX-512F)")
-    print(f"{cpu()}, {args.threads} thread(s), {args.rows} rows per call")
+    print(f"{cpu_info()}, {args.threads} thread(s), {args.rows} rows per call")
     print("| geometry | cached positions | torch ms | native ms | torch / native | max |diff| |")
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
