@@ -84,8 +84,8 @@ def _stat(path: Path) -> dict[str, int]:
     return out
 
 
-def _groups(proc_cgroup: Path) -> tuple[str | None, str | None]:
-    """(the v2 group's path, the v1 memory controller's path) from /proc/self/cgroup."""
+def _groups(proc_cgroup: Path, controller: str) -> tuple[str | None, str | None]:
+    """(the v2 group's path, the v1 `controller`'s group path) from /proc/self/cgroup."""
     v2 = v1 = None
     for line in (_read(proc_cgroup) or "").splitlines():
         parts = line.split(":", 2)
@@ -94,9 +94,30 @@ def _groups(proc_cgroup: Path) -> tuple[str | None, str | None]:
         hier, controllers, path = parts
         if hier == "0" and controllers == "":
             v2 = path
-        elif "memory" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
     return v2, v1
+
+
+def _ancestors(root: Path, group: Path) -> list[Path]:
+    """`group` and each directory above it up to the mount's root."""
+    out = [group]
+    while out[-1] != root and root in out[-1].parents:
+        out.append(out[-1].parent)
+    return out
+
+
+def _v2_mount(root: Path) -> Path | None:
+    """The cgroup2 mount: `root` itself (pure v2) or the hybrid layout's `unified`."""
+    for mount in (root, root / "unified"):
+        if (mount / "cgroup.controllers").is_file():
+            return mount
+    return None
+
+
+def _roots(root: str | Path | None, proc_cgroup: str | Path | None) -> tuple[Path, Path]:
+    return (Path(root or os.environ.get("K3KIT_CGROUP_ROOT") or "/sys/fs/cgroup"),
+            Path(proc_cgroup or os.environ.get("K3KIT_PROC_CGROUP") or "/proc/self/cgroup"))
 
 
 def _within(root: Path, path: str) -> Path:
@@ -112,14 +133,10 @@ def _within(root: Path, path: str) -> Path:
 def _v2(root: Path, path: str) -> GroupMemory | None:
     group = _within(root, path)
     limit = UNLIMITED
-    d = group
-    while True:                                        # the group and every ancestor under the mount
+    for d in _ancestors(root, group):                  # the group and every ancestor under the mount
         n = _int(_read(d / "memory.max"))
         if n is not None:
             limit = min(limit, n)
-        if d == root or root not in d.parents:
-            break
-        d = d.parent
     used = _int(_read(group / "memory.current"))
     if limit >= UNLIMITED or used is None:
         return None
@@ -141,21 +158,18 @@ def _v1(root: Path, path: str) -> GroupMemory | None:
 def group_memory(root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> GroupMemory | None:
     """This process's control-group memory limit and use, or None where no limit applies or
     none can be read (no cgroup filesystem, an unlimited group, a file that makes no sense)."""
-    root = Path(root or os.environ.get("K3KIT_CGROUP_ROOT") or "/sys/fs/cgroup")
-    proc = Path(proc_cgroup or os.environ.get("K3KIT_PROC_CGROUP") or "/proc/self/cgroup")
-    v2_path, v1_path = _groups(proc)
+    root, proc = _roots(root, proc_cgroup)
+    v2_path, v1_path = _groups(proc, "memory")
     found: list[GroupMemory] = []
     if v1_path is not None and (root / "memory").is_dir():
         g = _v1(root / "memory", v1_path)
         if g is not None:
             found.append(g)
-    if v2_path is not None:
-        for mount in (root, root / "unified"):         # pure v2, or the hybrid layout's v2 mount
-            if (mount / "cgroup.controllers").is_file():
-                g = _v2(mount, v2_path)
-                if g is not None:
-                    found.append(g)
-                break
+    mount = _v2_mount(root) if v2_path is not None else None
+    if mount is not None and v2_path is not None:
+        g = _v2(mount, v2_path)
+        if g is not None:
+            found.append(g)
     return min(found, key=lambda g: g.available) if found else None
 
 
@@ -177,42 +191,22 @@ def _quota(text: str | None, period_text: str | None = None) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def _ancestors(root: Path, group: Path) -> list[Path]:
-    out = [group]
-    while out[-1] != root and root in out[-1].parents:
-        out.append(out[-1].parent)
-    return out
-
-
 def cpu_limit(root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> float | None:
     """CPUs' worth of time this process's control group may use (a quota: 2.5 = two and a half
     CPUs), or None where no quota applies or none can be read."""
-    root = Path(root or os.environ.get("K3KIT_CGROUP_ROOT") or "/sys/fs/cgroup")
-    proc = Path(proc_cgroup or os.environ.get("K3KIT_PROC_CGROUP") or "/proc/self/cgroup")
+    root, proc = _roots(root, proc_cgroup)
     found: list[float] = []
-    v2_path = v1_path = None
-    for line in (_read(proc) or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            v2_path = parts[2]
-        elif "cpu" in parts[1].split(","):
-            v1_path = parts[2]
-    if v1_path is not None:
-        for mount in (root / "cpu", root / "cpu,cpuacct"):
-            if mount.is_dir():
-                for d in _ancestors(mount, _within(mount, v1_path)):
-                    q = _quota(_read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us") or "")
-                    if q is not None:
-                        found.append(q)
-                break
-    if v2_path is not None:
-        for mount in (root, root / "unified"):
-            if (mount / "cgroup.controllers").is_file():
-                for d in _ancestors(mount, _within(mount, v2_path)):
-                    q = _quota(_read(d / "cpu.max"))
-                    if q is not None:
-                        found.append(q)
-                break
+    v2_path, v1_path = _groups(proc, "cpu")
+    v1 = next((m for m in (root / "cpu", root / "cpu,cpuacct") if m.is_dir()), None)
+    if v1_path is not None and v1 is not None:
+        for d in _ancestors(v1, _within(v1, v1_path)):
+            q = _quota(_read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us") or "")
+            if q is not None:
+                found.append(q)
+    v2 = _v2_mount(root) if v2_path is not None else None
+    if v2 is not None and v2_path is not None:
+        for d in _ancestors(v2, _within(v2, v2_path)):
+            q = _quota(_read(d / "cpu.max"))
+            if q is not None:
+                found.append(q)
     return min(found) if found else None
