@@ -24,14 +24,11 @@ CHUNK = 16 * MIB
 def mem_total() -> int:
     """The RAM this process may use: MemTotal, or its control group's limit where that is less (a
     container, or a memory cgroup set up to run a file of some multiple of RAM)."""
-    from k3kit.plan.cgroup import group_memory
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-                group = group_memory()
-                return min(total, group.limit) if group is not None else total
-    raise RuntimeError("no MemTotal in /proc/meminfo")
+    from k3kit.plan.hardware import ram_total
+    ram, _ = ram_total()
+    if ram is None:
+        raise RuntimeError("no MemTotal in /proc/meminfo")
+    return ram
 
 
 def status(field: str, pid: str = "self") -> int:

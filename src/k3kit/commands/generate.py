@@ -159,7 +159,7 @@ def expert_io(path: Path, args: argparse.Namespace, reserved: int = 0) -> Expert
 def apply_threads(args: argparse.Namespace) -> int:
     """torch's CPU threads for a command: `--threads N`; where it is 0 (the default) and
     OMP_NUM_THREADS is unset, torch's default (one per core) but no more than the control group's
-    CPU quota allows (a container's `--cpus`, k3kit.plan.cgroup.cpu_limit): past it, every parallel
+    CPU quota allows (a container's `--cpus`, k3kit.plan.cgroup.cpu_cores): past it, every parallel
     region waits at its barrier for threads the quota has stopped. Returns the count set, 0 when
     torch's default was kept."""
     import os
@@ -171,12 +171,12 @@ def apply_threads(args: argparse.Namespace) -> int:
         return int(args.threads)
     if os.environ.get("OMP_NUM_THREADS"):
         return 0
-    from k3kit.plan.cgroup import cpu_limit
-    quota = cpu_limit()
-    if quota is None or torch.get_num_threads() <= max(1, int(quota)):
+    from k3kit.plan.cgroup import cpu_cores
+    cores = cpu_cores()
+    if cores is None or torch.get_num_threads() <= cores:
         return 0
-    torch.set_num_threads(max(1, int(quota)))
-    return max(1, int(quota))
+    torch.set_num_threads(cores)
+    return cores
 
 
 def check_cache_mib(args: argparse.Namespace) -> None:

@@ -96,10 +96,9 @@ def prompt_cache_mib(args: argparse.Namespace) -> float:
     """--prompt-cache-mib, or the default: a quarter of the RAM free now, at most 8 GiB."""
     if args.prompt_cache_mib is not None:
         return float(args.prompt_cache_mib)
-    from k3kit.plan.expert_io import env_available, mem_available
+    from k3kit.plan.expert_io import ram_available
     from k3kit.serve.prompt_cache import default_budget
-    available = env_available()
-    return default_budget(mem_available() if available is None else available) / (1 << 20)
+    return default_budget(ram_available()) / (1 << 20)
 
 
 def memory_budgets(path: Path, args: argparse.Namespace) -> tuple[float, ExpertIO]:

@@ -191,6 +191,12 @@ def _quota(text: str | None, period_text: str | None = None) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
+def cpu_cores(root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> int | None:
+    """Whole CPUs the group's quota lets threads run on at once (at least 1), or None: no quota."""
+    quota = cpu_limit(root, proc_cgroup)
+    return None if quota is None else max(1, int(quota))
+
+
 def cpu_limit(root: str | Path | None = None, proc_cgroup: str | Path | None = None) -> float | None:
     """CPUs' worth of time this process's control group may use (a quota: 2.5 = two and a half
     CPUs), or None where no quota applies or none can be read."""

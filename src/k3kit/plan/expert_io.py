@@ -121,7 +121,8 @@ def choose(*, asked: str, routed_bytes: int, trunk_bytes: int, available: int,
         raise K3Error(f"--expert-io {asked!r}: expected one of {', '.join(MODES)}")
     if cache_mib is not None and not cache_mib >= 0:
         raise K3Error(f"--expert-cache-mib {cache_mib}: must be >= 0")
-    ram_left = available - max(reserved, 0) - trunk_bytes - headroom(available) if available else 0
+    reserved = max(reserved, 0) if available else 0
+    ram_left = available - reserved - trunk_bytes - headroom(available) if available else 0
     explicit = int(cache_mib * MIB) if cache_mib is not None else None
     if asked != "auto":
         mode = asked
@@ -140,7 +141,7 @@ def choose(*, asked: str, routed_bytes: int, trunk_bytes: int, available: int,
         cache_bytes = max(MIN_CACHE, min(ram_left - routed_bytes, routed_bytes))
         cache_from = "RAM left beside the page cache"
     return ExpertIO(mode, asked, int(cache_bytes), cache_from, routed_bytes, trunk_bytes, available, ram_left,
-                    max(reserved, 0) if available else 0)
+                    reserved)
 
 
 def mem_available() -> int:
@@ -185,9 +186,7 @@ def for_model(path: str | Path, asked: str, cache_mib: float | None, device: str
     if asked not in MODES:
         raise K3Error(f"--expert-io {asked!r}: expected one of {', '.join(MODES)}")
     routed, trunk = model_bytes(path)
-    if available is None:
-        available = env_available()
-    avail = mem_available() if available is None else available
+    avail = ram_available() if available is None else available
     on_gpu = any(d.strip() and not d.strip().startswith("cpu") for d in device.split(","))
     if on_gpu and cpu_moe < 0:
         on_gpu, trunk = False, 0
@@ -203,6 +202,12 @@ def for_plan(routed_bytes: int, trunk_bytes: int, ram_free: int, ram_total: int)
     cache = (max(MIN_CACHE, min(left, routed_bytes)) if mode == "direct"
              else max(MIN_CACHE, min(left - routed_bytes, routed_bytes)))
     return ExpertIO(mode, "auto", cache, "RAM left", routed_bytes, trunk_bytes, ram_total, left)
+
+
+def ram_available() -> int:
+    """The RAM a run sizes its caches from: K3KIT_MEM_AVAILABLE where set, else `mem_available()`."""
+    available = env_available()
+    return mem_available() if available is None else available
 
 
 def env_available() -> int | None:

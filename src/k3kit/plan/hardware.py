@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from k3kit.errors import K3Error
-from k3kit.plan.cgroup import cpu_limit, group_memory
+from k3kit.plan.cgroup import GroupMemory, cpu_cores, cpu_limit, group_memory
 from k3kit.plan.units import fmt_bw, fmt_gib, parse_bandwidth, parse_size
 
 GiB = 1 << 30
@@ -288,26 +288,32 @@ def nvidia_gpus() -> list[GPU]:
     return gpus
 
 
+def ram_total(info: dict[str, int] | None = None) -> tuple[int | None, GroupMemory | None]:
+    """(the RAM this process may use, the control group that limits it or None): MemTotal, or the
+    group's limit where that is less (a container's, which /proc/meminfo does not show)."""
+    ram = (meminfo() if info is None else info).get("MemTotal")
+    group = group_memory()
+    if group is not None and (ram is None or group.limit < ram):
+        return group.limit, group
+    return ram, None
+
+
 def measure_local(model_paths: list[Path]) -> Hardware:
     info = meminfo()
-    ram = info.get("MemTotal")
-    group = group_memory()            # a container's limit: less than MemTotal says
-    if group is not None and (ram is None or group.limit < ram):
-        ram = group.limit
+    ram, group = ram_total(info)
+    if group is not None:
         info["MemAvailable"] = min(info.get("MemAvailable", group.available), group.available)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    quota = cpu_limit()                 # a container's CPU quota: fewer cores' worth of time
-    if quota is not None:
-        cores = min(cores, max(1, int(quota)))
+    quota, allowed = cpu_limit(), cpu_cores()   # a container's CPU quota: fewer cores' worth of time
+    if allowed is not None:
+        cores = min(cores, allowed)
     mem_bw = measure_memory_bw()
     disk_bw, disk_how = measure_disk_bw(model_paths)
     gpus = nvidia_gpus()
-    source = "MemTotal"
-    if group is not None and ram == group.limit:
-        source = f"the control group's limit, cgroup v{group.version}"
+    source = "MemTotal" if group is None else f"the control group's limit, cgroup v{group.version}"
     notes = [f"measured: RAM {fmt_gib(ram) if ram else '?'} ({source}; "
              f"{fmt_gib(info.get('MemAvailable', 0))} available now), {cores} cores"
              + (f" (the control group's CPU quota: {quota:g} CPUs)" if quota is not None else ""),
