@@ -1,13 +1,15 @@
 """What structured output costs: decode tok/s of the shipped mini K3 free and under a JSON schema,
 plain (AR) and with its DSpark drafter, and the grammar's share of a decode step.
 
-    python benchmarks/bench_grammar.py [--prompts chat|code] [--tokens 128] [--rounds 3] [--threads 1]
-                                        [--json]
+    python benchmarks/bench_grammar.py [--prompts chat|code|schemas] [--schemas 8] [--tokens 128]
+                                        [--rounds 3] [--threads 1] [--draft GGUF] [--json]
 
 `--prompts chat` (the default) asks as an API client would: a user message rendered by the
 mini's Kimi-K3 template with `response_format: json_schema` (the schema in the template's system
 message) and thinking off, so the answer is the response channel; `code` continues Python
-snippets ("config = ", ...) where the model would not write JSON by itself.
+snippets ("config = ", ...) where the model would not write JSON by itself; `schemas` asks as
+`chat` does, each request under its own random schema (k3kit.mini.draft.schema_data's generator
+from a seed no drafter training run draws: schemas the drafter never saw).
 
 Each round runs every prompt through `k3kit.runtime.engine.generate` (the loop `k3kit generate`
 runs; greedy) in four configurations, in turns so that a drifting machine slows all alike: AR
@@ -31,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +62,7 @@ SCHEMA: dict[str, Any] = {
 PROMPTS = ["config = ", "data = json.loads(", "return ", "self.options = "]
 ASKS = ["Describe a user named Ada as JSON.", "Give me the record of item 42 as JSON.",
         "Return the point (3, 4) with its tags as JSON.", "A new, hot item called lamp, as JSON."]
+HELD_OUT_SEED = 2_718_281_828
 CONFIGS = [("AR free", False, False), ("AR schema", False, True), ("DSpark free", True, False),
            ("DSpark schema", True, True)]
 
@@ -79,6 +83,22 @@ def chat_prompt(codec: Any, ask: str) -> str:
     inputs = chat_inputs(body, codec.chat.source)
     return codec.chat.render(inputs.messages, add_generation_prompt=True, tools=inputs.tools,
                              **inputs.variables)
+
+
+def held_out_requests(codec: Any, vocab: Vocabulary, n: int) -> tuple[list[str], list[Grammar]]:
+    """n chat requests under random schemas (k3kit.mini.draft.schema_data's generator, from a seed
+    no training run draws: its rounds use seed * 7919 + round)."""
+    import random
+
+    from k3kit.mini.draft.schema_data import chat_prompt as schema_prompt
+    from k3kit.mini.draft.schema_data import random_ask, random_schema
+    r = random.Random(HELD_OUT_SEED)
+    texts, grammars = [], []
+    for _ in range(n):
+        schema = random_schema(r)
+        texts.append(schema_prompt(codec, random_ask(r, schema), schema))
+        grammars.append(vocab.json_schema(schema))
+    return texts, grammars
 
 
 def run_one(session: Any, prompt: list[int], grammar: Grammar | None, draft: bool,
@@ -106,25 +126,35 @@ def run_one(session: Any, prompt: list[int], grammar: Grammar | None, draft: boo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", choices=("chat", "code"), default="chat",
-                    help="chat requests with response_format (default) or code snippets")
+    ap.add_argument("--prompts", choices=("chat", "code", "schemas"), default="chat",
+                    help="chat requests with response_format (default), code snippets, or chat requests "
+                         "under random schemas no drafter was trained on (--schemas of them)")
+    ap.add_argument("--schemas", type=int, default=8, help="requests of --prompts schemas (default 8)")
     ap.add_argument("--tokens", type=int, default=128, help="max tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft", default=None, metavar="GGUF",
+                    help="the drafter (default: the shipped one, `k3kit mini path --draft`)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    session = open_session(shipped_gguf(), LoadOptions(), draft=shipped_draft())
+    draft_path = Path(args.draft) if args.draft else shipped_draft()
+    session = open_session(shipped_gguf(), LoadOptions(), draft=draft_path)
     try:
         codec = session.codec
+        vocab = Vocabulary(codec.tokenizer.to_str(), codec.n_vocab, codec.stop_ids())
         t0 = time.perf_counter()
-        grammar = Vocabulary(codec.tokenizer.to_str(), codec.n_vocab, codec.stop_ids()).json_schema(SCHEMA)
+        grammar = vocab.json_schema(SCHEMA)
         compile_s = time.perf_counter() - t0
-        texts = [chat_prompt(codec, a) for a in ASKS] if args.prompts == "chat" else PROMPTS
+        if args.prompts == "schemas":
+            texts, grammars = held_out_requests(codec, vocab, args.schemas)
+        else:
+            texts = [chat_prompt(codec, a) for a in ASKS] if args.prompts == "chat" else PROMPTS
+            grammars = [grammar] * len(texts)
         prompts = [codec.encode(p) for p in texts]
         # the schema's token counts: free runs decode exactly as many
-        first = [run_one(session, p, grammar, False, args.tokens) for p in prompts]
+        first = [run_one(session, p, g, False, args.tokens) for p, g in zip(prompts, grammars, strict=True)]
         lengths = [len(r["tokens"]) for r in first]
         complete = [r["reason"] == "stop" for r in first]
         per: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in CONFIGS}
@@ -135,7 +165,7 @@ def main() -> int:
                 agg = {"decoded": 0, "seconds": 0.0, "passes": 0, "mask_seconds": 0.0, "fill": 0.0,
                        "apply": 0.0, "consume": 0.0}
                 for i, p in enumerate(prompts):
-                    res = run_one(session, p, grammar if constrained else None, draft, lengths[i])
+                    res = run_one(session, p, grammars[i] if constrained else None, draft, lengths[i])
                     outputs.setdefault((name, i), res["tokens"])
                     for k in agg:
                         agg[k] += res[k]

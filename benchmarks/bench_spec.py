@@ -73,11 +73,14 @@ def he_prompts(codec: TextCodec, n: int) -> list[list[int]]:
     return [codec.encode(t, add_bos=True) for t in texts]
 
 
+DRAFT: Path | None = None       # --draft: another drafter than the shipped one
+
+
 def load_pair(cache_mib: float, cold: bool = False) -> Session:
     """The shipped mini K3 and its drafter attached to it (as trained: block 7), with its codec,
     opened the way `k3kit generate --draft default` opens them."""
     options = LoadOptions(expert_cache_mib=cache_mib, cold=cold)
-    return open_session(shipped_gguf(), options, draft=shipped_draft())
+    return open_session(shipped_gguf(), options, draft=DRAFT or shipped_draft())
 
 
 def cached_expert_mib(session: Session) -> tuple[float, int, int]:
@@ -272,10 +275,14 @@ def main() -> int:
     ap.add_argument("--settings", default="resident,quarter,one")
     ap.add_argument("--cold", action="store_true", help="add the cold-read setting")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--draft", type=Path, default=None, metavar="GGUF",
+                    help="the drafter (default: the shipped one, `k3kit mini path --draft`)")
     ap.add_argument("--calibrate", action="store_true",
                     help="instead: verify time vs rows per setting, measured and as cost(n) predicts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global DRAFT
+    DRAFT = args.draft
 
     session = load_pair(256.0)
     target, draft, codec = session.model, session.draft_model, session.codec

@@ -127,6 +127,40 @@ def test_masked_rows_follow_the_proposals_and_leave_the_matcher_as_it_was(tok, v
     assert torch.equal(masked[fin], logits[fin])           # allowed logits are untouched
 
 
+def test_a_verify_reuses_the_walks_masks_and_gets_the_same_rows(tok, vocab, monkeypatch):
+    grammar = vocab.json_schema(SCHEMA)
+    c = grammar.constraint()
+    c.consume(ids(tok, '{"ok'))
+    props = ids(tok, '": true, "n": 2}')
+    fresh = c.bitmasks(props).clone()
+    fills: list[int] = []
+    real = c._fill
+    monkeypatch.setattr(c, "_fill", lambda bits, k: (fills.append(k), real(bits, k)))
+    walk = c.walk()
+    row = torch.zeros(vocab.n_vocab)
+    for t in props[:4]:                     # a draft walks four of the proposals
+        walk.mask(row)
+        walk.step(t)
+    walk.close()
+    n_walk = len(fills)
+    assert torch.equal(c.bitmasks(props), fresh)
+    assert len(fills) - n_walk == len(props) + 1 - 4        # rows 0-3 came from the walk
+    # other proposals reuse only the rows of the prefix they share with the walk
+    other = ids(tok, '": false, "n": 1}')
+    shared = next(k for k in range(len(other)) if other[k] != props[k])
+    assert shared < 4
+    fills.clear()
+    got = c.bitmasks(other).clone()
+    assert len(fills) == len(other) + 1 - (shared + 1)
+    walked, c._walked = c._walked, None
+    assert torch.equal(got, c.bitmasks(other))
+    c._walked = walked
+    c.consume(ids(tok, '"'))                                 # a consume makes the walk stale
+    fills.clear()
+    c.bitmasks(props[1:])
+    assert len(fills) == len(props)
+
+
 def test_consume_keeps_tokens_up_to_the_one_that_completes_the_grammar(tok, vocab):
     c = vocab.json_schema({"enum": ["yes", "no"]}).constraint()
     toks = ids(tok, '"no"') + ids(tok, ' more')

@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="start from this drafter's weights (the shipped one's hf/, say), not random ones")
     d.add_argument("--chat-conversations", type=int, default=3000,
                    help="generated Kimi-K3 chats mixed into the prompts (default 3000; 0: code only)")
+    d.add_argument("--schema-every", type=int, default=0, metavar="N",
+                   help="every Nth round: chat requests under random JSON schemas, answered by the target "
+                        "under their grammars (default 0: none)")
+    d.add_argument("--schema-len", type=int, default=96, help="most tokens of a constrained answer")
     d.add_argument("--card-tokens", type=int, default=64,
                    help="new tokens per prompt in the card's measurement")
     d.add_argument("--corpus-bytes", type=int, default=None, help="cap the corpus (quick runs)")
@@ -172,7 +176,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
                            markov_rank=args.markov_rank, taps=args.taps, lr=args.lr, seqs=args.seqs,
                            gen_len=args.gen_len, anchors=args.anchors, reuse=args.reuse, threads=args.threads,
                            corpus_bytes=args.corpus_bytes, init=args.init,
-                           chat_conversations=args.chat_conversations)
+                           chat_conversations=args.chat_conversations, schema_every=args.schema_every,
+                           schema_len=args.schema_len)
     summary = train_mini_draft(target, args.out, s, card_tokens=args.card_tokens,
                                log=(lambda m: None) if args.json else None)
     if args.json:

@@ -352,8 +352,9 @@ class RoutedMoE(nn.Module):
             gu = experts_matmul_q8(pairs, x[groups.rows], counts, checked=True)
         if x.dtype != torch.float32:
             gu = gu.to(x.dtype)
-        if _whole_vectors(gu[0]):
-            h = self.act(gu[0], gu[1])          # one call for all experts: the same bits, fewer ops
+        g, u = gu.unbind(0)
+        if _whole_vectors(g):
+            h = self.act(g, u)                  # one call for all experts: the same bits, fewer ops
         else:
             h = torch.empty(gu.shape[1], gu.shape[-1], dtype=x.dtype)
             start = 0

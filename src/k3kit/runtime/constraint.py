@@ -193,6 +193,9 @@ class Constraint:
         self.ended_at: int | None = None  # `consumed` when the grammar stopped
         self.times = MaskTimes()
         self._bits = torch.zeros((1, vocab.words), dtype=torch.int32)
+        # the last draft walk's bitmasks: (consumed when it began, the tokens it stepped over,
+        # row k = the mask after tokens[:k]); a verify of the same proposals reuses them
+        self._walked: tuple[int, list[int], list[Tensor]] | None = None
 
     @property
     def stopped(self) -> bool:
@@ -217,8 +220,12 @@ class Constraint:
             self._bits = torch.zeros((n + 1, self.vocab.words), dtype=torch.int32)
         bits = self._bits[:n + 1]
         advanced = 0
+        walked = self._walked if self._walked is not None and self._walked[0] == self.consumed else None
         for k in range(n + 1):
-            self._fill(bits, k)
+            if walked is not None and k < len(walked[2]) and list(proposals[:k]) == walked[1][:k]:
+                bits[k] = walked[2][k]          # the walk filled this state's mask already
+            else:
+                self._fill(bits, k)
             if k == n:
                 break
             t = int(proposals[k])
@@ -279,13 +286,16 @@ class Walk:
         self.steps = 0
         self.open = not constraint.stopped
         self._bits = torch.zeros((1, constraint.vocab.words), dtype=torch.int32)
+        self.tokens: list[int] = []       # stepped over
+        self.rows: list[Tensor] = []      # row k: the mask after tokens[:k]
+        constraint._walked = None
 
     def mask(self, row: Tensor) -> Tensor:
         """One row of draft logits [V] -> masked (a copy), or the row itself once the walk ended."""
         if not self.open:
             return row
         t0 = time.perf_counter()
-        self.c._fill(self._bits, 0)
+        self._fill()
         t1 = time.perf_counter()
         out = apply_bitmask(row[None], self._bits)[0]
         self.c.times.fill += t1 - t0
@@ -299,7 +309,7 @@ class Walk:
         if not self.open:
             return t, row
         t0 = time.perf_counter()
-        self.c._fill(self._bits, 0)
+        self._fill()
         self.c.times.fill += time.perf_counter() - t0
         if _allowed(self._bits[0], t):
             return t, row
@@ -308,9 +318,15 @@ class Walk:
         self.c.times.apply += time.perf_counter() - t1
         return int(torch.argmax(out).item()), out
 
+    def _fill(self) -> None:
+        self.c._fill(self._bits, 0)
+        if len(self.rows) == self.steps:          # the first fill of this state: kept for the verify
+            self.rows.append(self._bits[0].clone())
+
     def step(self, token: int) -> None:
         if self.open and _allowed(self._bits[0], token) and self.c.matcher.try_consume_tokens([token]) == 1:
             self.steps += 1
+            self.tokens.append(int(token))
             self.open = not self.c.matcher.is_stopped()
         else:
             self.open = False
@@ -318,6 +334,8 @@ class Walk:
     def close(self) -> None:
         if self.steps:
             self.c.matcher.rollback(self.steps)
+        if self.rows:
+            self.c._walked = (self.c.consumed, self.tokens, self.rows)
         self.steps, self.open = 0, False
 
 

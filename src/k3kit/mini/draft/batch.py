@@ -95,9 +95,11 @@ def position_weights(block: int, decay: float) -> Tensor:
 
 def block_loss(draft: DSparkDraft, block_ids: Tensor, labels: Tensor, anchor_pos: Tensor,
                seq_index: Tensor, ctx: list[tuple[Tensor, Tensor]], *, decay: float = 4.0,
-               conf_coef: float = 0.1) -> BlockLoss:
+               conf_coef: float = 0.1, allowed: Tensor | None = None) -> BlockLoss:
     """labels [N, B]: the target's greedy token after each block row (row k predicts position
-    anchor + k + 1). See the module docstring for the terms."""
+    anchor + k + 1). See the module docstring for the terms. `allowed` [N, B, V] bool: the tokens a
+    grammar lets each row take (structured output): the runtime masks the draft's rows the same
+    way, so the loss and the accuracy are over those tokens only."""
     N, B = labels.shape
     hidden = block_hidden(draft, block_ids, anchor_pos, seq_index, ctx)
     logits = draft.logits(hidden).float()
@@ -106,6 +108,8 @@ def block_loss(draft: DSparkDraft, block_ids: Tensor, labels: Tensor, anchor_pos
         prev = torch.cat([block_ids[:, :1], labels[:, :-1]], dim=1)
         w1 = draft.markov_embed(prev)
         logits = logits + draft.markov_bias(w1).float()
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     ce_rows = F.cross_entropy(logits.reshape(N * B, -1), labels.reshape(-1), reduction="none").view(N, B)
     ce = (ce_rows * position_weights(B, decay)[None, :]).sum(1).mean()
     correct = logits.argmax(-1) == labels

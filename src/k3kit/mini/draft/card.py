@@ -13,6 +13,10 @@ def _hist(h: list[int]) -> str:
     return " ".join(f"{m}:{n}" for m, n in enumerate(h)) + f"  (mean accepted {mean:.2f})"
 
 
+def _nth(n: int) -> str:
+    return {1: "", 2: "second ", 3: "third "}.get(n, f"{n}th ")
+
+
 def render_card(summary: dict) -> str:
     cfg = summary["draft_config"]
     d = cfg["dflash_config"]
@@ -43,14 +47,20 @@ def render_card(summary: dict) -> str:
         "",
         f"* {summary['steps']} steps in {summary['train_seconds'] / 60:.1f} min on a shared 2-core CPU "
         f"(seed {s['seed']}, {s['threads']} torch thread(s))",
-        *(["* started from an earlier drafter's weights (`--init`: the previous shipped drafter, trained "
-           "against the target of that time); the figures below are this run's"] if s.get("init") else []),
+        *(["* started from an earlier drafter's weights (`--init`); the figures below are this run's"]
+          if s.get("init") else []),
         f"* data: prompts of {s['prompt_len']} tokens from the stdlib corpus train split"
         + (f" followed by {s['chat_conversations']:,} generated Kimi-K3 conversations "
            "(k3kit.mini.chat_data, the target's chat template)" if s.get("chat_conversations") else "")
         + ", continued "
         f"greedily by the target for {s['gen_len']} tokens ({s['seqs']} sequences per round, each round "
         f"used for {s['reuse']} steps); features and labels from one target pass over each sequence",
+        *([f"* every {_nth(s['schema_every'])}round instead: {s['seqs']} chat requests under random JSON "
+           "schemas (one in eight `json_object`), rendered as `k3kit serve` renders them (thinking off) and "
+           f"answered by the target greedily under each schema's grammar (llguidance), up to "
+           f"{s['schema_len']} tokens; labels are the masked target's picks (k3kit.mini.draft.schema_data; "
+           "`benchmarks/bench_grammar.py`'s schema and asks are not among them)"]
+          if s.get("schema_every") else []),
         f"* {s['anchors']} anchors per sequence per step; loss: cross-entropy on the target's greedy "
         f"tokens, row k weighted exp(-k/{s['decay']}), teacher-forced Markov head, confidence BCE "
         f"x {s['conf_coef']}; AdamW lr {s['lr']} cosine to {s['lr'] * s['min_lr_ratio']:.1e}",

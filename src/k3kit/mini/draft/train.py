@@ -47,6 +47,7 @@ from k3kit.mini.corpus import build_corpus
 from k3kit.mini.draft.batch import block_loss, context_kv, prefix_run
 from k3kit.mini.draft.card import write_card
 from k3kit.mini.draft.io import load_draft, save_draft
+from k3kit.mini.draft.schema_data import allowed_rows, pad_rows, schema_sequences
 from k3kit.mini.draft.target import Acceptance, attach, measure_acceptance
 from k3kit.models.dflash.config import DraftConfig
 from k3kit.models.dflash.network import DSparkDraft
@@ -54,8 +55,9 @@ from k3kit.models.kimi_k3.kda import use_fast_kda
 from k3kit.models.kimi_k3.model import K3Model
 from k3kit.models.kimi_k3.moe import LatentMoE, use_fast_moe
 from k3kit.models.kimi_k3.mxfp4 import mxfp4_round
+from k3kit.runtime.constraint import Vocabulary
 from k3kit.tokenizer.chat import ChatTemplate
-from k3kit.tokenizer.codec import encode
+from k3kit.tokenizer.codec import TextCodec, encode
 
 LOG_NAME = "draft_train_log.jsonl"
 SUMMARY_NAME = "draft_summary.json"
@@ -103,6 +105,8 @@ class DraftTrainSettings:
     log_every: int = 10
     init: str | None = None            # a drafter's HF directory to start from (None: random)
     chat_conversations: int = 3000     # Kimi-K3 chats beside the code (0: code only; needs the chat markers)
+    schema_every: int = 0              # every Nth round: answers under JSON schemas (schema_data; 0: none)
+    schema_len: int = 96               # most tokens of a constrained answer
 
     def validate(self) -> DraftTrainSettings:
         if self.steps is None and self.minutes is None:
@@ -112,13 +116,14 @@ class DraftTrainSettings:
         if self.minutes is not None and not self.minutes > 0:
             raise K3Error(f"draft train settings: minutes must be positive, got {self.minutes}")
         for name in ("block_size", "layers", "heads", "kv_heads", "intermediate", "seqs", "prompt_len",
-                     "gen_len", "anchors", "reuse", "threads", "log_every", "eval_prompt_len"):
+                     "gen_len", "anchors", "reuse", "threads", "log_every", "eval_prompt_len", "schema_len"):
             if getattr(self, name) <= 0:
                 raise K3Error(f"draft train settings: {name} must be positive, got {getattr(self, name)}")
         if self.gen_len < self.block_size:
             raise K3Error(f"draft train settings: gen_len {self.gen_len} < block_size {self.block_size}")
-        if self.markov_rank < 0 or self.eval_prompts < 0 or self.eval_tokens < 0:
-            raise K3Error("draft train settings: markov_rank, eval_prompts, eval_tokens must be >= 0")
+        if self.markov_rank < 0 or self.eval_prompts < 0 or self.eval_tokens < 0 or self.schema_every < 0:
+            raise K3Error("draft train settings: markov_rank, eval_prompts, eval_tokens and schema_every "
+                          "must be >= 0")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup >= 0 and self.decay > 0):
             raise K3Error("draft train settings: need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0, decay > 0")
         return self
@@ -212,11 +217,19 @@ class Round:
     feats: Tensor         # [S, T, F]
     greedy: Tensor        # [S, T]
     prompt_len: int
+    # per sequence, where anchors may sit (first, last), when sequences differ in length (schema
+    # rounds, right-padded); None: prompt_len .. T - block for every sequence
+    spans: list[tuple[int, int]] | None = None
+    # [S, T, words] int32: the grammar's bitmask label j was picked under (schema rounds; all set
+    # outside the answers); None: every token allowed
+    allowed: Tensor | None = None
 
     @property
     def consistency(self) -> float:
         """Share of generated tokens equal to the full forward's argmax (batched-decode vs
-        one-pass rounding: should be ~1)."""
+        one-pass rounding: should be ~1; 1 for schema rounds, whose labels are the picks)."""
+        if self.spans is not None:
+            return 1.0
         p = self.prompt_len
         return float((self.seqs[:, p + 1:] == self.greedy[:, p:-1]).float().mean())
 
@@ -228,16 +241,47 @@ def make_round(target: K3Model, stream: Tensor, s: DraftTrainSettings, taps: Seq
     return Round(seqs, feats, greedy, s.prompt_len)
 
 
+def make_schema_round(target: K3Model, codec: TextCodec, vocab: Vocabulary, s: DraftTrainSettings,
+                      taps: Sequence[int], r: int) -> Round:
+    """`s.seqs` chat requests under random JSON schemas answered by the target under their
+    grammars (k3kit.mini.draft.schema_data); labels are the masked picks, right-padded."""
+    seqs = [q for q in schema_sequences(target, codec, vocab, s.seqs, s.schema_len, s.seed * 7919 + r)
+            if len(q.ids) - 1 - s.block_size >= q.prompt_len]
+    if not seqs:
+        raise K3Error("schema round: every constrained answer was shorter than a block")
+    ids, feats, labels, spans, allowed = [], [], [], [], []
+    for q in seqs:
+        t = torch.tensor(q.ids)
+        f, _ = target_features(target, t[None], taps)
+        ids.append(t)
+        feats.append(f[0])
+        labels.append(torch.cat([t[1:], t[-1:]]))      # after position j the target picked ids[j + 1]
+        spans.append((q.prompt_len, len(q.ids) - 1 - s.block_size))
+        bits = torch.full((len(q.ids), q.allowed.shape[1]), -1, dtype=torch.int32)
+        bits[q.prompt_len - 1:q.prompt_len - 1 + len(q.allowed)] = q.allowed
+        allowed.append(bits)
+    return Round(pad_rows(ids), pad_rows(feats), pad_rows(labels), min(q.prompt_len for q in seqs), spans,
+                 pad_rows(allowed, -1))
+
+
+def block_allowed(rd: Round, anchor: Tensor, seq_index: Tensor, block: int, n_vocab: int) -> Tensor | None:
+    """bool [N, block, n_vocab]: the tokens the grammar allowed for each block row's label (None
+    when the round has no grammar)."""
+    if rd.allowed is None:
+        return None
+    offs = anchor[:, None] + torch.arange(block)[None, :]
+    return allowed_rows(rd.allowed[seq_index[:, None], offs], n_vocab)
+
+
 def sample_blocks(rd: Round, anchors: int, block: int, mask_id: int, g: torch.Generator):
     """`anchors` distinct anchors per sequence among the generated positions whose whole block
     of labels lies inside the sequence -> (block ids, labels, anchor positions, sequence index)."""
     S, T = rd.seqs.shape
-    lo, hi = rd.prompt_len, T - block                   # anchor t needs labels greedy[t .. t+B-1]
-    n_pos = hi - lo + 1
-    k = min(anchors, n_pos)
-    pos = torch.stack([torch.randperm(n_pos, generator=g)[:k] for _ in range(S)]) + lo   # [S, k]
-    seq_index = torch.arange(S).repeat_interleave(k)
-    anchor = pos.reshape(-1)
+    # anchor t needs labels greedy[t .. t+B-1]
+    spans = rd.spans if rd.spans is not None else [(rd.prompt_len, T - block)] * S
+    picks = [torch.randperm(hi - lo + 1, generator=g)[:anchors] + lo for lo, hi in spans]
+    seq_index = torch.cat([torch.full((len(p),), i, dtype=torch.long) for i, p in enumerate(picks)])
+    anchor = torch.cat(picks)
     offs = anchor[:, None] + torch.arange(block)[None, :]
     labels = rd.greedy[seq_index[:, None], offs]
     ids = torch.full((anchor.numel(), block), mask_id, dtype=torch.long)
@@ -255,7 +299,8 @@ def round_loss(draft: DSparkDraft, rd: Round, anchors: int, seed: int,
     g = torch.Generator().manual_seed(seed)
     cfg = draft.cfg
     ids, labels, anchor, seq_index = sample_blocks(rd, anchors, cfg.block_size, cfg.mask_token_id, g)
-    out = block_loss(draft, ids, labels, anchor, seq_index, context_kv(draft, rd.feats), decay=decay)
+    out = block_loss(draft, ids, labels, anchor, seq_index, context_kv(draft, rd.feats), decay=decay,
+                     allowed=block_allowed(rd, anchor, seq_index, cfg.block_size, cfg.vocab_size))
     draft.train(was)
     return float(out.ce), float(out.correct.float().mean())
 
@@ -304,8 +349,10 @@ class DraftTrainResult:
 def train_draft_model(target: K3Model, train_stream: Tensor, eval_prompts: Sequence[Sequence[int]],
                       mask_id: int, s: DraftTrainSettings, *,
                       log: Callable[[str], None] | None = None,
-                      log_file: Path | None = None) -> DraftTrainResult:
-    """The training loop against an already prepared (frozen, fast-path) target."""
+                      log_file: Path | None = None,
+                      schema: tuple[TextCodec, Vocabulary] | None = None) -> DraftTrainResult:
+    """The training loop against an already prepared (frozen, fast-path) target; `schema` (the
+    target's codec and grammar vocabulary) for the schema rounds of `s.schema_every`."""
     s.validate()
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     torch.set_num_threads(s.threads)
@@ -348,7 +395,11 @@ def train_draft_model(target: K3Model, train_stream: Tensor, eval_prompts: Seque
                 say(f"time budget of {s.minutes} min spent at step {step}")
                 break
             if step % s.reuse == 0:
-                rd = make_round(target, train_stream, s, cfg.target_layer_ids, step // s.reuse)
+                r = step // s.reuse
+                if schema is not None and s.schema_every and r % s.schema_every == s.schema_every - 1:
+                    rd = make_schema_round(target, *schema, s, cfg.target_layer_ids, r)
+                else:
+                    rd = make_round(target, train_stream, s, cfg.target_layer_ids, r)
             assert rd is not None           # made at step 0
             g = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
             ids, labels, anchor, seq_index = sample_blocks(rd, s.anchors, cfg.block_size, mask_id, g)
@@ -359,7 +410,8 @@ def train_draft_model(target: K3Model, train_stream: Tensor, eval_prompts: Seque
             for grp in opt.param_groups:
                 grp["lr"] = lr
             ctx = context_kv(draft, rd.feats)
-            out = block_loss(draft, ids, labels, anchor, seq_index, ctx, decay=s.decay, conf_coef=s.conf_coef)
+            out = block_loss(draft, ids, labels, anchor, seq_index, ctx, decay=s.decay, conf_coef=s.conf_coef,
+                             allowed=block_allowed(rd, anchor, seq_index, cfg.block_size, cfg.vocab_size))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), s.grad_clip)
@@ -469,7 +521,12 @@ def train_mini_draft(target_hf: str | Path, out_dir: str | Path, s: DraftTrainSe
         f"{train_stream.numel()} train / {held_stream.numel()} held-out tokens "
         f"({time.perf_counter() - t0:.0f} s)")
     prompts = heldout_prompts(held_stream, s.eval_prompts, s.eval_prompt_len)
-    res = train_draft_model(target, train_stream, prompts, mask_id, s, log=say, log_file=out / LOG_NAME)
+    schema = None
+    if s.schema_every:
+        codec = TextCodec({kv.key: kv for kv in tokenizer.gguf_tokenizer_kv(tok)}, str(target_hf))
+        schema = (codec, Vocabulary(codec.tokenizer.to_str(), codec.n_vocab, codec.stop_ids()))
+    res = train_draft_model(target, train_stream, prompts, mask_id, s, log=say, log_file=out / LOG_NAME,
+                            schema=schema)
     hf = save_draft(res.draft, out / HF_DIR, num_target_layers=target.cfg.num_layers,
                     max_position_embeddings=target.cfg.max_position_embeddings,
                     extra_metadata={"seed": str(s.seed), "steps": str(res.steps)})

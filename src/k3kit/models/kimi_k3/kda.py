@@ -297,7 +297,8 @@ def short_convs(kda: KDA, window: Tensor, conv_in: Tensor) -> tuple[Tensor, Tens
     H, D, C = cfg.num_heads, cfg.kda_head_dim, cfg.kda_dim
     if (native := fused.short_conv(window, conv_in, kda.conv_taps_by_row())) is not None:
         out, new_window = native       # one pass, q/k/v each contiguous (SiLU in C: its own bits)
-        return out[0].view(B, T, H, D), out[1].view(B, T, H, D), out[2].view(B, T, H, D), new_window
+        q, k, v = out.view(3, B, T, H, D).unbind(0)      # two view ops, not six
+        return q, k, v, new_window
     convs = (kda.q_conv, kda.k_conv, kda.v_conv)
     split = 3 * B * T * C >= _GRAIN and kthreads.native() > 1
     if torch.is_grad_enabled() or C % _VECTOR_ELEMS or split:

@@ -73,7 +73,8 @@ class DenseFFN(nn.Module):
         cfg = self.cfg
         gu = fused_products((self.gate_proj, self.up_proj), x)     # quantized: one call, the same bits
         if gu is not None:
-            y = self.down_proj(situ(gu[0], gu[1], cfg.situ_beta, cfg.situ_linear_beta))
+            g, u = gu.unbind(0)
+            y = self.down_proj(situ(g, u, cfg.situ_beta, cfg.situ_linear_beta))
             return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
         return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), cfg.situ_beta, cfg.situ_linear_beta))
 
@@ -151,6 +152,8 @@ class LatentMoE(RoutedMoE):
             y = self.routed_up(y)
         if self.shared is not None:
             y = y + (shared if shared is not None else self.shared(xf))
+        if y.dim() == 2 and len(lead) == 1:       # decode and verify rows: no view ops
+            return y, ids
         return y.reshape(*lead, -1), ids.reshape(*lead, -1)
 
 
