@@ -88,7 +88,9 @@ def _cpp(name: str, argtypes, restype):
 def _run_llama(path, taps: np.ndarray, block: list[int], want_conf: bool):
     L = llama_cpp
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = False         # the package's top-level binding: conftest patches the submodule's
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
     assert model, "llama.cpp could not load the draft"
     cp = L.llama_context_default_params()
     cp.n_ctx = cp.n_batch = cp.n_ubatch = 256

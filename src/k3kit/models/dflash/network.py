@@ -111,9 +111,12 @@ class Attention(nn.Module):
             q, (k, v) = self.q_proj(x), self.kv(x, pos, rope)
             return _table(rope, pos, q.dtype).apply(self.q_norm(q.view(n, self.nh, self.hd))), k, v
         table = _table(rope, pos, x.dtype)
-        q = table.apply(self.q_norm(fused[0].view(n, self.nh, self.hd)))
-        k = table.apply(self.k_norm(fused[1].view(n, self.nkv, self.hd)))
-        return q, k, fused[2].view(n, self.nkv, self.hd)
+        if self.nh == self.nkv:           # the three as views of one [3, n, heads, hd]: two ops, not six
+            q, k, v = fused.view(3, n, self.nh, self.hd).unbind(0)
+        else:
+            q, k, v = (fused[0].view(n, self.nh, self.hd), fused[1].view(n, self.nkv, self.hd),
+                       fused[2].view(n, self.nkv, self.hd))
+        return table.apply(self.q_norm(q)), table.apply(self.k_norm(k)), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [n, nh, hd] over k, v [m, nkv, hd], no mask -> [n, nh * hd].
@@ -167,7 +170,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gu = fused_products((self.gate_proj, self.up_proj), x)
         if gu is not None:      # one native product for both; the same bits as two
-            return self.down_proj(F.silu(gu[0]).mul_(gu[1]).view(*x.shape[:-1], -1))
+            g, u = gu.unbind(0)
+            return self.down_proj(F.silu(g).mul_(u).view(*x.shape[:-1], -1))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_batch(self, x: Tensor) -> Tensor:
