@@ -41,6 +41,7 @@ import torch
 from k3kit.adapters.session import open_session
 from k3kit.bench.run import cpu_info
 from k3kit.kernels import qmatmul
+from k3kit.mini.draft.schema_data import chat_prompt as schema_prompt
 from k3kit.mini.paths import shipped_draft, shipped_gguf
 from k3kit.runtime.constraint import Grammar, Vocabulary
 from k3kit.runtime.engine import generate
@@ -74,15 +75,7 @@ def machine() -> str:
 
 def chat_prompt(codec: Any, ask: str) -> str:
     """The served prompt of a chat request for `ask` under SCHEMA, as `k3kit serve` renders it."""
-    from k3kit.serve.api import ChatRequest
-    from k3kit.serve.tools import chat_inputs
-
-    body = ChatRequest.model_validate({
-        "messages": [{"role": "user", "content": ask}], "chat_template_kwargs": {"thinking": False},
-        "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}})
-    inputs = chat_inputs(body, codec.chat.source)
-    return codec.chat.render(inputs.messages, add_generation_prompt=True, tools=inputs.tools,
-                             **inputs.variables)
+    return schema_prompt(codec, ask, SCHEMA, name="record")
 
 
 def held_out_requests(codec: Any, vocab: Vocabulary, n: int) -> tuple[list[str], list[Grammar]]:
@@ -90,7 +83,6 @@ def held_out_requests(codec: Any, vocab: Vocabulary, n: int) -> tuple[list[str],
     no training run draws: its rounds use seed * 7919 + round)."""
     import random
 
-    from k3kit.mini.draft.schema_data import chat_prompt as schema_prompt
     from k3kit.mini.draft.schema_data import random_ask, random_schema
     r = random.Random(HELD_OUT_SEED)
     texts, grammars = [], []

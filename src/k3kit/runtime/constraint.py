@@ -220,10 +220,16 @@ class Constraint:
             self._bits = torch.zeros((n + 1, self.vocab.words), dtype=torch.int32)
         bits = self._bits[:n + 1]
         advanced = 0
-        walked = self._walked if self._walked is not None and self._walked[0] == self.consumed else None
+        reused: list[Tensor] = []       # the walk's rows for the prefix these proposals share with it
+        if self._walked is not None and self._walked[0] == self.consumed:
+            _, walked, rows = self._walked
+            shared = 0
+            while shared < min(n, len(walked)) and int(proposals[shared]) == walked[shared]:
+                shared += 1
+            reused = rows[:shared + 1]
         for k in range(n + 1):
-            if walked is not None and k < len(walked[2]) and list(proposals[:k]) == walked[1][:k]:
-                bits[k] = walked[2][k]          # the walk filled this state's mask already
+            if k < len(reused):
+                bits[k] = reused[k]             # the walk filled this state's mask already
             else:
                 self._fill(bits, k)
             if k == n:

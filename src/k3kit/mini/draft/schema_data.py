@@ -80,13 +80,13 @@ def random_ask(r: random.Random, schema: dict[str, Any]) -> str:
                                  name=r.choice(list(schema["properties"])))
 
 
-def chat_prompt(codec: TextCodec, ask: str, schema: dict[str, Any] | None) -> str:
+def chat_prompt(codec: TextCodec, ask: str, schema: dict[str, Any] | None, name: str = "answer") -> str:
     """The prompt `k3kit serve` renders for a chat request of `ask` under `schema` (json_object
-    when None), thinking off."""
+    when None; `name`: the json_schema's), thinking off."""
     from k3kit.serve.api import ChatRequest
     from k3kit.serve.tools import chat_inputs
 
-    fmt: dict[str, Any] = ({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    fmt: dict[str, Any] = ({"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
                            if schema is not None else {"type": "json_object"})
     body = ChatRequest.model_validate({"messages": [{"role": "user", "content": ask}],
                                        "chat_template_kwargs": {"thinking": False}, "response_format": fmt})
