@@ -55,6 +55,7 @@ from k3kit.models.kimi_k3.gguf_load import (
 from k3kit.models.kimi_k3.mla import LatentHeads
 from k3kit.models.kimi_k3.model import Captured, K3Model, commit_rows
 from k3kit.models.kimi_k3.moe import set_expert_prefetch
+from k3kit.models.kimi_k3.row_step import RowStep
 from k3kit.models.kimi_k3.state import K3State, KDAState
 from k3kit.runtime.experts import ExpertStats, ExpertStore
 from k3kit.runtime.loader import (
@@ -170,6 +171,8 @@ class K3Adapter(SequenceSnapshots):
         self._seq_pending: dict[int, _Pending] = {}   # verify_batch's uncommitted blocks, by handle
         self._next_seq = 1
         self._invariant_rows: int | None = None
+        self._row_step: RowStep | None | bool = False     # made at the first decode row
+        self.row_step_note = ""                          # why there is none, once asked
         if len(set(self.layer_dev)) > 1:
             _install_layer_split(model, self.layer_dev)
         self.state = self.new_state()
@@ -224,10 +227,25 @@ class K3Adapter(SequenceSnapshots):
         self._pending = None
         vals = self._id_list(ids)
         with _pass_threads(len(vals)):
-            out = self.model(self._id_tensor(vals), self.state, experts=self.experts,
-                             logits="all" if all_logits else "last")
+            step = self.row_step()
+            out = step.run(vals, self.state, self.experts, logits="all" if all_logits else "last") \
+                if step is not None else None
+            if out is None:
+                out = self.model(self._id_tensor(vals), self.state, experts=self.experts,
+                                 logits="all" if all_logits else "last")
+        assert out.logits is not None
         self.history += vals
         return out.logits[0].float()
+
+    def row_step(self) -> RowStep | None:
+        """The model's one-row decode step (k3kit.models.kimi_k3.row_step), made at the first
+        call; None where the model or its devices do not allow one (`row_step_note` says why)."""
+        if self._row_step is False:
+            if any(d.type != "cpu" for d in self.layer_dev):
+                self._row_step, self.row_step_note = None, "a layer on a GPU"
+            else:
+                self._row_step, self.row_step_note = RowStep.build(self.model)
+        return self._row_step if isinstance(self._row_step, RowStep) else None
 
     @torch.no_grad()
     def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
@@ -235,10 +253,14 @@ class K3Adapter(SequenceSnapshots):
         taps = self.tap_layers if capture else ()
         vals = self._id_list(ids)
         with _pass_threads(len(vals)):
-            out = self.model(self._id_tensor(vals), self.state, experts=self.experts, capture_layers=taps,
-                             capture_mode=self.capture_mode, speculative=True,
-                             logits="all" if all_logits else "last")
-        assert out.captured is not None
+            step = self.row_step()
+            out = step.run(vals, self.state, self.experts, commit=False, taps=taps, mode=self.capture_mode,
+                           logits="all" if all_logits else "last") if step is not None else None
+            if out is None:
+                out = self.model(self._id_tensor(vals), self.state, experts=self.experts, capture_layers=taps,
+                                 capture_mode=self.capture_mode, speculative=True,
+                                 logits="all" if all_logits else "last")
+        assert out.captured is not None and out.logits is not None
         self._pending = _Pending(out.captured, out.captured.n_rows, vals)
         feats = None
         if capture:

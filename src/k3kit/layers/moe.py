@@ -302,16 +302,32 @@ class RoutedMoE(nn.Module):
             fetched = (get_all(self.layer, groups.experts) if get_all is not None
                        else [experts.get(self.layer, e) for e in groups.experts])
         if fetched is not None:
-            y = self._run_fused(x, groups, fetched) if fusable else None     # the CPU's native weights
-            if y is None and groupable:
-                y = self._run_grouped(x, groups, fetched)
-            order = groups.host_order if groups.host_order is not None else groups.order
-            if y is not None and (summed := fused.slot_sum(y, order, weights)) is not None:
-                return summed          # one native pass: the same products and sums as below
+            y = self._run_together(x, groups, weights, fetched, fusable, groupable)
             if y is not None:
-                slots = x.new_zeros(N, k, x.shape[-1])
-                slots.index_put_((groups.rows, groups.cols), y * weights[groups.rows, groups.cols, None])
-                return _sum_slots(slots)
+                return y
+        return self._run_one_by_one(x, groups, weights, experts, fetched)
+
+    def _run_together(self, x: Tensor, groups: RouteGroups, weights: Tensor, fetched: list[ExpertWeights],
+                      fusable: bool, groupable: bool) -> Tensor | None:
+        """The fetched experts in two native products or two grouped launches, summed into their
+        rows; None where neither applies (then `_run_one_by_one`)."""
+        N, k = weights.shape
+        y = self._run_fused(x, groups, fetched) if fusable else None     # the CPU's native weights
+        if y is None and groupable:
+            y = self._run_grouped(x, groups, fetched)
+        if y is None:
+            return None
+        order = groups.host_order if groups.host_order is not None else groups.order
+        if (summed := fused.slot_sum(y, order, weights)) is not None:
+            return summed          # one native pass: the same products and sums as below
+        slots = x.new_zeros(N, k, x.shape[-1])
+        slots.index_put_((groups.rows, groups.cols), y * weights[groups.rows, groups.cols, None])
+        return _sum_slots(slots)
+
+    def _run_one_by_one(self, x: Tensor, groups: RouteGroups, weights: Tensor, experts: ExpertProvider,
+                        fetched: list[ExpertWeights] | None) -> Tensor:
+        """Each expert's rows as one product after another (`expert`), fetched now unless given."""
+        N, k = weights.shape
         if self.exact_order:
             slots = x.new_zeros(N, k, x.shape[-1])
         else:

@@ -1,0 +1,534 @@
+"""The sub-layers of `row_step.RowStep`: K3's KDA, MLA, dense FFN and latent MoE on T rows of one
+sequence, each calling the native functions and torch ops its module's forward calls, in the same
+order with the same arguments (so with the same bits), on buffers of its own for a single row."""
+
+
+from __future__ import annotations
+
+import ctypes
+import math
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from k3kit.kernels import fused as kfused
+from k3kit.kernels import kda_step
+from k3kit.kernels import qmatmul as kq
+from k3kit.layers.moe import FUSED_MAX_ROWS, GROUPED_MAX_ROWS, RoutedMoE, RouteGroups, _whole_vectors
+from k3kit.layers.quantized_linear import QuantizedLinear
+
+from . import mla as mla_ops
+from .kda import KDA, KDARows
+from .mla import MLA
+from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE
+from .state import KDAState, MLACache
+
+F32 = 4
+
+
+def empty(*shape: int) -> Tensor:
+    return torch.empty(*shape, dtype=torch.float32)
+
+
+class Product:
+    """x @ W.T for a QuantizedLinear in the ggml arithmetic on one row: `QuantizedLinear.forward`'s
+    `_matmul_q8` call, into a buffer of this product's own."""
+
+
+    def __init__(self, lin: nn.Module):
+        q8 = lin._q8 if isinstance(lin, QuantizedLinear) else None
+        if q8 is None or lin.bias is not None:
+            raise Unfit(f"{type(lin).__name__} is not a native ggml-arithmetic product without a bias")
+        self.lin = lin
+        self.qtype: int = q8._qtype_id
+        self.raw: np.ndarray = q8._raw_np
+        self.n_out: int = q8.out_features
+        self.n_in: int = q8.in_features
+        self.out: Tensor = empty(1, self.n_out)
+        self.out_buf: Any = kq.buf(self.out)
+
+    def __call__(self, x: int, nt: int, T: int = 1) -> Tensor:
+        """x's T rows (an address) -> [T, n_out]: the product's buffer for one row, else fresh."""
+        out = self.out if T == 1 else torch.empty(T, self.n_out)
+        kq._qmatmul.matmul_q8(
+            self.qtype, self.raw, x, out.data_ptr(), self.n_out, self.n_in, T, -1, nt, 1, kq.I8_PATH
+        )
+        return out
+
+
+class FusedProducts:
+    """`quantized_linear.fused_products` of several QuantizedLinear on one row: one experts_q8
+    call, [len, 1, n_out] into a buffer."""
+
+
+    def __init__(self, lins: Sequence[nn.Module]):
+        mats = []
+        for m in lins:
+            if not isinstance(m, QuantizedLinear) or m.bias is not None or m.matrix is None:
+                raise Unfit("a fused product of layers that are not all quantized")
+            mats.append(m.matrix)
+        if not kq.experts_fusable(mats) or not mats[0].native:
+            raise Unfit("products that the native fused call does not take")
+        self.lins = list(lins)
+        self.qtype, self.raws = mats[0]._qtype_id, [m._raw_np for m in mats]
+        self.n_out, self.n_in, self.per = mats[0].out_features, mats[0].in_features, len(mats)
+        self.out = empty(self.per, 1, self.n_out)
+        self.out_buf = kq.buf(self.out)
+
+    def __call__(self, x_buf: Any, nt: int, T: int = 1, fresh: bool = False) -> Tensor:
+        """[per, T, n_out]: the buffer for one row, else (or `fresh`) a new tensor."""
+        if T == 1 and not fresh:
+            out, out_buf = self.out, self.out_buf
+        else:
+            out = torch.empty(self.per, T, self.n_out)
+            out_buf = kq.buf(out)
+        kq._qmatmul.experts_q8(
+            self.qtype, self.raws, x_buf, out_buf, [T], self.n_out, self.n_in, self.per, nt
+        )
+        return out
+
+
+class Unfit(Exception):
+    """Why a model has no row step (said once)."""
+
+
+class Vec:
+    """A [1, n] float32 buffer with its address and its ctypes view (for the `y*` arguments)."""
+
+
+    def __init__(self, n: int):
+        self.t = empty(1, n)
+        self.addr = self.t.data_ptr()
+        self.buf = kq.buf(self.t)
+
+
+def f32(t: Tensor, what: str) -> Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise Unfit(f"{what} is not contiguous float32 on the CPU")
+    return t
+
+
+class KdaLayer:
+    """KDA.forward on T rows of one sequence (B = 1): committed (the state advanced in place) or
+    speculative (the state left as it was, the rows for `commit_rows` returned fresh)."""
+
+    def __init__(self, kda: KDA):
+        cfg = kda.cfg
+        self.kda = kda
+        self.H, self.D, self.C, self.K = cfg.num_heads, cfg.kda_head_dim, cfg.kda_dim, cfg.conv_kernel
+        self.eps = cfg.rms_norm_eps
+        self.lb = cfg.gate_lower_bound
+        self.qkvg = FusedProducts((kda.q_proj, kda.k_proj, kda.v_proj, kda.g_proj))
+        self.f_a, self.f_b, self.b = Product(kda.f_a_proj), Product(kda.f_b_proj), Product(kda.b_proj)
+        self.o = Product(kda.o_proj)
+        H, D, C = self.H, self.D, self.C
+        self.conv_out = empty(3, 1, 1, C)
+        self.qn, self.kn = empty(1, 1, H, D), empty(1, 1, H, D)
+        self.o_rows = empty(1, 1, H, D)
+        self.normed = empty(1, 1, H, D)
+        self.gate = empty(1, C)
+        self.o_norm = f32(kda.o_norm.detach(), "KDA o_norm")
+        self.dt_bias = f32(kda.dt_bias.detach(), "KDA dt_bias")
+        self.scale = 1.0 / math.sqrt(D)
+
+    def fit(self, st: KDAState) -> bool:
+        S, conv = st.S, st.conv
+        return (
+            S.dtype == torch.float32
+            and S.is_cpu
+            and S.is_contiguous()
+            and S.shape[0] == 1
+            and not S.requires_grad
+            and conv.dtype == torch.float32
+            and conv.is_cpu
+            and conv.shape[0] == 1
+        )
+
+    def __call__(
+        self, x_addr: int, x_buf: Any, st: KDAState, nt: int, T: int, commit: bool
+    ) -> tuple[Tensor, KDARows | None]:
+        F = kfused._fused
+        H, D, C, K = self.H, self.D, self.C, self.K
+        kda = self.kda
+        one = T == 1 and commit  # the buffers; what a speculative pass keeps is fresh
+        y = self.qkvg(x_buf, nt, T, fresh=not one)
+        conv_in = y.as_strided((1, T, 3, C), (T * C, C, T * C, 1))  # project_qkvg's view
+        window = st.conv if st.conv.is_contiguous() else st.conv.contiguous()
+        taps = kda.conv_taps_by_row()
+        new_window = torch.empty(1, 3, K - 1, C)
+        conv_out = self.conv_out if one else torch.empty(3, 1, T, C)
+        F.short_conv(
+            window.data_ptr(),
+            y.data_ptr(),
+            taps.data_ptr(),
+            conv_out.data_ptr(),
+            new_window.data_ptr(),
+            1,
+            T,
+            C,
+            K,
+            nt,
+            C,
+            T * C,
+        )
+        q, k, v = conv_out.view(3, 1, T, H, D).unbind(0)
+        qn, kn = (self.qn, self.kn) if one else (torch.empty(1, T, H, D), torch.empty(1, T, H, D))
+        F.rms_norm(q.data_ptr(), 0, 0, qn.data_ptr(), T * H, D, self.eps, 1, nt)  # l2_norm
+        F.rms_norm(k.data_ptr(), 0, 0, kn.data_ptr(), T * H, D, self.eps, 1, nt)
+        # KDA.decay: u = f_b(f_a(x)) + dt_bias, then the gate's torch ops
+        fa = self.f_a(x_addr, nt, T)
+        u = (self.f_b(fa.data_ptr(), nt, T) + self.dt_bias).view(1, T, H, D)
+        A = kda.decay_rate()
+        if self.lb is not None:
+            g = torch.sigmoid(-(u * A)) * self.lb
+        else:
+            g = torch.nn.functional.softplus(u) * A
+        beta = torch.sigmoid(self.b(x_addr, nt, T)).view(1, T, H)
+        # delta_rule through kda_step.rows: in place on a committed state, else a new one
+        S = st.S
+        S_out = S if commit else torch.empty_like(S)
+        o = self.o_rows if one else torch.empty(1, T, H, D)
+        e = torch.exp(g)
+        kda_step._kda.kda_rows(
+            kq.buf(S),
+            kq.buf(S_out),
+            kq.buf(qn),
+            kq.buf(kn),
+            kq.buf(v),
+            kq.buf(e),
+            kq.buf(beta),
+            kq.buf(o),
+            1,
+            T,
+            H,
+            D,
+            D,
+            self.scale,
+            -1,
+            nt,
+        )
+        rows = None
+        if commit:
+            st.conv = new_window
+        else:
+            rows = KDARows(conv_in, kn, v, g, beta, S_out)
+        gate = torch.sigmoid(y[3], out=self.gate) if one else torch.sigmoid(y[3])
+        normed = self.normed if one else torch.empty(1, T, H, D)
+        F.rms_norm(
+            o.data_ptr(),
+            self.o_norm.data_ptr(),
+            gate.data_ptr(),
+            normed.data_ptr(),
+            T * H,
+            D,
+            self.eps,
+            0,
+            nt,
+        )
+        return self.o(normed.data_ptr(), nt, T), rows
+
+
+class MlaLayer:
+    """MLA.forward on T rows of one sequence appended to its cache (B = 1), absorbed form."""
+
+    def __init__(self, mla: MLA):
+        cfg = mla.cfg
+        heads = mla.kv_b_heads
+        if heads is None or not heads.ggml_exact or any(v is not None for v in mla.ggml_inputs.values()):
+            raise Unfit("an MLA layer without native ggml-arithmetic kv_b heads")
+        self.mla, self.heads = mla, heads
+        self.H, self.nope, self.pe, self.L = (
+            cfg.num_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.kv_lora_rank,
+        )
+        self.qk, self.v = cfg.qk_head_dim, cfg.v_head_dim
+        self.eps = cfg.rms_norm_eps
+        H, nope, pe, L = self.H, self.nope, self.pe, self.L
+        if cfg.q_lora_rank is not None:
+            self.q_a: Product | None = Product(mla.q_a_proj)
+            self.q_a_norm = f32(mla.q_a_norm.detach(), "MLA q_a_norm")
+            self.q_a_normed = Vec(cfg.q_lora_rank)
+            self.q = Product(mla.q_b_proj)
+        else:
+            self.q_a = None
+            self.q = Product(mla.q_proj)
+        self.kv_a = Product(mla.kv_a_proj)
+        self.kv_a_norm = f32(mla.kv_a_norm.detach(), "MLA kv_a_norm")
+        self.g = Product(mla.g_proj) if mla.g_proj is not None else None
+        self.o = Product(mla.o_proj)
+        q4 = self.q.out.view(1, 1, H, self.qk)
+        self.q_nope = q4[0, 0, :, :nope]  # [H, nope], strided
+        self.q_pe = q4[..., nope:]  # [1, 1, H, pe]
+        self.q_nope_c = empty(H, 1, nope)  # absorb's contiguous copy, [H, 1, nope]
+        self.q_abs = empty(H, 1, L)
+        self.q_abs4 = self.q_abs.transpose(0, 1).reshape(1, 1, H, L)
+        self.Q = empty(1, 1, H, L + pe)
+        self.Q3 = self.Q.view(1, H, L + pe)
+        self.values = empty(H, 1, self.v)
+        self.out = self.values.view(1, H * self.v)  # value_heads' [B*T, H * v] rows
+        self.gated = empty(1, H * self.v)
+        self.bufs = (kq.buf(self.q_nope_c), kq.buf(self.q_abs), kq.buf(self.values))
+        self.c = empty(1, L)
+        self.scale = 1.0 / math.sqrt(nope + pe)
+        self.k_stride, self.v_stride = heads.k_b.nbytes // H, heads.v_b.nbytes // H
+
+    def fit(self, cache: MLACache) -> bool:
+        r = cache.rows
+        return r.dtype == torch.float32 and r.is_cpu and r.shape[0] == 1 and r.shape[2] == self.L + self.pe
+
+    def __call__(self, x_addr: int, cache: MLACache, nt: int, T: int) -> Tensor:
+        F = kfused._fused
+        H, nope, pe, L = self.H, self.nope, self.pe, self.L
+        if self.q_a is not None:
+            qa = self.q_a(x_addr, nt, T)
+            qan = self.q_a_normed.t if T == 1 else torch.empty_like(qa)
+            F.rms_norm(
+                qa.data_ptr(), self.q_a_norm.data_ptr(), 0, qan.data_ptr(), T, self.q_a.n_out, self.eps, 0, nt
+            )
+            q = self.q(qan.data_ptr(), nt, T)
+        else:
+            q = self.q(x_addr, nt, T)
+        kv = self.kv_a(x_addr, nt, T)
+        offset = cache.length
+        if T > 1:
+            return self._rows(x_addr, cache, nt, T, q, kv)
+        F.rms_norm(kv.data_ptr(), self.kv_a_norm.data_ptr(), 0, self.c.data_ptr(), 1, L, self.eps, 0, nt)
+        # cache.append(c, k_pe): the row copied in (a copy has the bits of its source)
+        need = offset + 1
+        if need > cache.rows.shape[1]:
+            cache.reserve(max(need, 2 * cache.rows.shape[1]))
+        rows = cache.rows
+        if rows.is_contiguous():
+            dst = rows.data_ptr() + offset * (L + pe) * F32
+            ctypes.memmove(dst, self.c.data_ptr(), L * F32)
+            ctypes.memmove(dst + L * F32, kv.data_ptr() + L * F32, pe * F32)
+            cache.length = need
+        else:
+            cache.append(self.c.view(1, 1, L), kv[:, L:].view(1, 1, pe))
+        K = cache.rows[:, :need]
+        # absorb_q: W_kb^T q_nope per head (QuantizedHeads.matmul of the contiguous heads)
+        self.q_nope_c[:, 0].copy_(self.q_nope)
+        heads = self.heads
+        kq._qmatmul.matmul_heads(
+            int(heads.k_b.qtype),
+            heads.k_b._raw_np,
+            self.bufs[0],
+            self.bufs[1],
+            H,
+            L,
+            nope,
+            1,
+            self.k_stride,
+            1,
+            -1,
+            nt,
+        )
+        torch.cat((self.q_abs4, self.q_pe), dim=-1, out=self.Q)
+        # attend, T == 1: one row sees every position
+        scores = torch.bmm(self.Q3, K.transpose(1, 2)).mul_(self.scale)
+        lat = torch.bmm(torch.softmax(scores, dim=-1), K[..., :L])  # [1, H, L]
+        kq._qmatmul.matmul_heads(
+            int(heads.v_b.qtype),
+            heads.v_b._raw_np,
+            kq.buf(lat),
+            self.bufs[2],
+            H,
+            self.v,
+            L,
+            1,
+            self.v_stride,
+            1,
+            -1,
+            nt,
+        )
+        out = self.out
+        if self.g is not None:
+            torch.mul(out, torch.sigmoid(self.g(x_addr, nt)), out=self.gated)
+            out = self.gated
+        return self.o(out.data_ptr(), nt)
+
+    def _rows(self, x_addr: int, cache: MLACache, nt: int, T: int, q: Tensor, kv: Tensor) -> Tensor:
+        """T > 1 rows: MLA.forward's own steps from the projections on (fresh tensors)."""
+        mla, H, nope, L = self.mla, self.H, self.nope, self.L
+        c = torch.empty(T, L)
+        kvc = kv[:, :L].contiguous()
+        kfused._fused.rms_norm(
+            kvc.data_ptr(), self.kv_a_norm.data_ptr(), 0, c.data_ptr(), T, L, self.eps, 0, nt
+        )
+        offset = cache.length
+        cache.append(c.view(1, T, L), kv[:, L:].view(1, T, self.pe))
+        K = cache.keys()
+        q4 = q.view(1, T, H, self.qk)
+        Q = torch.cat((mla_ops.absorb_q(mla, q4[..., :nope]), q4[..., nope:]), dim=-1)
+        lat = mla_ops.attend(Q, K, K[..., :L], offset, self.scale)
+        out = mla_ops.value_heads(mla, lat).view(T, H * self.v)
+        if self.g is not None:
+            out = out * torch.sigmoid(self.g(x_addr, nt, T))
+        return self.o(out.data_ptr(), nt, T)
+
+
+class DenseLayer:
+    """DenseFFN.forward on T rows."""
+
+    def __init__(self, ffn: DenseFFN):
+        cfg = ffn.cfg
+        self.gu = FusedProducts((ffn.gate_proj, ffn.up_proj))
+        self.down = Product(ffn.down_proj)
+        self.n = self.gu.n_out
+        self.h = Vec(self.n)
+        self.beta, self.lb = cfg.situ_beta, cfg.situ_linear_beta
+
+    def __call__(self, x_buf: Any, nt: int, T: int = 1) -> Tensor:
+        y = self.gu(x_buf, nt, T)
+        h = self.h.t if T == 1 else torch.empty(T, self.n)
+        kfused._fused.situ(y.data_ptr(), y[1].data_ptr(), h.data_ptr(), T * self.n, self.beta, self.lb, nt)
+        return self.down(h.data_ptr(), nt, T)
+
+
+class MoeLayer:
+    """LatentMoE.forward on T rows whose trunk is on the CPU: the router's torch ops; for one row
+    the cached experts' two native products, SiTU and the slot sum, else (or experts not all
+    cached) the module's `run_experts`."""
+
+    def __init__(self, moe: LatentMoE):
+        cfg = moe.cfg
+        if (
+            moe.input_round is not None
+            or not moe.exact_order
+            or type(moe).expert is not RoutedMoE.expert
+            or moe.router.ggml_input is not None
+        ):
+            raise Unfit("a MoE layer with ggml input rounding or its own expert function")
+        self.moe = moe
+        self.layer = moe.layer
+        self.k = cfg.num_experts_per_tok
+        self.router_w = moe.router.weight
+        self.router_bias = moe.router.bias
+        self.renorm, self.scale = cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.eps = cfg.rms_norm_eps
+        self.beta, self.lb = cfg.situ_beta, cfg.situ_linear_beta
+        self.down = Product(moe.routed_down) if moe.routed_down is not None else None
+        self.up = Product(moe.routed_up) if moe.routed_up is not None else None
+        self.norm = f32(moe.routed_norm.detach(), "routed norm") if moe.routed_norm is not None else None
+        self.shared = DenseLayer(moe.shared) if moe.shared is not None else None
+        self.d, self.ff = moe.d_in, moe.d_ff
+        k, d, ff = self.k, self.d, self.ff
+        self.gu = empty(2, k, ff)
+        self.gu_buf = kq.buf(self.gu)
+        self.h = empty(k, ff)
+        self.h_buf = kq.buf(self.h)
+        self.y = empty(1, k, d)
+        self.y_buf = kq.buf(self.y)
+        self.summed = empty(1, d)
+        self.normed = empty(1, d)
+        self.out = empty(1, cfg.hidden_size)
+        self.ones = [1] * k
+        self.zeros = [0] * k
+        self.small = moe._small_experts()
+
+    def _experts(
+        self,
+        xl: Tensor,
+        xl_buf: Any,
+        ids: Tensor,
+        w: Tensor,
+        experts: Any,
+        guess: tuple[int, list[int]] | None,
+        nt: int,
+    ) -> Tensor:
+        """run_experts(xl, ids, w, experts, guess) for one row."""
+        moe, k = self.moe, self.k
+        take = getattr(experts, "take_resident", None)
+        if take is None:
+            return moe.run_experts(xl, ids, w, experts, guess)
+        vals = ids.tolist()[0]  # the one host read of the routing
+        order = sorted(range(k), key=vals.__getitem__)
+        chosen = [vals[i] for i in order]
+        if len(set(chosen)) != k:
+            return moe.run_experts(xl, ids, w, experts, guess)
+        groups = RouteGroups(ids, chosen, list(self.ones), host_order=order)   # group_routes' groups
+        fetched = take(self.layer, chosen)
+        if fetched is None:  # a read, a plan or a guess in flight: the module's way
+            return moe._run_each(xl, groups, w, experts, guess)
+        hint = getattr(experts, "prefetch", None)
+        if guess is not None and hint is not None:
+            hint(*guess)
+        gates, ups, downs = ([e[i] for e in fetched] for i in range(3))
+        if not (kq.experts_fusable(downs) and kq.experts_fusable(gates + ups)) or not _whole_vectors(
+            self.gu[0]
+        ):
+            fusable = 1 <= FUSED_MAX_ROWS or self.small
+            y = moe._run_together(xl, groups, w, fetched, fusable, 1 <= GROUPED_MAX_ROWS)
+            return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
+        first = gates[0]
+        flat = [m._raw_np for pair in zip(gates, ups, strict=True) for m in pair]
+        kq._qmatmul.experts_q8(
+            first._qtype_id, flat, xl_buf, self.gu_buf, self.ones, self.ff, self.d, 2, nt, self.zeros
+        )
+        F = kfused._fused
+        F.situ(
+            self.gu.data_ptr(), self.gu[1].data_ptr(), self.h.data_ptr(), k * self.ff, self.beta, self.lb, nt
+        )
+        kq._qmatmul.experts_q8(
+            downs[0]._qtype_id,
+            [m._raw_np for m in downs],
+            self.h_buf,
+            self.y_buf,
+            self.ones,
+            self.d,
+            self.ff,
+            1,
+            nt,
+            None,
+        )
+        where = array("q", order)
+        w = w if w.is_contiguous() else w.contiguous()
+        F.slot_sum(
+            self.y.data_ptr(), where.buffer_info()[0], w.data_ptr(), self.summed.data_ptr(), 1, k, self.d
+        )
+        return self.summed
+
+    def __call__(self, x: Tensor, x_buf: Any, experts: Any, nt: int, T: int) -> tuple[Tensor, Tensor]:
+        """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
+        moe = self.moe
+        probs = torch.sigmoid(x @ self.router_w.t())
+        ids = torch.topk(probs + self.router_bias, self.k, dim=-1, sorted=True).indices
+        w = torch.gather(probs, -1, ids)
+        if self.renorm:
+            w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
+        if self.scale not in (0.0, 1.0):
+            w = w * self.scale
+        if self.down is not None:
+            xl = self.down(x.data_ptr(), nt, T)
+            xl_buf = self.down.out_buf if T == 1 else kq.buf(xl)
+        else:
+            xl, xl_buf = x, x_buf
+        guess = moe.guess_next(x, experts)
+        if T == 1:
+            y = self._experts(xl, xl_buf, ids, w, experts, guess, nt)
+        else:
+            y = moe.run_experts(xl, ids, w, experts, guess)
+        if self.norm is not None:
+            y = y if y.is_contiguous() else y.contiguous()
+            normed = self.normed if T == 1 else torch.empty(T, self.d)
+            kfused._fused.rms_norm(
+                y.data_ptr(), self.norm.data_ptr(), 0, normed.data_ptr(), T, self.d, self.eps, 0, nt
+            )
+            y = normed
+        if self.up is not None:
+            y = self.up(y.data_ptr(), nt, T)
+        if self.shared is not None:
+            y = (
+                torch.add(y, self.shared(x_buf, nt, T), out=self.out)
+                if T == 1
+                else y + self.shared(x_buf, nt, T)
+            )
+        return y, ids
+
+

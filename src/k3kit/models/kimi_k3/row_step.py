@@ -1,0 +1,314 @@
+"""One decode row of one sequence through a K3Model with only the Python the row needs.
+
+A decode step of the mini K3 costs ~0.5 ms a layer on the host and ~0.03 ms in the kernels: the
+arithmetic is already native (the quantized products, norms, mixes, short convs, the KDA
+recurrence, SiTU, the experts' slot sum), but every call reaches it through module calls,
+argument checks, shape logic and a fresh output tensor. `RowStep` is the steady AR decode step of
+`K3Model.forward` (one token, one sequence, committed) for the case that dominates it: a trunk of
+native ggml-arithmetic products on the CPU, float32 state. It calls the same native functions
+with the same arguments, and the same torch ops where the arithmetic is torch's (sigmoid, exp,
+the router's product and top-k, MLA's attention products), on buffers made once and written in
+place: a row's logits and the state it leaves have the bits `forward` gives (the tests compare
+them step by step). What it cannot take it leaves to `forward`: `RowStep.build` says why not once
+per model (None: no row step), and `run` returns None before touching anything when a step's
+conditions do not hold (another thread inside, a gradient, a state not float32 on the CPU,
+routes being counted). A MoE layer whose experts are not all cached for the CPU runs the
+module's own `run_experts` (reads, plans, prefetch), the rest of the step staying here.
+
+What escapes a step is fresh: the logits, the KDA conv windows (the state keeps them) and the MLA
+rows (copied into the cache). Everything else lives in the step's buffers, one set per model,
+entered by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from k3kit.kernels import fused as kfused
+from k3kit.kernels import kda_step
+from k3kit.kernels import qmatmul as kq
+from k3kit.kernels import threads as kthreads
+from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+from .kda import KDA
+from .mla import MLA
+from .model import Captured, K3Layer, K3Model, K3Output
+from .moe import LatentMoE
+from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
+from .state import K3State, KDAState
+
+# False: every row runs K3Model.forward (tests and benchmarks compare the two ways)
+ENABLED = True
+# rows a call takes (a decode row, a verify block, a short chunk); longer prompts run forward
+MAX_ROWS = 64
+
+
+class RowStep:
+    """`K3Model.forward` of one committed decode row of one sequence (module doc)."""
+
+    def __init__(self, model: K3Model):
+        cfg = model.cfg
+        if kq._qmatmul is None or not kfused.available() or kda_step._kda is None:
+            raise Unfit("the native extensions are not built")
+        if getattr(model, "_ggml_hooks", None):
+            raise Unfit("ggml input rounding hooks are set")
+        self.model, self.cfg = model, cfg
+        E, n_layers = cfg.hidden_size, cfg.num_layers
+        self.E, self.eps, self.bs = E, cfg.rms_norm_eps, cfg.attn_res_block_size
+        self.attn: list[KdaLayer | MlaLayer] = []
+        self.ffn: list[MoeLayer | DenseLayer] = []
+        self.moes: list[LatentMoE] = []
+        layers = cast("Sequence[K3Layer]", model.layers)
+        for layer in layers:
+            self.attn.append(KdaLayer(layer.attn) if isinstance(layer.attn, KDA) else MlaLayer(layer.attn))
+            if isinstance(layer.ffn, LatentMoE):
+                self.ffn.append(MoeLayer(layer.ffn))
+                self.moes.append(layer.ffn)
+            else:
+                self.ffn.append(DenseLayer(layer.ffn))
+        weights = [
+            (f32(layer.attn_norm.detach(), "attn norm"), f32(layer.ffn_norm.detach(), "ffn norm"))
+            for layer in layers
+        ]
+        self.norm_w = [(a.data_ptr(), f.data_ptr()) for a, f in weights]
+        self._keep: list[object] = list(weights)
+        if self.bs > 0:
+            scores = [
+                (
+                    f32(layer.attn_res_score.detach(), "attn-res score"),
+                    f32(layer.ffn_res_score.detach(), "attn-res score"),
+                )
+                for layer in layers
+            ]
+            self._keep += scores
+            self.score_w = [(a.data_ptr(), f.data_ptr()) for a, f in scores]
+            out_score = f32(model.output_res_score.detach(), "output attn-res score")
+            self._keep.append(out_score)
+            self.out_score = out_score.data_ptr()
+        self.final_norm = f32(model.norm.detach(), "final norm")
+        self.lm_head = model.lm_head
+        lm = Product(model.lm_head)
+        self.lm_q = (lm.qtype, lm.raw, lm.n_out, lm.n_in)
+        # per layer: the stream entering it, the two mixes and norms, the stream after attention
+        self.stream_in = [Vec(E) for _ in range(n_layers + 1)]
+        self.mixed = [Vec(E) for _ in range(2 * n_layers + 1)]
+        self.normed = [Vec(E) for _ in range(2 * n_layers + 1)]
+        self.after_attn = [Vec(E) for _ in range(n_layers)]
+        self.embed = self._embedding(model.embed)
+        if any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()):
+            raise Unfit("forward hooks are set")
+        self.mlas = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]
+        self.linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        heads = [layer.attn.kv_b_heads for layer in model.layers if isinstance(layer.attn, MLA)]
+        self.checked = self.linears + [h for h in heads if h is not None]
+        self.lock = threading.Lock()
+
+    @classmethod
+    def build(cls, model: K3Model) -> tuple[RowStep | None, str]:
+        """(the row step, "") or (None, why there is none)."""
+        if not ENABLED:
+            return None, "turned off"
+        try:
+            return cls(model), ""
+        except Unfit as e:
+            return None, str(e)
+
+    def _embedding(self, emb: nn.Module) -> Callable[[Sequence[int], Tensor, int], None]:
+        """What writes the tokens' embedding rows into a [T, hidden] float32 tensor:
+        QuantizedEmbedding.forward's native row dequantization (and its corrupt-row check), or a
+        float table's rows copied."""
+        row_type = ctypes.c_char * (self.E * F32)
+        if isinstance(emb, QuantizedEmbedding):
+            native = emb._native_matrix()
+            if native is None or native.dtype != torch.float32:
+                raise Unfit("an embedding table without a native float32 row dequantizer")
+            row_bytes = native.nbytes // native.out_features
+            raw, qtype, E = native._raw_np, int(native.qtype), self.E
+            self.n_tokens = native.out_features
+
+            def quantized(tokens: Sequence[int], out: Tensor, nt: int) -> None:
+                addr = out.data_ptr()
+                for i, t in enumerate(tokens):
+                    kq._qmatmul.dequantize(
+                        qtype,
+                        raw[t * row_bytes : (t + 1) * row_bytes],
+                        row_type.from_address(addr + i * E * F32),
+                        1,
+                        E,
+                        0,
+                        -1,
+                        nt,
+                    )
+                corrupt = emb.corrupt_row
+                if corrupt is not None:
+                    ok = np.isfinite(
+                        np.frombuffer(memoryview(kq.buf(out)), dtype=np.float32).reshape(len(tokens), E)
+                    ).all(axis=1)
+                    if not ok.all():
+                        corrupt(tokens[int(np.argmin(ok))])
+
+            return quantized
+        if isinstance(emb, nn.Embedding) and emb.max_norm is None:
+            table = f32(emb.weight.detach(), "embedding table")
+            self.n_tokens = table.shape[0]
+            size = self.E * F32
+
+            def dense(tokens: Sequence[int], out: Tensor, nt: int) -> None:
+                addr, base = out.data_ptr(), table.data_ptr()
+                for i, t in enumerate(tokens):
+                    ctypes.memmove(addr + i * size, base + t * size, size)
+
+            return dense
+        raise Unfit(f"an embedding of type {type(emb).__name__}")
+
+    def fits(self, state: K3State, experts: Any) -> bool:
+        """Whether `run` takes this state and provider now (nothing is changed either way)."""
+        if torch.is_grad_enabled() or self.model.training or state.batch != 1 or self.model._ggml_hooks:
+            return False
+        if any(m.input_round is not None or m.router.ggml_input is not None for m in self.moes) or any(
+            v is not None for m in self.mlas for v in m.ggml_inputs.values()
+        ):
+            return False
+        if any(m.check is not None for m in self.checked) or any(
+            m.route_counts is not None for m in self.moes
+        ):
+            return False
+        where = getattr(experts, "device", None)
+        if where is not None and any(where(m.layer).type != "cpu" for m in self.moes):
+            return False
+        for step, st in zip(self.attn, state.layers, strict=True):
+            if isinstance(st, KDAState) != isinstance(step, KdaLayer) or not step.fit(st):  # type: ignore[arg-type]
+                return False
+        return True
+
+    def run(
+        self,
+        tokens: Sequence[int],
+        state: K3State,
+        experts: Any,
+        *,
+        commit: bool = True,
+        taps: Sequence[int] = (),
+        mode: str = "raw",
+        logits: str = "last",
+    ) -> K3Output | None:
+        """`forward(tokens [1, T], state, experts=experts, capture_layers=taps, capture_mode=mode,
+        speculative=not commit, logits=logits)` for T <= MAX_ROWS token ids: the same output and
+        the same state; None, with nothing done, where this step cannot run it."""
+        T = len(tokens)
+        if (
+            not 0 < T <= MAX_ROWS
+            or not all(0 <= t < self.n_tokens for t in tokens)
+            or not self.lock.acquire(blocking=False)
+        ):
+            return None
+        try:
+            if not self.fits(state, experts):
+                return None
+            return self._run(tokens, state, experts, commit, frozenset(taps), mode, logits)
+        finally:
+            self.lock.release()
+
+    def _run(
+        self,
+        tokens: Sequence[int],
+        state: K3State,
+        experts: Any,
+        commit: bool,
+        taps: frozenset[int],
+        mode: str,
+        logits: str,
+    ) -> K3Output:
+        F = kfused._fused
+        nt = kthreads.native()
+        T = len(tokens)
+        one = T == 1 and commit and not taps  # the step's buffers (nothing of it is kept)
+        E, eps, bs = self.E, self.eps, self.bs
+        for c in state.mla_caches():
+            c.truncate(state.pos)  # drop rows a speculative pass left behind
+        out = K3Output(logits=None)
+        captured = None if commit else Captured(state.pos, T)
+        stream = self.stream_in[0].t if one else torch.empty(T, E)
+        self.embed(tokens, stream, nt)
+        bank: list[int] = []  # the banked streams' addresses ...
+        banked_rows: list[Tensor] = []  # ... and the tensors, alive until the step ends
+        raw = mode == "raw"
+
+        def fresh(i: int, buffers: list[Vec]) -> Tensor:
+            return buffers[i].t if one else torch.empty(T, E)
+
+        for il in range(self.cfg.num_layers):
+            attn_w, ffn_w = self.norm_w[il]
+            mixed = stream
+            if bs > 0 and bank:
+                mixed = fresh(2 * il, self.mixed)
+                F.res_mix(
+                    tuple(bank), stream.data_ptr(), self.score_w[il][0], mixed.data_ptr(), T, E, eps, nt
+                )
+            if il in taps:
+                out.layer_inputs[il] = (stream if raw else mixed).view(1, T, E)
+            banked = bs > 0 and il % bs == 0
+            if banked:
+                bank.append(stream.data_ptr())
+                banked_rows.append(stream)
+            h = fresh(2 * il, self.normed)
+            F.rms_norm(mixed.data_ptr(), attn_w, 0, h.data_ptr(), T, E, eps, 0, nt)
+            h_buf = self.normed[2 * il].buf if one else kq.buf(h)
+            attn, st = self.attn[il], state.layers[il]
+            if isinstance(attn, KdaLayer):
+                a, rows = attn(h.data_ptr(), h_buf, st, nt, T, commit)  # type: ignore[arg-type]
+                if captured is not None and rows is not None:
+                    captured.kda[il] = rows
+            else:
+                a = attn(h.data_ptr(), st, nt, T)  # type: ignore[arg-type]
+            after = a if banked else torch.add(stream, a, out=self.after_attn[il].t) if one else stream + a
+            mixed = after
+            if bs > 0 and bank:
+                mixed = fresh(2 * il + 1, self.mixed)
+                F.res_mix(tuple(bank), after.data_ptr(), self.score_w[il][1], mixed.data_ptr(), T, E, eps, nt)
+            h = fresh(2 * il + 1, self.normed)
+            F.rms_norm(mixed.data_ptr(), ffn_w, 0, h.data_ptr(), T, E, eps, 0, nt)
+            h_buf = self.normed[2 * il + 1].buf if one else kq.buf(h)
+            ffn = self.ffn[il]
+            if isinstance(ffn, MoeLayer):
+                f, _ = ffn(h, h_buf, experts, nt, T)
+            else:
+                f = ffn(h_buf, nt, T)
+            stream = torch.add(after, f, out=self.stream_in[il + 1].t) if one else after + f
+        final = stream
+        if bs > 0 and bank:
+            final = fresh(2 * self.cfg.num_layers, self.mixed)
+            F.res_mix(tuple(bank), stream.data_ptr(), self.out_score, final.data_ptr(), T, E, eps, nt)
+        if self.cfg.num_layers in taps:
+            out.layer_inputs[self.cfg.num_layers] = (stream if raw else final).view(1, T, E)
+        if logits != "none":
+            n_rows = T if logits == "all" else 1
+            normed = self.normed[-1].t if one else torch.empty(n_rows, E)
+            F.rms_norm(
+                final[T - n_rows :].data_ptr(),
+                self.final_norm.data_ptr(),
+                0,
+                normed.data_ptr(),
+                n_rows,
+                E,
+                eps,
+                0,
+                nt,
+            )
+            qtype, raw_w, n_out, n_in = self.lm_q
+            lg = torch.empty(1, n_rows, n_out)
+            kq._qmatmul.matmul_q8(
+                qtype, raw_w, normed.data_ptr(), lg.data_ptr(), n_out, n_in, n_rows, -1, nt, 1, kq.I8_PATH
+            )
+            out.logits = lg
+        if commit:
+            state.pos += T
+        out.captured = captured
+        return out

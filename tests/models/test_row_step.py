@@ -1,0 +1,215 @@
+"""The one-row decode step (k3kit.models.kimi_k3.row_step) against K3Model.forward: the same
+logits and the same state, bit for bit, step after step; and what it leaves to forward."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convert"))
+from engine_models import prompts  # noqa: E402
+from k3_checkpoint import write_checkpoint  # noqa: E402
+
+from k3kit.adapters import load_model  # noqa: E402
+from k3kit.convert.target import convert_target  # noqa: E402
+from k3kit.mini.paths import shipped_gguf  # noqa: E402
+from k3kit.models.kimi_k3 import row_step  # noqa: E402
+from k3kit.models.kimi_k3.state import K3State, KDAState  # noqa: E402
+from k3kit.runtime.loader import LoadOptions  # noqa: E402
+
+
+def _same_state(a: K3State, b: K3State) -> None:
+    assert a.pos == b.pos
+    for il, (x, y) in enumerate(zip(a.layers, b.layers, strict=True)):
+        if isinstance(x, KDAState):
+            assert isinstance(y, KDAState)
+            assert torch.equal(x.S, y.S) and torch.equal(x.conv, y.conv), f"layer {il}"
+        else:
+            assert x.length == y.length and torch.equal(x.keys(), y.keys()), f"layer {il}"
+
+
+@torch.no_grad()
+def _check_steps(adapter, prompt: list[int], n: int, verify_at: int = -1) -> list[int]:
+    """Greedy decode `n` tokens through the adapter (its row step), each step checked against
+    K3Model.forward on a copy of the state before it; at step `verify_at`, a verify of 3 rows
+    and a commit of 1 first (speculative MLA rows for the next row to drop)."""
+    out = adapter.forward(prompt)
+    tok = int(out[-1].argmax())
+    made = []
+    for i in range(n):
+        if i == verify_at:  # `tok` committed by a verify pass, the next row any token
+            adapter.verify(
+                [tok, (tok + 1) % adapter.vocab_size, (tok + 2) % adapter.vocab_size], capture=False
+            )
+            adapter.commit(1)
+            made.append(tok)
+            tok = (tok + 5) % adapter.vocab_size
+        ref_state = adapter.state.clone()
+        ref = adapter.model(torch.tensor([[tok]]), ref_state, experts=adapter.experts, logits="last").logits[
+            0
+        ]
+        got = adapter.forward([tok])
+        assert got.shape == ref.shape and torch.equal(got, ref), f"step {i}"
+        _same_state(adapter.state, ref_state)
+        made.append(tok)
+        tok = int(got[-1].argmax())
+    return made
+
+
+@torch.no_grad()
+def _check_verify(adapter, block: list[int], taps: tuple[int, ...], mode: str, n_commit: int) -> None:
+    """A verify pass through the row step against forward(speculative=True) on a copy of the state:
+    logits, features, the rows kept for the commit and the state; then the commit of `n_commit`."""
+    adapter.set_taps(taps, mode)
+    ref_state = adapter.state.clone()
+    ref = adapter.model(
+        torch.tensor([block]),
+        ref_state,
+        experts=adapter.experts,
+        capture_layers=taps,
+        capture_mode=mode,
+        speculative=True,
+        logits="all",
+    )
+    got = adapter.verify(block, capture=True)
+    assert torch.equal(got.logits, ref.logits[0])
+    assert torch.equal(got.taps, torch.cat([ref.layer_inputs[il][0] for il in taps], dim=-1))
+    pending = adapter._pending.captured
+    assert set(pending.kda) == set(ref.captured.kda) and pending.start_pos == ref.captured.start_pos
+    for il, rows in ref.captured.kda.items():
+        for name in ("conv_in", "k", "v", "g", "beta", "final"):
+            assert torch.equal(getattr(pending.kda[il], name), getattr(rows, name)), (il, name)
+    _same_state(adapter.state, ref_state)
+    adapter.commit(n_commit)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_mini_decodes_the_same_bits_through_the_row_step(threads):
+    torch.set_num_threads(threads)
+    try:
+        adapter = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=1024)).model
+        try:
+            assert adapter.row_step() is not None, adapter.row_step_note
+            calls = []
+            step = adapter.row_step()
+            run = step._run
+            step._run = lambda *a: calls.append(1) or run(*a)  # type: ignore[method-assign]
+            _check_steps(adapter, prompts(1, 4000, seed=3, lo=6, hi=12)[0], 24, verify_at=9)
+            assert len(calls) >= 20  # the steps did take the row step
+            block = prompts(1, 4000, seed=5, lo=9, hi=9)[0]
+            _check_verify(adapter, block, (1, 3, 6), "raw", 9)  # every row accepted: rows.final
+            _check_verify(adapter, block[:5], (0, 2, 4), "mixed", 2)
+            _check_steps(adapter, [block[0]], 4)  # decoding on after the commits
+        finally:
+            adapter.close()
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Q8_0 tiny K3s: every feature on (ff 32: SiTU runs per expert), and one with the options
+    off (no q LoRA, softplus decay, no attn-res, no shared expert, no latent projections)."""
+    out = {}
+    for name, over in (
+        ("full", {}),
+        (
+            "plain",
+            dict(
+                q_lora_rank=None,
+                gate_lower_bound=None,
+                attn_res_block_size=0,
+                num_shared_experts=0,
+                expert_latent_size=0,
+                routed_expert_norm=False,
+                routed_scaling_factor=1.0,
+                moe_renormalize=False,
+            ),
+        ),
+    ):
+        d = tmp_path_factory.mktemp(f"row-{name}")
+        write_checkpoint(d / "hf", seed=4, **over)
+        path = d / "tiny.gguf"
+        convert_target(d / "hf", path, "Q8_0")
+        out[name] = path
+    return out
+
+
+@pytest.mark.parametrize("name", ["full", "plain"])
+def test_tiny_models_decode_the_same_bits(variants, name, one_thread):
+    adapter = load_model(variants[name], LoadOptions(expert_cache_mib=64)).model
+    try:
+        assert adapter.row_step() is not None, adapter.row_step_note
+        _check_steps(adapter, prompts(1, 90, seed=1, lo=5, hi=9)[0], 16, verify_at=5)
+        _check_verify(
+            adapter, prompts(1, 90, seed=6, lo=20, hi=20)[0], (0, 2, 4), "mixed", 7
+        )  # > ROWWISE_MAX
+        _check_verify(adapter, [3, 4, 5], (1,), "raw", 3)
+    finally:
+        adapter.close()
+
+
+def test_experts_read_from_the_file_run_in_the_module(variants, one_thread):
+    """No expert cache: take_resident never holds them all, each MoE layer runs run_experts."""
+    adapter = load_model(variants["full"], LoadOptions(expert_cache_mib=0)).model
+    try:
+        assert adapter.row_step() is not None
+        _check_steps(adapter, prompts(1, 90, seed=2, lo=4, hi=6)[0], 8)
+    finally:
+        adapter.close()
+
+
+def test_what_the_row_step_leaves_to_forward(variants, one_thread, tmp_path):
+    adapter = load_model(variants["full"], LoadOptions(expert_cache_mib=64)).model
+    try:
+        step = adapter.row_step()
+        assert step is not None
+        adapter.forward([1, 2, 3])
+        pos = adapter.state.pos
+        with torch.enable_grad():  # a gradient: forward's autograd graph
+            assert step.run([5], adapter.state, adapter.experts) is None
+        torch.set_grad_enabled(False)
+        with step.lock:  # another thread inside: nothing done
+            assert step.run([5], adapter.state, adapter.experts) is None
+        assert step.run([adapter.vocab_size + 7], adapter.state, adapter.experts) is None
+        adapter.model.set_ggml_q8_inputs(True)  # llama.cpp parity rounding: forward's hooks
+        assert step.run([5], adapter.state, adapter.experts) is None
+        adapter.model.set_ggml_q8_inputs(False)
+        assert adapter.state.pos == pos
+        assert step.run([5], adapter.state, adapter.experts) is not None and adapter.state.pos == pos + 1
+        done = []
+
+        def other() -> None:
+            with torch.no_grad():
+                done.append(step.run([6], adapter.state, adapter.experts))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert done and done[0] is not None  # the lock was let go
+    finally:
+        torch.set_grad_enabled(True)
+        adapter.close()
+    f32 = tmp_path / "f32"
+    write_checkpoint(f32 / "hf", seed=4)
+    convert_target(f32 / "hf", f32 / "tiny.gguf", "F32")
+    adapter = load_model(f32 / "tiny.gguf", LoadOptions(expert_cache_mib=64)).model
+    try:
+        assert adapter.row_step() is None and "quantized" in adapter.row_step_note  # F32 products: torch
+    finally:
+        adapter.close()
+
+
+def test_turned_off_the_adapter_runs_forward(monkeypatch, variants, one_thread):
+    monkeypatch.setattr(row_step, "ENABLED", False)
+    adapter = load_model(variants["plain"], LoadOptions(expert_cache_mib=64)).model
+    try:
+        assert adapter.row_step() is None and adapter.row_step_note == "turned off"
+        assert adapter.forward([1, 2]).shape == (1, adapter.vocab_size)
+    finally:
+        adapter.close()
