@@ -83,6 +83,7 @@ def test_counter_sees_syncs_and_tolist():
 def test_ar_step_has_one_sync_per_moe_layer_plus_the_token(session):
     model = session.model
     ids = session.codec.encode("def add(a, b):\n    return")
+    assert model.store.load_all_if_fits()          # a steady step: every expert cached, no reads
     with torch.no_grad():
         model.reset()
         logits = model.forward(ids)
@@ -101,6 +102,7 @@ def test_ar_step_has_one_sync_per_moe_layer_plus_the_token(session):
 
 
 def test_draft_and_verify_phases_are_bounded(session):
+    assert session.model.store.load_all_if_fits()
     with torch.no_grad():
         phases, _ = host_profile(session, session.codec.encode("import os\nimport"), 6)
     by = {p.name: p for p in phases}
