@@ -95,12 +95,13 @@ def test_the_mini_decodes_the_same_bits_through_the_row_step(threads):
         adapter = load_model(shipped_gguf(), LoadOptions(expert_cache_mib=1024)).model
         try:
             assert adapter.row_step() is not None, adapter.row_step_note
-            calls = []
+            calls: list[str] = []
             step = adapter.row_step()
-            run = step._run
-            step._run = lambda *a: calls.append(1) or run(*a)  # type: ignore[method-assign]
+            one, rows = step._run_one, step._run
+            step._run_one = lambda *a: calls.append("one") or one(*a)  # type: ignore[method-assign]
+            step._run = lambda *a: calls.append("rows") or rows(*a)  # type: ignore[method-assign]
             _check_steps(adapter, prompts(1, 4000, seed=3, lo=6, hi=12)[0], 24, verify_at=9)
-            assert len(calls) >= 20  # the steps did take the row step
+            assert calls.count("one") >= 20 and "rows" in calls  # decode rows, the prompt and the verify
             block = prompts(1, 4000, seed=5, lo=9, hi=9)[0]
             _check_verify(adapter, block, (1, 3, 6), "raw", 9)  # every row accepted: rows.final
             _check_verify(adapter, block[:5], (0, 2, 4), "mixed", 2)

@@ -126,109 +126,103 @@ class KdaLayer:
         self.f_a, self.f_b, self.b = Product(kda.f_a_proj), Product(kda.f_b_proj), Product(kda.b_proj)
         self.o = Product(kda.o_proj)
         H, D, C = self.H, self.D, self.C
-        self.conv_out = empty(3, 1, 1, C)
-        self.qn, self.kn = empty(1, 1, H, D), empty(1, 1, H, D)
-        self.o_rows = empty(1, 1, H, D)
-        self.normed = empty(1, 1, H, D)
-        self.gate = empty(1, C)
         self.o_norm = f32(kda.o_norm.detach(), "KDA o_norm")
         self.dt_bias = f32(kda.dt_bias.detach(), "KDA dt_bias")
         self.scale = 1.0 / math.sqrt(D)
+        # one committed row: every intermediate in a buffer of its own
+        self.conv_out = empty(3, 1, 1, C)
+        self.q, self.k, self.v = self.conv_out.view(3, 1, 1, H, D).unbind(0)
+        self.qn, self.kn, self.o_rows, self.normed = (empty(1, 1, H, D) for _ in range(4))
+        self.u = empty(1, C)
+        self.u4 = self.u.view(1, 1, H, D)
+        self.g, self.e = empty(1, 1, H, D), empty(1, 1, H, D)
+        self.beta = empty(1, H)
+        self.gate = empty(1, C)
+        self.gate_in = self.qkvg.out[3]                                   # [1, C]: the gate's projection
+        self.bufs = [kq.buf(t) for t in (self.qn, self.kn, self.v, self.e, self.beta, self.o_rows)]
+        self._rate: tuple[Tensor, Tensor] | None = None                  # (A, -A)
+        self._taps: tuple[tuple[int, ...], Tensor] | None = None
 
     def fit(self, st: KDAState) -> bool:
         S, conv = st.S, st.conv
-        return (
-            S.dtype == torch.float32
-            and S.is_cpu
-            and S.is_contiguous()
-            and S.shape[0] == 1
-            and not S.requires_grad
-            and conv.dtype == torch.float32
-            and conv.is_cpu
-            and conv.shape[0] == 1
-        )
+        return (S.dtype == torch.float32 and S.is_cpu and S.is_contiguous() and S.shape[0] == 1
+                and not S.requires_grad and conv.dtype == torch.float32 and conv.is_cpu and conv.shape[0] == 1)
 
-    def __call__(
-        self, x_addr: int, x_buf: Any, st: KDAState, nt: int, T: int, commit: bool
-    ) -> tuple[Tensor, KDARows | None]:
+    def taps(self) -> Tensor:
+        """kda.conv_taps_by_row(), asked again only when a conv weight changed."""
+        kda = self.kda
+        key = (kda.q_conv._version, kda.k_conv._version, kda.v_conv._version)
+        if self._taps is None or self._taps[0] != key:
+            self._taps = (key, kda.conv_taps_by_row())
+        return self._taps[1]
+
+    def neg_rate(self) -> Tensor:
+        """-A for the decay's -(u * A), computed as u * (-A): the same floats (a product's
+        rounding is symmetric in sign), one op fewer a row."""
+        A = self.kda.decay_rate()
+        if self._rate is None or self._rate[0] is not A:
+            self._rate = (A, -A)
+        return self._rate[1]
+
+    def __call__(self, x_addr: int, x_buf: Any, st: KDAState, nt: int, T: int,
+                 commit: bool) -> tuple[Tensor, KDARows | None]:
         F = kfused._fused
         H, D, C, K = self.H, self.D, self.C, self.K
-        kda = self.kda
-        one = T == 1 and commit  # the buffers; what a speculative pass keeps is fresh
+        one = T == 1 and commit          # the buffers; what a speculative pass keeps is fresh
         y = self.qkvg(x_buf, nt, T, fresh=not one)
-        conv_in = y.as_strided((1, T, 3, C), (T * C, C, T * C, 1))  # project_qkvg's view
         window = st.conv if st.conv.is_contiguous() else st.conv.contiguous()
-        taps = kda.conv_taps_by_row()
         new_window = torch.empty(1, 3, K - 1, C)
-        conv_out = self.conv_out if one else torch.empty(3, 1, T, C)
-        F.short_conv(
-            window.data_ptr(),
-            y.data_ptr(),
-            taps.data_ptr(),
-            conv_out.data_ptr(),
-            new_window.data_ptr(),
-            1,
-            T,
-            C,
-            K,
-            nt,
-            C,
-            T * C,
-        )
-        q, k, v = conv_out.view(3, 1, T, H, D).unbind(0)
-        qn, kn = (self.qn, self.kn) if one else (torch.empty(1, T, H, D), torch.empty(1, T, H, D))
-        F.rms_norm(q.data_ptr(), 0, 0, qn.data_ptr(), T * H, D, self.eps, 1, nt)  # l2_norm
+        if one:
+            conv_out, q, k, v, qn, kn = self.conv_out, self.q, self.k, self.v, self.qn, self.kn
+        else:
+            conv_out = torch.empty(3, 1, T, C)
+            q, k, v = conv_out.view(3, 1, T, H, D).unbind(0)
+            qn, kn = torch.empty(1, T, H, D), torch.empty(1, T, H, D)
+        F.short_conv(window.data_ptr(), y.data_ptr(), self.taps().data_ptr(), conv_out.data_ptr(),
+                     new_window.data_ptr(), 1, T, C, K, nt, C, T * C)
+        F.rms_norm(q.data_ptr(), 0, 0, qn.data_ptr(), T * H, D, self.eps, 1, nt)       # l2_norm
         F.rms_norm(k.data_ptr(), 0, 0, kn.data_ptr(), T * H, D, self.eps, 1, nt)
-        # KDA.decay: u = f_b(f_a(x)) + dt_bias, then the gate's torch ops
-        fa = self.f_a(x_addr, nt, T)
-        u = (self.f_b(fa.data_ptr(), nt, T) + self.dt_bias).view(1, T, H, D)
-        A = kda.decay_rate()
-        if self.lb is not None:
-            g = torch.sigmoid(-(u * A)) * self.lb
-        else:
-            g = torch.nn.functional.softplus(u) * A
-        beta = torch.sigmoid(self.b(x_addr, nt, T)).view(1, T, H)
-        # delta_rule through kda_step.rows: in place on a committed state, else a new one
+        # KDA.decay: u = f_b(f_a(x)) + dt_bias, then the gate's torch ops; beta = sigmoid(b x)
+        fa = self.f_a(x_addr, nt, T)         # held while f_b reads it (an address does not own it)
+        fb = self.f_b(fa.data_ptr(), nt, T)
         S = st.S
-        S_out = S if commit else torch.empty_like(S)
-        o = self.o_rows if one else torch.empty(1, T, H, D)
-        e = torch.exp(g)
-        kda_step._kda.kda_rows(
-            kq.buf(S),
-            kq.buf(S_out),
-            kq.buf(qn),
-            kq.buf(kn),
-            kq.buf(v),
-            kq.buf(e),
-            kq.buf(beta),
-            kq.buf(o),
-            1,
-            T,
-            H,
-            D,
-            D,
-            self.scale,
-            -1,
-            nt,
-        )
-        rows = None
-        if commit:
+        if one:
+            torch.add(fb, self.dt_bias, out=self.u)
+            u = self.u4
+            if self.lb is not None:
+                t = torch.sigmoid(torch.mul(u, self.neg_rate(), out=self.g), out=self.g)
+                g = torch.mul(t, self.lb, out=self.g)
+            else:
+                g = torch.nn.functional.softplus(u) * self.kda.decay_rate()
+            torch.exp(g, out=self.e)
+            torch.sigmoid(self.b(x_addr, nt), out=self.beta)
+            qb, kb, vb, eb, bb, ob = self.bufs
+            o, rows = self.o_rows, None
+            s_buf = kq.buf(S)
+            kda_step._kda.kda_rows(s_buf, s_buf, qb, kb, vb, eb, bb, ob, 1, 1, H, D, D, self.scale, -1, nt)
             st.conv = new_window
+            torch.sigmoid(self.gate_in, out=self.gate)
+            gate, normed = self.gate, self.normed
         else:
-            rows = KDARows(conv_in, kn, v, g, beta, S_out)
-        gate = torch.sigmoid(y[3], out=self.gate) if one else torch.sigmoid(y[3])
-        normed = self.normed if one else torch.empty(1, T, H, D)
-        F.rms_norm(
-            o.data_ptr(),
-            self.o_norm.data_ptr(),
-            gate.data_ptr(),
-            normed.data_ptr(),
-            T * H,
-            D,
-            self.eps,
-            0,
-            nt,
-        )
+            u = (fb + self.dt_bias).view(1, T, H, D)
+            A = self.kda.decay_rate()
+            g = torch.sigmoid(-(u * A)) * self.lb if self.lb is not None else torch.nn.functional.softplus(u) * A
+            beta = torch.sigmoid(self.b(x_addr, nt, T)).view(1, T, H)
+            # delta_rule through kda_step.rows: in place on a committed state, else a new one
+            S_out = S if commit else torch.empty_like(S)
+            o = torch.empty(1, T, H, D)
+            e = torch.exp(g)          # held while the call reads it (a buffer does not own its tensor)
+            kda_step._kda.kda_rows(kq.buf(S), kq.buf(S_out), kq.buf(qn), kq.buf(kn), kq.buf(v), kq.buf(e),
+                                   kq.buf(beta), kq.buf(o), 1, T, H, D, D, self.scale, -1, nt)
+            rows = None
+            if commit:
+                st.conv = new_window
+            else:
+                conv_in = y.as_strided((1, T, 3, C), (T * C, C, T * C, 1))     # project_qkvg's view
+                rows = KDARows(conv_in, kn, v, g, beta, S_out)
+            gate, normed = torch.sigmoid(y[3]), torch.empty(1, T, H, D)
+        F.rms_norm(o.data_ptr(), self.o_norm.data_ptr(), gate.data_ptr(), normed.data_ptr(), T * H, D, self.eps, 0,
+                   nt)
         return self.o(normed.data_ptr(), nt, T), rows
 
 
@@ -408,7 +402,7 @@ class MoeLayer:
         self.moe = moe
         self.layer = moe.layer
         self.k = cfg.num_experts_per_tok
-        self.router_w = moe.router.weight
+        self.router_wt = moe.router.weight.t()          # a view: the weight's own floats
         self.router_bias = moe.router.bias
         self.renorm, self.scale = cfg.moe_renormalize, cfg.routed_scaling_factor
         self.eps = cfg.rms_norm_eps
@@ -497,7 +491,7 @@ class MoeLayer:
     def __call__(self, x: Tensor, x_buf: Any, experts: Any, nt: int, T: int) -> tuple[Tensor, Tensor]:
         """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
         moe = self.moe
-        probs = torch.sigmoid(x @ self.router_w.t())
+        probs = torch.sigmoid(x @ self.router_wt)
         ids = torch.topk(probs + self.router_bias, self.k, dim=-1, sorted=True).indices
         w = torch.gather(probs, -1, ids)
         if self.renorm:

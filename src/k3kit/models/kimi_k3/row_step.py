@@ -108,7 +108,9 @@ class RowStep:
         self.linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         heads = [layer.attn.kv_b_heads for layer in model.layers if isinstance(layer.attn, MLA)]
         self.checked = self.linears + [h for h in heads if h is not None]
+        self.plan = self._one_row_plan()
         self.lock = threading.Lock()
+        self._cpu_experts: Any = None              # the provider whose experts all multiply on the CPU
 
     @classmethod
     def build(cls, model: K3Model) -> tuple[RowStep | None, str]:
@@ -180,9 +182,11 @@ class RowStep:
             m.route_counts is not None for m in self.moes
         ):
             return False
-        where = getattr(experts, "device", None)
-        if where is not None and any(where(m.layer).type != "cpu" for m in self.moes):
-            return False
+        if experts is not self._cpu_experts:       # asked once per provider: devices do not move
+            where = getattr(experts, "device", None)
+            if where is not None and any(where(m.layer).type != "cpu" for m in self.moes):
+                return False
+            self._cpu_experts = experts
         for step, st in zip(self.attn, state.layers, strict=True):
             if isinstance(st, KDAState) != isinstance(step, KdaLayer) or not step.fit(st):  # type: ignore[arg-type]
                 return False
@@ -212,9 +216,72 @@ class RowStep:
         try:
             if not self.fits(state, experts):
                 return None
+            if len(tokens) == 1 and commit and not taps and logits != "none":
+                return self._run_one(tokens[0], state, experts)
             return self._run(tokens, state, experts, commit, frozenset(taps), mode, logits)
         finally:
             self.lock.release()
+
+    def _one_row_plan(self) -> list[tuple[Any, ...]]:
+        """Per layer, what a committed row's step passes, all fixed: the buffers' addresses, the
+        banked streams' addresses at each mix (a row's streams live in stream_in / the attention
+        outputs, so the bank holds the same addresses every step) and the sub-layers."""
+        E, bs = self.E, self.bs
+        plan: list[tuple[Any, ...]] = []
+        bank: list[int] = []
+        for il in range(self.cfg.num_layers):
+            attn_w, ffn_w = self.norm_w[il]
+            s_in = self.stream_in[il]
+            mix_a = (tuple(bank), self.score_w[il][0], self.mixed[2 * il].addr) if bs > 0 and bank else None
+            banked = bs > 0 and il % bs == 0
+            if banked:
+                bank.append(s_in.addr)
+            mix_f = (tuple(bank), self.score_w[il][1], self.mixed[2 * il + 1].addr) if bs > 0 and bank else None
+            attn, ffn = self.attn[il], self.ffn[il]
+            plan.append((attn, isinstance(attn, KdaLayer), ffn, isinstance(ffn, MoeLayer), attn_w, ffn_w, mix_a,
+                         mix_f, self.normed[2 * il], self.normed[2 * il + 1], s_in,
+                         None if banked else self.after_attn[il].t, self.stream_in[il + 1].t))
+        self.final_mix = (tuple(bank), self.out_score, self.mixed[-1].addr) if bs > 0 and bank else None
+        del E
+        return plan
+
+    def _run_one(self, token: int, state: K3State, experts: Any) -> K3Output:
+        """`_run` of one committed row, on the plan's buffers."""
+        F = kfused._fused
+        nt = kthreads.native()
+        E, eps = self.E, self.eps
+        layers = state.layers
+        for c in state.mla_caches():
+            c.truncate(state.pos)          # drop rows a speculative pass left behind
+        self.embed((token,), self.stream_in[0].t, nt)
+        x = self.stream_in[0].addr
+        for il, (attn, kda, ffn, moe, attn_w, ffn_w, mix_a, mix_f, h_a, h_f, s_in, after_t, s_out) in \
+                enumerate(self.plan):
+            if mix_a is not None:
+                F.res_mix(mix_a[0], s_in.addr, mix_a[1], mix_a[2], 1, E, eps, nt)
+                x = mix_a[2]
+            F.rms_norm(x, attn_w, 0, h_a.addr, 1, E, eps, 0, nt)
+            a = attn(h_a.addr, h_a.buf, layers[il], nt, 1, True)[0] if kda else attn(h_a.addr, layers[il], nt, 1)
+            after = a if after_t is None else torch.add(s_in.t, a, out=after_t)
+            x = after.data_ptr()
+            if mix_f is not None:
+                F.res_mix(mix_f[0], x, mix_f[1], mix_f[2], 1, E, eps, nt)
+                x = mix_f[2]
+            F.rms_norm(x, ffn_w, 0, h_f.addr, 1, E, eps, 0, nt)
+            f = ffn(h_f.t, h_f.buf, experts, nt, 1)[0] if moe else ffn(h_f.buf, nt, 1)
+            torch.add(after, f, out=s_out)
+            x = s_out.data_ptr()
+        if self.final_mix is not None:
+            bank, score, y = self.final_mix
+            F.res_mix(bank, x, score, y, 1, E, eps, nt)
+            x = y
+        normed = self.normed[-1]
+        F.rms_norm(x, self.final_norm.data_ptr(), 0, normed.addr, 1, E, eps, 0, nt)
+        qtype, raw_w, n_out, n_in = self.lm_q
+        lg = torch.empty(1, 1, n_out)
+        kq._qmatmul.matmul_q8(qtype, raw_w, normed.addr, lg.data_ptr(), n_out, n_in, 1, -1, nt, 1, kq.I8_PATH)
+        state.pos += 1
+        return K3Output(logits=lg)
 
     def _run(
         self,
