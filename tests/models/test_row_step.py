@@ -88,6 +88,54 @@ def _check_verify(adapter, block: list[int], taps: tuple[int, ...], mode: str, n
     adapter.commit(n_commit)
 
 
+@torch.no_grad()
+def _check_segment(adapter, sid: int, ids: list[int], verify: bool, capture: bool) -> None:
+    """A serving pass of one sequence (verify_batch: the row step in forward_segments' arithmetic)
+    against forward_segments on a copy of its state."""
+    state = adapter._state_of(sid)
+    ref_state = state.clone()
+    ref = adapter.model.forward_segments([(torch.tensor(ids), ref_state)], experts=adapter.experts,
+                                         speculative=[verify and len(ids) > 1], capture=[capture],
+                                         capture_layers=adapter.tap_layers, capture_mode=adapter.capture_mode)[0]
+    got = adapter.verify_batch([(sid, ids)], verify={sid} if verify else (), capture={sid} if capture else ())[0]
+    assert torch.equal(got.logits, ref.logits)
+    if capture:
+        assert torch.equal(got.taps, ref.taps)
+    _same_state(state, ref_state)
+    if verify and len(ids) > 1:
+        pending = adapter._seq_pending[sid].captured
+        for il, rows in ref.captured.kda.items():
+            for name in ("conv_in", "k", "v", "g", "beta", "final"):
+                assert torch.equal(getattr(pending.kda[il], name), getattr(rows, name)), (il, name)
+
+
+def test_a_serving_pass_of_one_sequence_has_forward_segments_bits(variants, one_thread):
+    for path in (shipped_gguf(), variants["full"], variants["plain"]):
+        adapter = load_model(path, LoadOptions(expert_cache_mib=1024)).model
+        try:
+            adapter.set_taps((0, 2, adapter.num_layers), "mixed")
+            calls: list[int] = []
+            step = adapter.row_step(segments=True)
+            assert step is not None and step is not adapter.row_step()
+            one, rows = step._run_one, step._run
+            step._run_one = lambda *a: calls.append(1) or one(*a)  # type: ignore[method-assign]
+            step._run = lambda *a: calls.append(1) or rows(*a)  # type: ignore[method-assign]
+            sid = adapter.open_sequence()
+            ids = prompts(1, 90, seed=8, lo=12, hi=12)[0]
+            _check_segment(adapter, sid, ids, verify=False, capture=True)         # a prompt's chunk
+            for t in ids[:4]:
+                _check_segment(adapter, sid, [t], verify=False, capture=False)    # decode rows
+            _check_segment(adapter, sid, ids[3:9], verify=True, capture=True)     # a verify block
+            adapter.commit_sequence(sid, 4)
+            _check_segment(adapter, sid, [ids[0]], verify=True, capture=True)     # a one-row block
+            _check_segment(adapter, sid, ids[:3], verify=True, capture=False)
+            adapter.commit_sequence(sid, 3)
+            _check_segment(adapter, sid, [ids[5]], verify=False, capture=False)
+            assert len(calls) == 9
+        finally:
+            adapter.close()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_mini_decodes_the_same_bits_through_the_row_step(threads):
     torch.set_num_threads(threads)

@@ -53,7 +53,7 @@ from k3kit.models.kimi_k3.gguf_load import (
     ggml_input_kinds,
 )
 from k3kit.models.kimi_k3.mla import LatentHeads
-from k3kit.models.kimi_k3.model import Captured, K3Model, commit_rows
+from k3kit.models.kimi_k3.model import Captured, K3Model, SegmentOutput, commit_rows
 from k3kit.models.kimi_k3.moe import set_expert_prefetch
 from k3kit.models.kimi_k3.row_step import RowStep
 from k3kit.models.kimi_k3.state import K3State, KDAState
@@ -171,7 +171,7 @@ class K3Adapter(SequenceSnapshots):
         self._seq_pending: dict[int, _Pending] = {}   # verify_batch's uncommitted blocks, by handle
         self._next_seq = 1
         self._invariant_rows: int | None = None
-        self._row_step: RowStep | None | bool = False     # made at the first decode row
+        self._row_steps: dict[bool, RowStep | None | bool] = {}   # row_step's, made at first use
         self.row_step_note = ""                          # why there is none, once asked
         if len(set(self.layer_dev)) > 1:
             _install_layer_split(model, self.layer_dev)
@@ -237,15 +237,19 @@ class K3Adapter(SequenceSnapshots):
         self.history += vals
         return out.logits[0].float()
 
-    def row_step(self) -> RowStep | None:
-        """The model's one-row decode step (k3kit.models.kimi_k3.row_step), made at the first
-        call; None where the model or its devices do not allow one (`row_step_note` says why)."""
-        if self._row_step is False:
+    def row_step(self, segments: bool = False) -> RowStep | None:
+        """The model's step for the rows of one sequence (k3kit.models.kimi_k3.row_step) in
+        `forward`'s arithmetic, or with `segments` in `forward_segments`' (what serving passes of
+        one sequence run); made at the first call. None where the model or its devices do not
+        allow one (`row_step_note` says why)."""
+        made = self._row_steps.get(segments, False)
+        if made is False:
             if any(d.type != "cpu" for d in self.layer_dev):
-                self._row_step, self.row_step_note = None, "a layer on a GPU"
+                made, self.row_step_note = None, "a layer on a GPU"
             else:
-                self._row_step, self.row_step_note = RowStep.build(self.model)
-        return self._row_step if isinstance(self._row_step, RowStep) else None
+                made, self.row_step_note = RowStep.build(self.model, segments)
+            self._row_steps[segments] = made
+        return made if isinstance(made, RowStep) else None
 
     @torch.no_grad()
     def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
@@ -413,8 +417,11 @@ class K3Adapter(SequenceSnapshots):
             cap.append(sid in capture)
             ids_of.append(vals)
         with _pass_threads(sum(len(v) for v in ids_of)):
-            outs = self.model.forward_segments(segments, experts=self.experts, speculative=spec, capture=cap,
-                                               capture_layers=self.tap_layers, capture_mode=self.capture_mode)
+            outs = self._one_segment(segments[0][1], ids_of[0], spec[0], cap[0]) if len(rows) == 1 else None
+            if outs is None:
+                outs = self.model.forward_segments(
+                    segments, experts=self.experts, speculative=spec, capture=cap,
+                    capture_layers=self.tap_layers, capture_mode=self.capture_mode)
         result = []
         for (sid, _), o, ids, sp, cp in zip(rows, outs, ids_of, spec, cap, strict=True):
             if sid in verify:
@@ -424,6 +431,19 @@ class K3Adapter(SequenceSnapshots):
                 taps = o.logits.new_zeros(len(ids), 0)
             result.append(VerifyOutput(o.logits.float(), taps.float() if taps is not None else None))
         return result
+
+    def _one_segment(self, state: K3State, ids: list[int], spec: bool,
+                     cap: bool) -> list[SegmentOutput] | None:
+        """forward_segments of a pass of one sequence through the row step (the same floats), or
+        None where it does not run."""
+        step = self.row_step(segments=True)
+        taps = self.tap_layers if cap else ()
+        out = step.run(ids, state, self.experts, commit=not spec, taps=taps, mode=self.capture_mode,
+                       logits="all" if spec else "last") if step is not None else None
+        if out is None or out.logits is None:
+            return None
+        feats = torch.cat([out.layer_inputs[il][0] for il in taps], dim=-1) if taps else None
+        return [SegmentOutput(out.logits[0], feats, out.captured)]
 
     @torch.no_grad()
     def commit_sequence(self, seq: int, n: int) -> None:

@@ -23,7 +23,9 @@ from k3kit.layers.quantized_linear import QuantizedLinear
 
 from . import mla as mla_ops
 from .kda import KDA, KDARows
+from .kda import _padded_sigmoid as padded_sigmoid
 from .mla import MLA
+from .model import _row_product as row_product
 from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE
 from .state import KDAState, MLACache
 
@@ -116,9 +118,10 @@ class KdaLayer:
     """KDA.forward on T rows of one sequence (B = 1): committed (the state advanced in place) or
     speculative (the state left as it was, the rows for `commit_rows` returned fresh)."""
 
-    def __init__(self, kda: KDA):
+    def __init__(self, kda: KDA, segments: bool = False):
         cfg = kda.cfg
         self.kda = kda
+        self.segments = segments        # forward_segments' arithmetic: beta's sigmoid over padded rows
         self.H, self.D, self.C, self.K = cfg.num_heads, cfg.kda_head_dim, cfg.kda_dim, cfg.conv_kernel
         self.eps = cfg.rms_norm_eps
         self.lb = cfg.gate_lower_bound
@@ -146,7 +149,8 @@ class KdaLayer:
     def fit(self, st: KDAState) -> bool:
         S, conv = st.S, st.conv
         return (S.dtype == torch.float32 and S.is_cpu and S.is_contiguous() and S.shape[0] == 1
-                and not S.requires_grad and conv.dtype == torch.float32 and conv.is_cpu and conv.shape[0] == 1)
+                and not S.requires_grad and conv.dtype == torch.float32 and conv.is_cpu
+                and conv.shape[0] == 1)
 
     def taps(self) -> Tensor:
         """kda.conv_taps_by_row(), asked again only when a conv weight changed."""
@@ -195,7 +199,10 @@ class KdaLayer:
             else:
                 g = torch.nn.functional.softplus(u) * self.kda.decay_rate()
             torch.exp(g, out=self.e)
-            torch.sigmoid(self.b(x_addr, nt), out=self.beta)
+            if self.segments:
+                self.beta.copy_(padded_sigmoid(self.b(x_addr, nt)))
+            else:
+                torch.sigmoid(self.b(x_addr, nt), out=self.beta)
             qb, kb, vb, eb, bb, ob = self.bufs
             o, rows = self.o_rows, None
             s_buf = kq.buf(S)
@@ -206,8 +213,12 @@ class KdaLayer:
         else:
             u = (fb + self.dt_bias).view(1, T, H, D)
             A = self.kda.decay_rate()
-            g = torch.sigmoid(-(u * A)) * self.lb if self.lb is not None else torch.nn.functional.softplus(u) * A
-            beta = torch.sigmoid(self.b(x_addr, nt, T)).view(1, T, H)
+            if self.lb is not None:
+                g = torch.sigmoid(-(u * A)) * self.lb
+            else:
+                g = torch.nn.functional.softplus(u) * A
+            b = self.b(x_addr, nt, T)
+            beta = (padded_sigmoid(b).contiguous() if self.segments else torch.sigmoid(b)).view(1, T, H)
             # delta_rule through kda_step.rows: in place on a committed state, else a new one
             S_out = S if commit else torch.empty_like(S)
             o = torch.empty(1, T, H, D)
@@ -221,8 +232,8 @@ class KdaLayer:
                 conv_in = y.as_strided((1, T, 3, C), (T * C, C, T * C, 1))     # project_qkvg's view
                 rows = KDARows(conv_in, kn, v, g, beta, S_out)
             gate, normed = torch.sigmoid(y[3]), torch.empty(1, T, H, D)
-        F.rms_norm(o.data_ptr(), self.o_norm.data_ptr(), gate.data_ptr(), normed.data_ptr(), T * H, D, self.eps, 0,
-                   nt)
+        F.rms_norm(o.data_ptr(), self.o_norm.data_ptr(), gate.data_ptr(), normed.data_ptr(), T * H, D,
+                   self.eps, 0, nt)
         return self.o(normed.data_ptr(), nt, T), rows
 
 
@@ -360,11 +371,29 @@ class MlaLayer:
         K = cache.keys()
         q4 = q.view(1, T, H, self.qk)
         Q = torch.cat((mla_ops.absorb_q(mla, q4[..., :nope]), q4[..., nope:]), dim=-1)
-        lat = mla_ops.attend(Q, K, K[..., :L], offset, self.scale)
+        if T <= mla_ops.ROWWISE_MAX:
+            lat = self._attend_rows(Q, K, offset, T)
+        else:
+            lat = mla_ops.attend(Q, K, K[..., :L], offset, self.scale)
         out = mla_ops.value_heads(mla, lat).view(T, H * self.v)
         if self.g is not None:
             out = out * torch.sigmoid(self.g(x_addr, nt, T))
         return self.o(out.data_ptr(), nt, T)
+
+
+    def _attend_rows(self, Q: Tensor, K: Tensor, offset: int, T: int) -> Tensor:
+        """mla.attend of a verify block (T <= ROWWISE_MAX): each row a decode row over the columns
+        it sees, the same products on the same views, written in place of the rows' concatenation."""
+        H, C, L = self.H, self.L + self.pe, self.L
+        lat = torch.empty(1, T, H, L)
+        Kt, c_all = K.transpose(1, 2), K[..., :L]
+        scale = self.scale
+        for a, (qa, out) in enumerate(zip(Q.view(T, 1, H, C).unbind(0), lat.view(T, 1, H, L).unbind(0),
+                                          strict=True)):
+            n = offset + a + 1
+            scores = torch.bmm(qa, Kt[..., :n]).mul_(scale)
+            torch.bmm(torch.softmax(scores, dim=-1), c_all[:, :n], out=out)
+        return lat
 
 
 class DenseLayer:
@@ -390,8 +419,9 @@ class MoeLayer:
     the cached experts' two native products, SiTU and the slot sum, else (or experts not all
     cached) the module's `run_experts`."""
 
-    def __init__(self, moe: LatentMoE):
+    def __init__(self, moe: LatentMoE, segments: bool = False):
         cfg = moe.cfg
+        self.segments = segments        # forward_segments' arithmetic: the router's product row by row
         if (
             moe.input_round is not None
             or not moe.exact_order
@@ -402,6 +432,7 @@ class MoeLayer:
         self.moe = moe
         self.layer = moe.layer
         self.k = cfg.num_experts_per_tok
+        self.router_w = moe.router.weight
         self.router_wt = moe.router.weight.t()          # a view: the weight's own floats
         self.router_bias = moe.router.bias
         self.renorm, self.scale = cfg.moe_renormalize, cfg.routed_scaling_factor
@@ -491,7 +522,7 @@ class MoeLayer:
     def __call__(self, x: Tensor, x_buf: Any, experts: Any, nt: int, T: int) -> tuple[Tensor, Tensor]:
         """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
         moe = self.moe
-        probs = torch.sigmoid(x @ self.router_wt)
+        probs = torch.sigmoid(row_product(x, self.router_w) if self.segments else x @ self.router_wt)
         ids = torch.topk(probs + self.router_bias, self.k, dim=-1, sorted=True).indices
         w = torch.gather(probs, -1, ids)
         if self.renorm:

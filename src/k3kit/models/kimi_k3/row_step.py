@@ -53,7 +53,7 @@ MAX_ROWS = 64
 class RowStep:
     """`K3Model.forward` of one committed decode row of one sequence (module doc)."""
 
-    def __init__(self, model: K3Model):
+    def __init__(self, model: K3Model, segments: bool = False):
         cfg = model.cfg
         if kq._qmatmul is None or not kfused.available() or kda_step._kda is None:
             raise Unfit("the native extensions are not built")
@@ -67,9 +67,10 @@ class RowStep:
         self.moes: list[LatentMoE] = []
         layers = cast("Sequence[K3Layer]", model.layers)
         for layer in layers:
-            self.attn.append(KdaLayer(layer.attn) if isinstance(layer.attn, KDA) else MlaLayer(layer.attn))
+            attn = layer.attn
+            self.attn.append(KdaLayer(attn, segments) if isinstance(attn, KDA) else MlaLayer(attn))
             if isinstance(layer.ffn, LatentMoE):
-                self.ffn.append(MoeLayer(layer.ffn))
+                self.ffn.append(MoeLayer(layer.ffn, segments))
                 self.moes.append(layer.ffn)
             else:
                 self.ffn.append(DenseLayer(layer.ffn))
@@ -113,12 +114,14 @@ class RowStep:
         self._cpu_experts: Any = None              # the provider whose experts all multiply on the CPU
 
     @classmethod
-    def build(cls, model: K3Model) -> tuple[RowStep | None, str]:
-        """(the row step, "") or (None, why there is none)."""
+    def build(cls, model: K3Model, segments: bool = False) -> tuple[RowStep | None, str]:
+        """(the row step, "") or (None, why there is none). `segments`: the arithmetic of
+        `K3Model.forward_segments` with one segment (a serving pass of one sequence) instead of
+        `forward`'s (the router's product row by row, beta's sigmoid over padded rows)."""
         if not ENABLED:
             return None, "turned off"
         try:
-            return cls(model), ""
+            return cls(model, segments), ""
         except Unfit as e:
             return None, str(e)
 
@@ -236,10 +239,11 @@ class RowStep:
             banked = bs > 0 and il % bs == 0
             if banked:
                 bank.append(s_in.addr)
-            mix_f = (tuple(bank), self.score_w[il][1], self.mixed[2 * il + 1].addr) if bs > 0 and bank else None
+            mix_f = ((tuple(bank), self.score_w[il][1], self.mixed[2 * il + 1].addr) if bs > 0 and bank
+                     else None)
             attn, ffn = self.attn[il], self.ffn[il]
-            plan.append((attn, isinstance(attn, KdaLayer), ffn, isinstance(ffn, MoeLayer), attn_w, ffn_w, mix_a,
-                         mix_f, self.normed[2 * il], self.normed[2 * il + 1], s_in,
+            plan.append((attn, isinstance(attn, KdaLayer), ffn, isinstance(ffn, MoeLayer), attn_w, ffn_w,
+                         mix_a, mix_f, self.normed[2 * il], self.normed[2 * il + 1], s_in,
                          None if banked else self.after_attn[il].t, self.stream_in[il + 1].t))
         self.final_mix = (tuple(bank), self.out_score, self.mixed[-1].addr) if bs > 0 and bank else None
         del E
@@ -261,7 +265,10 @@ class RowStep:
                 F.res_mix(mix_a[0], s_in.addr, mix_a[1], mix_a[2], 1, E, eps, nt)
                 x = mix_a[2]
             F.rms_norm(x, attn_w, 0, h_a.addr, 1, E, eps, 0, nt)
-            a = attn(h_a.addr, h_a.buf, layers[il], nt, 1, True)[0] if kda else attn(h_a.addr, layers[il], nt, 1)
+            if kda:
+                a = attn(h_a.addr, h_a.buf, layers[il], nt, 1, True)[0]
+            else:
+                a = attn(h_a.addr, layers[il], nt, 1)
             after = a if after_t is None else torch.add(s_in.t, a, out=after_t)
             x = after.data_ptr()
             if mix_f is not None:
