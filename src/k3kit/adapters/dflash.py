@@ -41,6 +41,7 @@ from k3kit.gguf.shards import Model
 from k3kit.gguf.writer import kv
 from k3kit.kernels import threads as kthreads
 from k3kit.layers.quantized_linear import GGMLWeight, use_quantized_weights
+from k3kit.models.dflash.block_step import BlockStep
 from k3kit.models.dflash.config import DraftConfig
 from k3kit.models.dflash.names import BORROWED, gguf_tensor_name
 from k3kit.models.dflash.network import ContextRows, DSparkDraft, rope_inv_freq
@@ -150,6 +151,8 @@ class DSparkDrafter:
         # rows the target's LM head takes in one call with each row's logits as it gets alone
         # (the target's batch_invariant_rows; 0: one call per block, as draft_block makes it)
         self.head_rows = 0
+        self._block_step: BlockStep | None | bool = False      # block_step's, made at first use
+        self.block_step_note = ""
 
     def place(self, device: torch.device) -> None:
         """Run the draft on `device`; context K/V is rebuilt there from the rings at the next sync."""
@@ -157,6 +160,17 @@ class DSparkDrafter:
         self.device = device
         self._contexts = weakref.WeakKeyDictionary()
         self._ctx = None
+        self._block_step = False
+
+    def block_step(self) -> BlockStep | None:
+        """The draft's block step (k3kit.models.dflash.block_step) where it runs, made at first use;
+        `block_step_note` says why there is none."""
+        if self._block_step is False:
+            if self.device.type != "cpu":
+                self._block_step, self.block_step_note = None, "the draft is on a GPU"
+            else:
+                self._block_step, self.block_step_note = BlockStep.build(self.draft)
+        return self._block_step if isinstance(self._block_step, BlockStep) else None
 
     def release(self, ring: FeatureRing) -> None:
         """Forget `ring`'s context K/V (its sequence ended)."""
@@ -223,7 +237,11 @@ class DSparkDrafter:
         b = self.block_size
         pos = torch.arange(position, position + b, device=self.device)
         x = self.draft.block_embed([anchor], b)[0]        # the target's embedding looks the anchor up
-        hidden = self.draft(None, pos, self.context(), span=(position, position + b), x=x)
+        step = self.block_step()
+        span = (position, position + b)
+        hidden = step.run(x, pos, self.context(), span) if step is not None else None
+        if hidden is None:
+            hidden = self.draft(None, pos, self.context(), span=span, x=x)
         logits = self.draft.logits(hidden)
         if not self.cfg.sample_from_anchor:      # DFlash: row 0 only re-reads the anchor
             hidden, logits = hidden[1:], logits[1:]

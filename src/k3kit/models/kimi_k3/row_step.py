@@ -35,6 +35,7 @@ from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
 from k3kit.kernels import threads as kthreads
+from k3kit.layers.module_hooks import hooked
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
@@ -103,8 +104,7 @@ class RowStep:
         self.normed = [Vec(E) for _ in range(2 * n_layers + 1)]
         self.after_attn = [Vec(E) for _ in range(n_layers)]
         self.embed = self._embedding(model.embed)
-        if any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()):
-            raise Unfit("forward hooks are set")
+        self.modules = list(model.modules())
         self.mlas = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]
         self.linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         heads = [layer.attn.kv_b_heads for layer in model.layers if isinstance(layer.attn, MLA)]
@@ -176,6 +176,8 @@ class RowStep:
     def fits(self, state: K3State, experts: Any) -> bool:
         """Whether `run` takes this state and provider now (nothing is changed either way)."""
         if torch.is_grad_enabled() or self.model.training or state.batch != 1 or self.model._ggml_hooks:
+            return False
+        if hooked(self.modules):          # a hook expects the modules' own calls: forward's
             return False
         if any(m.input_round is not None or m.router.ggml_input is not None for m in self.moes) or any(
             v is not None for m in self.mlas for v in m.ggml_inputs.values()
