@@ -94,10 +94,11 @@ def _check_segment(adapter, sid: int, ids: list[int], verify: bool, capture: boo
     against forward_segments on a copy of its state."""
     state = adapter._state_of(sid)
     ref_state = state.clone()
-    ref = adapter.model.forward_segments([(torch.tensor(ids), ref_state)], experts=adapter.experts,
-                                         speculative=[verify and len(ids) > 1], capture=[capture],
-                                         capture_layers=adapter.tap_layers, capture_mode=adapter.capture_mode)[0]
-    got = adapter.verify_batch([(sid, ids)], verify={sid} if verify else (), capture={sid} if capture else ())[0]
+    ref = adapter.model.forward_segments(
+        [(torch.tensor(ids), ref_state)], experts=adapter.experts, speculative=[verify and len(ids) > 1],
+        capture=[capture], capture_layers=adapter.tap_layers, capture_mode=adapter.capture_mode)[0]
+    got = adapter.verify_batch([(sid, ids)], verify={sid} if verify else (),
+                               capture={sid} if capture else ())[0]
     assert torch.equal(got.logits, ref.logits)
     if capture:
         assert torch.equal(got.taps, ref.taps)
@@ -118,8 +119,8 @@ def test_a_serving_pass_of_one_sequence_has_forward_segments_bits(variants, one_
             step = adapter.row_step(segments=True)
             assert step is not None and step is not adapter.row_step()
             one, rows = step._run_one, step._run
-            step._run_one = lambda *a: calls.append(1) or one(*a)  # type: ignore[method-assign]
-            step._run = lambda *a: calls.append(1) or rows(*a)  # type: ignore[method-assign]
+            step._run_one = lambda *a, f=one, c=calls: c.append(1) or f(*a)  # type: ignore[method-assign]
+            step._run = lambda *a, f=rows, c=calls: c.append(1) or f(*a)  # type: ignore[method-assign]
             sid = adapter.open_sequence()
             ids = prompts(1, 90, seed=8, lo=12, hi=12)[0]
             _check_segment(adapter, sid, ids, verify=False, capture=True)         # a prompt's chunk
@@ -153,6 +154,8 @@ def test_the_mini_decodes_the_same_bits_through_the_row_step(threads):
             block = prompts(1, 4000, seed=5, lo=9, hi=9)[0]
             _check_verify(adapter, block, (1, 3, 6), "raw", 9)  # every row accepted: rows.final
             _check_verify(adapter, block[:5], (0, 2, 4), "mixed", 2)
+            _check_verify(adapter, block[:1], (1, 3, 6), "raw", 1)      # a plain pass of a DSpark decode
+            _check_verify(adapter, block[1:2], (0, 6), "mixed", 0)
             _check_steps(adapter, [block[0]], 4)  # decoding on after the commits
         finally:
             adapter.close()
@@ -199,6 +202,7 @@ def test_tiny_models_decode_the_same_bits(variants, name, one_thread):
             adapter, prompts(1, 90, seed=6, lo=20, hi=20)[0], (0, 2, 4), "mixed", 7
         )  # > ROWWISE_MAX
         _check_verify(adapter, [3, 4, 5], (1,), "raw", 3)
+        _check_verify(adapter, [6], (0, 4), "mixed", 1)
     finally:
         adapter.close()
 

@@ -12,7 +12,7 @@ from toy_target import (
 )
 
 from k3kit.runtime.speculative import Sampling, ScheduleConfig, SpeculativeDecoder, ar_generate
-from k3kit.runtime.speculative.decoder import JUDGE_AFTER, PROBE_FIRST, PROBE_MAX
+from k3kit.runtime.speculative.decoder import JUDGE_AFTER, PROBE_FIRST, PROBE_MAX, REALIZED_AFTER
 from k3kit.runtime.speculative.sampling import pick
 
 PROMPT = [3, 17, 5, 9, 1]
@@ -104,11 +104,15 @@ def test_a_never_right_draft_stops_drafting_and_probes_at_doubling_intervals():
 
 
 def test_a_good_draft_is_never_declined():
-    """A draft right 95% of the time whose step costs a fifth of a pass: every pass drafts."""
+    """A draft right 95% of the time whose step costs a fifth of a pass: every pass drafts but the
+    two plain passes that time the rate drafting is judged against (after the first JUDGE_AFTER
+    drafted ones, and before the realized rate first judges)."""
     n = 120
-    tokens, st, _, _ = _run(0.95, 0.2, n)
+    tokens, st, _, dec = _run(0.95, 0.2, n)
     assert tokens == ar_generate(ToyTarget(), PROMPT, n, Sampling()).tokens
-    assert st.plain_passes == 0
+    assert st.plain_passes == 2 and 1 in dec.verify_seen
+    plain = [i for i, w in enumerate(st.verify_rows[:-1]) if w == 1]
+    assert plain == [JUDGE_AFTER, REALIZED_AFTER + 1]     # REALIZED_AFTER drafted passes, one plain before
     assert st.tau > 3
 
 

@@ -172,16 +172,17 @@ class KdaLayer:
                  commit: bool) -> tuple[Tensor, KDARows | None]:
         F = kfused._fused
         H, D, C, K = self.H, self.D, self.C, self.K
-        one = T == 1 and commit          # the buffers; what a speculative pass keeps is fresh
-        y = self.qkvg(x_buf, nt, T, fresh=not one)
+        one = T == 1                     # the buffers, but for what a speculative row keeps: fresh
+        keep = not commit
+        y = self.qkvg(x_buf, nt, T, fresh=not one or keep)
         window = st.conv if st.conv.is_contiguous() else st.conv.contiguous()
         new_window = torch.empty(1, 3, K - 1, C)
-        if one:
+        if one and not keep:
             conv_out, q, k, v, qn, kn = self.conv_out, self.q, self.k, self.v, self.qn, self.kn
         else:
             conv_out = torch.empty(3, 1, T, C)
             q, k, v = conv_out.view(3, 1, T, H, D).unbind(0)
-            qn, kn = torch.empty(1, T, H, D), torch.empty(1, T, H, D)
+            qn, kn = (self.qn if one else torch.empty(1, T, H, D)), torch.empty(1, T, H, D)
         F.short_conv(window.data_ptr(), y.data_ptr(), self.taps().data_ptr(), conv_out.data_ptr(),
                      new_window.data_ptr(), 1, T, C, K, nt, C, T * C)
         F.rms_norm(q.data_ptr(), 0, 0, qn.data_ptr(), T * H, D, self.eps, 1, nt)       # l2_norm
@@ -193,22 +194,31 @@ class KdaLayer:
         if one:
             torch.add(fb, self.dt_bias, out=self.u)
             u = self.u4
+            g_out = torch.empty(1, 1, H, D) if keep else self.g
             if self.lb is not None:
-                t = torch.sigmoid(torch.mul(u, self.neg_rate(), out=self.g), out=self.g)
-                g = torch.mul(t, self.lb, out=self.g)
+                t = torch.sigmoid(torch.mul(u, self.neg_rate(), out=g_out), out=g_out)
+                g = torch.mul(t, self.lb, out=g_out)
             else:
                 g = torch.nn.functional.softplus(u) * self.kda.decay_rate()
             torch.exp(g, out=self.e)
+            beta = torch.empty(1, H) if keep else self.beta
             if self.segments:
-                self.beta.copy_(padded_sigmoid(self.b(x_addr, nt)))
+                beta.copy_(padded_sigmoid(self.b(x_addr, nt)))
             else:
-                torch.sigmoid(self.b(x_addr, nt), out=self.beta)
+                torch.sigmoid(self.b(x_addr, nt), out=beta)
             qb, kb, vb, eb, bb, ob = self.bufs
+            if keep:
+                kb, vb, bb = kq.buf(kn), kq.buf(v), kq.buf(beta)
             o, rows = self.o_rows, None
             s_buf = kq.buf(S)
-            kda_step._kda.kda_rows(s_buf, s_buf, qb, kb, vb, eb, bb, ob, 1, 1, H, D, D, self.scale, -1, nt)
-            st.conv = new_window
-            torch.sigmoid(self.gate_in, out=self.gate)
+            S_out = torch.empty_like(S) if keep else S
+            out_buf = kq.buf(S_out) if keep else s_buf
+            kda_step._kda.kda_rows(s_buf, out_buf, qb, kb, vb, eb, bb, ob, 1, 1, H, D, D, self.scale, -1, nt)
+            if keep:
+                rows = KDARows(y.as_strided((1, 1, 3, C), (C, C, C, 1)), kn, v, g, beta.view(1, 1, H), S_out)
+            else:
+                st.conv = new_window
+            torch.sigmoid(y[3] if keep else self.gate_in, out=self.gate)
             gate, normed = self.gate, self.normed
         else:
             u = (fb + self.dt_bias).view(1, T, H, D)

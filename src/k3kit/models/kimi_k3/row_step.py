@@ -221,8 +221,8 @@ class RowStep:
         try:
             if not self.fits(state, experts):
                 return None
-            if len(tokens) == 1 and commit and not taps and logits != "none":
-                return self._run_one(tokens[0], state, experts)
+            if len(tokens) == 1 and logits != "none":
+                return self._run_one(tokens[0], state, experts, commit, frozenset(taps), mode)
             return self._run(tokens, state, experts, commit, frozenset(taps), mode, logits)
         finally:
             self.lock.release()
@@ -237,60 +237,75 @@ class RowStep:
         for il in range(self.cfg.num_layers):
             attn_w, ffn_w = self.norm_w[il]
             s_in = self.stream_in[il]
-            mix_a = (tuple(bank), self.score_w[il][0], self.mixed[2 * il].addr) if bs > 0 and bank else None
+            mix_a = (tuple(bank), self.score_w[il][0], self.mixed[2 * il]) if bs > 0 and bank else None
             banked = bs > 0 and il % bs == 0
             if banked:
                 bank.append(s_in.addr)
-            mix_f = ((tuple(bank), self.score_w[il][1], self.mixed[2 * il + 1].addr) if bs > 0 and bank
-                     else None)
+            mix_f = (tuple(bank), self.score_w[il][1], self.mixed[2 * il + 1]) if bs > 0 and bank else None
             attn, ffn = self.attn[il], self.ffn[il]
             plan.append((attn, isinstance(attn, KdaLayer), ffn, isinstance(ffn, MoeLayer), attn_w, ffn_w,
                          mix_a, mix_f, self.normed[2 * il], self.normed[2 * il + 1], s_in,
                          None if banked else self.after_attn[il].t, self.stream_in[il + 1].t))
-        self.final_mix = (tuple(bank), self.out_score, self.mixed[-1].addr) if bs > 0 and bank else None
+        self.final_mix = (tuple(bank), self.out_score, self.mixed[-1]) if bs > 0 and bank else None
         del E
         return plan
 
-    def _run_one(self, token: int, state: K3State, experts: Any) -> K3Output:
-        """`_run` of one committed row, on the plan's buffers."""
+    def _run_one(self, token: int, state: K3State, experts: Any, commit: bool = True,
+                 taps: frozenset[int] = frozenset(), mode: str = "raw") -> K3Output:
+        """`_run` of one row, on the plan's buffers: what a speculative row keeps for its commit
+        and the tapped inputs are fresh copies."""
         F = kfused._fused
         nt = kthreads.native()
         E, eps = self.E, self.eps
         layers = state.layers
         for c in state.mla_caches():
             c.truncate(state.pos)          # drop rows a speculative pass left behind
+        out = K3Output(logits=None)
+        captured = None if commit else Captured(state.pos, 1)
+        raw = mode == "raw"
         self.embed((token,), self.stream_in[0].t, nt)
         x = self.stream_in[0].addr
         for il, (attn, kda, ffn, moe, attn_w, ffn_w, mix_a, mix_f, h_a, h_f, s_in, after_t, s_out) in \
                 enumerate(self.plan):
+            mixed = s_in
             if mix_a is not None:
-                F.res_mix(mix_a[0], s_in.addr, mix_a[1], mix_a[2], 1, E, eps, nt)
-                x = mix_a[2]
-            F.rms_norm(x, attn_w, 0, h_a.addr, 1, E, eps, 0, nt)
+                mixed = mix_a[2]
+                F.res_mix(mix_a[0], s_in.addr, mix_a[1], mixed.addr, 1, E, eps, nt)
+            if il in taps:
+                out.layer_inputs[il] = (s_in if raw else mixed).t.clone().view(1, 1, E)
+            F.rms_norm(mixed.addr, attn_w, 0, h_a.addr, 1, E, eps, 0, nt)
             if kda:
-                a = attn(h_a.addr, h_a.buf, layers[il], nt, 1, True)[0]
+                a, rows = attn(h_a.addr, h_a.buf, layers[il], nt, 1, commit)
+                if captured is not None and rows is not None:
+                    captured.kda[il] = rows
             else:
                 a = attn(h_a.addr, layers[il], nt, 1)
             after = a if after_t is None else torch.add(s_in.t, a, out=after_t)
             x = after.data_ptr()
             if mix_f is not None:
-                F.res_mix(mix_f[0], x, mix_f[1], mix_f[2], 1, E, eps, nt)
-                x = mix_f[2]
+                F.res_mix(mix_f[0], x, mix_f[1], mix_f[2].addr, 1, E, eps, nt)
+                x = mix_f[2].addr
             F.rms_norm(x, ffn_w, 0, h_f.addr, 1, E, eps, 0, nt)
             f = ffn(h_f.t, h_f.buf, experts, nt, 1)[0] if moe else ffn(h_f.buf, nt, 1)
             torch.add(after, f, out=s_out)
             x = s_out.data_ptr()
+        final = self.stream_in[-1]
         if self.final_mix is not None:
-            bank, score, y = self.final_mix
-            F.res_mix(bank, x, score, y, 1, E, eps, nt)
-            x = y
+            bank, score, final = self.final_mix
+            F.res_mix(bank, x, score, final.addr, 1, E, eps, nt)
+        n_layers = self.cfg.num_layers
+        if n_layers in taps:
+            out.layer_inputs[n_layers] = (self.stream_in[-1] if raw else final).t.clone().view(1, 1, E)
         normed = self.normed[-1]
-        F.rms_norm(x, self.final_norm.data_ptr(), 0, normed.addr, 1, E, eps, 0, nt)
+        F.rms_norm(final.addr, self.final_norm.data_ptr(), 0, normed.addr, 1, E, eps, 0, nt)
         qtype, raw_w, n_out, n_in = self.lm_q
         lg = torch.empty(1, 1, n_out)
         kq._qmatmul.matmul_q8(qtype, raw_w, normed.addr, lg.data_ptr(), n_out, n_in, 1, -1, nt, 1, kq.I8_PATH)
-        state.pos += 1
-        return K3Output(logits=lg)
+        out.logits = lg
+        if commit:
+            state.pos += 1
+        out.captured = captured
+        return out
 
     def _run(
         self,

@@ -150,6 +150,8 @@ class SpeculativeDecoder:
         self.verify_seen: dict[int, float] = {}    # step()'s verify seconds by width (running means)
         self._declined, self._probe_every = 0, PROBE_FIRST
         self._unjudged = JUDGE_AFTER               # draft steps to take before draft_pays judges
+        self._plain_asked = 0                      # plain passes draft_pays asked for, to time
+        self._plain_timed = 0                      # one-row verifies timed
         self.probing = False                       # the last draft_pays drafted only to look again
         # drafted passes as realized: (tokens, seconds) sums with forgetting, and how many
         self._realized = (0.0, 0.0)
@@ -305,7 +307,11 @@ class SpeculativeDecoder:
         verdict stands). The first JUDGE_AFTER steps draft, and so do the JUDGE_AFTER after a probe
         that paid (committed more tokens per second than a plain pass would): a drafter is often
         wrong just after a prompt and right after that (the shipped mini's, on some prompts), and
-        acceptance counted since the start would take many probes to say so. Only for greedy
+        acceptance counted since the start would take many probes to say so. After the first ones,
+        one pass is plain where none has been timed, and one more before the realized rate first
+        judges (the faster of the two counts: the first may have read experts): the plain rate is
+        measured, not extrapolated from wide verifies (which price a one-row pass far above a target
+        whose one-row step is cheaper than a block's first row, the mini's row step). Only for greedy
         sequences whose draft cost is measured (`draft_cost` None: target.cost is seconds): their
         output does not depend on it, while a sampled sequence's draws must not depend on timing
         (a seed must repeat), so those always draft."""
@@ -316,6 +322,12 @@ class SpeculativeDecoder:
         if (not self.sampling.greedy or sched.budget is not None or sched.draft_cost is not None
                 or d is None or not self.verify_scale or self._unjudged > 0):
             return True
+        if (self._plain_asked == 0 and 1 not in self.verify_seen) or \
+                (self._plain_asked == 1 and self._plain_timed < 2 and self._realized_n >= REALIZED_AFTER):
+            # a plain pass, timed: the rate drafting is judged against (twice: the first may have
+            # read experts a warm pass would not)
+            self._plain_asked += 1
+            return False
         seconds = self._seconds
         surv = prefix_survival(self.depth.upper(self.draft.n_proposals))
         rows = min(self.draft.n_proposals + 1, remaining)
@@ -388,7 +400,12 @@ class SpeculativeDecoder:
             old = self.verify_scale.get(key)
             self.verify_scale[key] = ratio if old is None else 0.8 * old + 0.2 * ratio
             seen = self.verify_seen.get(width)
-            self.verify_seen[width] = dt if seen is None else 0.8 * seen + 0.2 * dt
+            if width == 1:               # the first two one-row timings: the faster (a cold first one)
+                self._plain_timed += 1
+                self.verify_seen[1] = dt if seen is None else min(seen, dt) if self._plain_timed <= 2 \
+                    else 0.8 * seen + 0.2 * dt
+            else:
+                self.verify_seen[width] = dt if seen is None else 0.8 * seen + 0.2 * dt
         tokens = self.accept(props, width, v)
         if props is not None:
             self._unjudged = max(0, self._unjudged - 1)
