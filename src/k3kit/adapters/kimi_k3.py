@@ -53,7 +53,7 @@ from k3kit.models.kimi_k3.gguf_load import (
     ggml_input_kinds,
 )
 from k3kit.models.kimi_k3.mla import LatentHeads
-from k3kit.models.kimi_k3.model import Captured, K3Model, SegmentOutput, commit_rows
+from k3kit.models.kimi_k3.model import Captured, K3Model, commit_rows
 from k3kit.models.kimi_k3.moe import set_expert_prefetch
 from k3kit.models.kimi_k3.row_step import RowStep
 from k3kit.models.kimi_k3.state import K3State, KDAState
@@ -238,16 +238,12 @@ class K3Adapter(SequenceSnapshots):
         return out.logits[0].float()
 
     def row_step(self, segments: bool = False) -> RowStep | None:
-        """The model's step for the rows of one sequence (k3kit.models.kimi_k3.row_step) in
-        `forward`'s arithmetic, or with `segments` in `forward_segments`' (what serving passes of
-        one sequence run); made at the first call. None where the model or its devices do not
-        allow one (`row_step_note` says why)."""
+        """The model's step for the rows of one sequence (models/kimi_k3/row_step.py; `segments`: in
+        forward_segments' arithmetic), made at first use; None where it cannot run (`row_step_note`)."""
         made = self._row_steps.get(segments, False)
         if made is False:
-            if any(d.type != "cpu" for d in self.layer_dev):
-                made, self.row_step_note = None, "a layer on a GPU"
-            else:
-                made, self.row_step_note = RowStep.build(self.model, segments)
+            gpu = any(d.type != "cpu" for d in self.layer_dev)
+            made, self.row_step_note = (None, "a GPU layer") if gpu else RowStep.build(self.model, segments)
             self._row_steps[segments] = made
         return made if isinstance(made, RowStep) else None
 
@@ -417,7 +413,9 @@ class K3Adapter(SequenceSnapshots):
             cap.append(sid in capture)
             ids_of.append(vals)
         with _pass_threads(sum(len(v) for v in ids_of)):
-            outs = self._one_segment(segments[0][1], ids_of[0], spec[0], cap[0]) if len(rows) == 1 else None
+            step, tapped = self.row_step(True) if len(rows) == 1 else None, self.tap_layers if cap[0] else ()
+            outs = step.segment(ids_of[0], segments[0][1], self.experts, spec[0], tapped, self.capture_mode) \
+                if step is not None else None
             if outs is None:
                 outs = self.model.forward_segments(
                     segments, experts=self.experts, speculative=spec, capture=cap,
@@ -431,19 +429,6 @@ class K3Adapter(SequenceSnapshots):
                 taps = o.logits.new_zeros(len(ids), 0)
             result.append(VerifyOutput(o.logits.float(), taps.float() if taps is not None else None))
         return result
-
-    def _one_segment(self, state: K3State, ids: list[int], spec: bool,
-                     cap: bool) -> list[SegmentOutput] | None:
-        """forward_segments of a pass of one sequence through the row step (the same floats), or
-        None where it does not run."""
-        step = self.row_step(segments=True)
-        taps = self.tap_layers if cap else ()
-        out = step.run(ids, state, self.experts, commit=not spec, taps=taps, mode=self.capture_mode,
-                       logits="all" if spec else "last") if step is not None else None
-        if out is None or out.logits is None:
-            return None
-        feats = torch.cat([out.layer_inputs[il][0] for il in taps], dim=-1) if taps else None
-        return [SegmentOutput(out.logits[0], feats, out.captured)]
 
     @torch.no_grad()
     def commit_sequence(self, seq: int, n: int) -> None:

@@ -40,7 +40,7 @@ from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
 from .mla import MLA
-from .model import Captured, K3Layer, K3Model, K3Output
+from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput
 from .moe import LatentMoE
 from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
 from .state import K3State, KDAState
@@ -226,6 +226,17 @@ class RowStep:
             return self._run(tokens, state, experts, commit, frozenset(taps), mode, logits)
         finally:
             self.lock.release()
+
+    def segment(self, tokens: Sequence[int], state: K3State, experts: Any, speculative: bool,
+                taps: Sequence[int], mode: str) -> list[SegmentOutput] | None:
+        """`forward_segments` of one segment (a serving pass of one sequence; a step built with
+        `segments`): its output, the same floats, or None where this step cannot run it."""
+        out = self.run(tokens, state, experts, commit=not speculative, taps=taps, mode=mode,
+                       logits="all" if speculative else "last")
+        if out is None or out.logits is None:
+            return None
+        feats = torch.cat([out.layer_inputs[il][0] for il in taps], dim=-1) if taps else None
+        return [SegmentOutput(out.logits[0], feats, out.captured)]
 
     def _one_row_plan(self) -> list[tuple[Any, ...]]:
         """Per layer, what a committed row's step passes, all fixed: the buffers' addresses, the
