@@ -128,7 +128,8 @@ def test_greedy_dspark_equals_ar_on_the_mini_model(mini):
         if cache == "one_per_layer":
             assert sp.stats.expert_misses > 0 and sp.stats.payload_bytes > 0
     assert seen_blocks == set(range(1, 8)) and len(seen_budgets) == 5 and len(seen_caches) == 3
-    assert full_replays == 0 and fast >= passes
+    # every verified block commits by ReplaySSM's fast path (one-row passes commit as plain steps)
+    assert full_replays == 0 and fast > passes / 2
     assert committed / passes > 1.5          # the drafter really drafts: passes commit several tokens
     draft.set_block_size(None)
 
@@ -178,7 +179,8 @@ def test_replay_ssm_commits_what_ar_would_have(mini):
             st = dec.finish()
             assert st.target_counters["replay_full_replays"] == 0
             assert st.target_counters["replay_failed_fallbacks"] == 0
-            assert target.replay_fast_commits - fast0 == st.target_passes     # one fast commit per pass
+            # one fast commit per verified block (a one-row pass commits as a plain step)
+            assert target.replay_fast_commits - fast0 == sum(w > 1 for w in st.verify_rows)
             assert max(st.committed_per_pass) > 1
     finally:
         ar.close()
@@ -299,7 +301,8 @@ def test_cli_draft_json_equals_plain_and_reports_speculative_stats():
     assert len(s["acceptance_histogram"]) == 6 and sum(s["acceptance_histogram"]) == s["target_passes"]
     assert s["committed_per_pass"] == pytest.approx((n - 1) / s["target_passes"])
     assert s["target_passes"] <= s["verify_rows"] <= 6 * s["target_passes"]
-    assert s["replay_fast_commits"] >= s["target_passes"] and s["replay_full_replays"] == 0
+    # verified blocks commit by ReplaySSM's fast path, one-row passes as plain steps
+    assert 0 < s["replay_fast_commits"] <= s["target_passes"] and s["replay_full_replays"] == 0
     # streamed with --stats: same text, the speculative line on stderr
     st = _cli(*args[:-1], "--stats", "--draft", "default", "--verify-budget", "3")
     assert st.returncode == 0, st.stderr

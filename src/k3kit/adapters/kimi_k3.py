@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
+from k3kit.adapters.kimi_k3_sequence import Pending as _Pending
+from k3kit.adapters.kimi_k3_sequence import SequenceTarget
 from k3kit.adapters.kimi_k3_state import SequenceSnapshots
 from k3kit.adapters.store_experts import StoreExperts
 from k3kit.kernels import threads as kthreads
@@ -79,57 +80,6 @@ SERIAL_ROWS = 64
 
 def _pass_threads(rows: int) -> AbstractContextManager[None]:
     return kthreads.serial_torch() if rows <= SERIAL_ROWS else nullcontext()
-
-
-@dataclass
-class _Pending:
-    captured: Captured | None
-    n_rows: int
-    ids: list[int]
-
-
-class SequenceTarget:
-    """One open sequence of a K3Adapter as a runtime Target (K3Adapter.sequence_target)."""
-
-    def __init__(self, adapter: K3Adapter, seq: int):
-        self.adapter, self.seq = adapter, seq
-        self.vocab_size = adapter.vocab_size
-
-    @property
-    def tap_layers(self) -> tuple[int, ...]:
-        return self.adapter.tap_layers
-
-    @property
-    def position(self) -> int:
-        return self.adapter.sequence_position(self.seq)
-
-    def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:
-        """A one-entry pass; all_logits=False (a prompt chunk) commits at once, like the
-        single-sequence prefill's verify + commit(all)."""
-        a, cap = self.adapter, {self.seq} if capture else set()
-        if all_logits:
-            return a.verify_batch([(self.seq, ids)], verify={self.seq}, capture=cap)[0]
-        out = a.verify_batch([(self.seq, ids)], capture=cap)[0]
-        a._seq_pending[self.seq] = _Pending(None, len(ids), list(ids))
-        return out
-
-    def commit(self, n: int) -> None:
-        self.adapter.commit_sequence(self.seq, n)
-
-    def rollback(self) -> None:
-        self.adapter.commit_sequence(self.seq, 0)
-
-    def cost(self, n_rows: int) -> float:
-        return self.adapter.cost(n_rows)
-
-    def embed(self, ids: Tensor) -> Tensor:
-        return self.adapter.embed(ids)
-
-    def head(self, hidden: Tensor) -> Tensor:
-        return self.adapter.head(hidden)
-
-    def counters(self) -> dict[str, int]:
-        return self.adapter.counters()
 
 
 class K3Adapter(SequenceSnapshots):
@@ -246,6 +196,25 @@ class K3Adapter(SequenceSnapshots):
             made, self.row_step_note = (None, "a GPU layer") if gpu else RowStep.build(self.model, segments)
             self._row_steps[segments] = made
         return made if isinstance(made, RowStep) else None
+
+    @torch.no_grad()
+    def forward_taps(self, ids: Sequence[int]) -> VerifyOutput:
+        """`forward` of `ids`, committed, with every row's logits and tap features (a speculative
+        decoder's plain pass: runtime.protocols.CommittingTarget)."""
+        self._pending = None
+        vals, taps = self._id_list(ids), self.tap_layers
+        with _pass_threads(len(vals)):
+            step = self.row_step()
+            out = step.run(vals, self.state, self.experts, taps=taps, mode=self.capture_mode,
+                           logits="all") if step is not None else None
+            if out is None:
+                out = self.model(self._id_tensor(vals), self.state, experts=self.experts, capture_layers=taps,
+                                 capture_mode=self.capture_mode, logits="all")
+        assert out.logits is not None
+        self.history += vals
+        feats = torch.cat([out.layer_inputs[il][0].to(self.layer_dev[-1]) for il in taps], dim=-1) if taps \
+            else out.logits.new_zeros(len(vals), 0)
+        return VerifyOutput(out.logits[0].float(), feats.float())
 
     @torch.no_grad()
     def verify(self, ids: Sequence[int], capture: bool = True, all_logits: bool = True) -> VerifyOutput:

@@ -232,6 +232,15 @@ class VerifyOutput:
 
 
 @runtime_checkable
+class CommittingTarget(Protocol):
+    """A Target that can also run rows committed at once with their tap features: a speculative
+    decoder's one-row (plain) pass, which has no proposals to reject and so nothing to keep
+    pending, runs as a plain decode step (a target's `forward`) instead of a verify and a commit."""
+
+    def forward_taps(self, ids: Sequence[int]) -> VerifyOutput: ...
+
+
+@runtime_checkable
 class Target(Protocol):
     tap_layers: tuple[int, ...]
     vocab_size: int

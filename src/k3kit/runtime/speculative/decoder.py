@@ -19,12 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
-from k3kit.runtime.protocols import Draft, DraftBlock, Target, VerifyOutput
+from k3kit.runtime.protocols import CommittingTarget, Draft, DraftBlock, Target, VerifyOutput
 from k3kit.runtime.speculative.accept import accept_greedy, accept_sampled
 from k3kit.runtime.speculative.feature_ring import FeatureRing
 from k3kit.runtime.speculative.proposal import Proposal, chain, propose
@@ -392,8 +392,14 @@ class SpeculativeDecoder:
         if self.probing and props is not None:        # a probe verifies all it has: it is there to see
             width = min(len(props.tokens) + 1, remaining)
         cand = props.tokens[: width - 1] if props else []
+        # a plain pass commits its one row whatever it samples (no grammar to cut it): where the
+        # target can, it runs as a plain decode step that returns the taps, with nothing pending
+        committed = not cand and self.constraint is None and isinstance(self.target, CommittingTarget)
         t0 = self.clock()
-        v = self.target.verify([anchor, *cand], capture=True)
+        if committed:
+            v = cast(CommittingTarget, self.target).forward_taps([anchor])
+        else:
+            v = self.target.verify([anchor, *cand], capture=True)
         dt, cost = self.clock() - t0, self.target.cost(width)
         if dt > 0 and cost > 0:
             key, ratio = width > 1, dt / cost
@@ -406,7 +412,7 @@ class SpeculativeDecoder:
                     else 0.8 * seen + 0.2 * dt
             else:
                 self.verify_seen[width] = dt if seen is None else 0.8 * seen + 0.2 * dt
-        tokens = self.accept(props, width, v)
+        tokens = self.accept(props, width, v, committed=committed)
         if props is not None:
             self._unjudged = max(0, self._unjudged - 1)
             f, (tok, sec) = REALIZED_FORGET, self._realized
