@@ -93,3 +93,16 @@ def test_dspark_with_and_without_the_steps_gives_the_same_tokens(session, monkey
         monkeypatch.setattr(session.model, "_row_steps", {False: None, True: None})
         slow = _decode(session, "import os\nimport", 40)
     assert fast == slow
+
+
+def test_loading_the_target_and_its_drafter_does_not_import_dynamo():
+    """Building the models on the meta device (nn.Embedding's init, a rope table) went through
+    torch._refs, whose first use imports torch._dynamo: 1.5 s of every `generate --draft`."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom k3kit.adapters.session import open_session\n"
+            "from k3kit.runtime.loader import LoadOptions\nfrom k3kit.mini import paths\n"
+            "with open_session(paths.shipped_gguf(), LoadOptions(), draft=paths.shipped_draft()):\n"
+            "    pass\nprint('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -31,7 +31,9 @@ def inv_freq(dim: int, base: float, *, factor: float | None = None, original_con
              beta_fast: float = YARN_BETA_FAST, beta_slow: float = YARN_BETA_SLOW,
              truncate: bool = True) -> Tensor:
     """Inverse frequencies [dim / 2] (float64) of `dim` rotary dims; YaRN-blended if `factor`."""
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    # on the CPU even under a `torch.device("meta")` block (a model built there): there the factory
+    # would go through torch._refs, whose first use imports torch._dynamo (1.5 s of a load)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
     inv_extra = 1.0 / pos_freqs
     if factor is None:
         return inv_extra

@@ -227,7 +227,13 @@ def rows_linear(x: Tensor, lin: nn.Module) -> Tensor:
 class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int):
         super().__init__()
-        self.markov_w1 = nn.Embedding(vocab, rank)
+        # nn.Embedding's own initialisation goes through torch.nn.init, whose first call imports
+        # torch._dynamo (1.5 s of loading a drafter); Tensor.normal_ is the same draw without it
+        table = torch.empty(vocab, rank)
+        if not table.is_meta:
+            with torch.no_grad():
+                table.normal_()
+        self.markov_w1 = nn.Embedding(vocab, rank, _weight=table)
         self.markov_w2 = nn.Linear(rank, vocab, bias=False)
 
 
