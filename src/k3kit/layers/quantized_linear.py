@@ -264,6 +264,18 @@ class QuantizedLinear(nn.Module):
         return y.to(x.device, x.dtype)
 
 
+def fusable_matrices(linears: Sequence[nn.Module]) -> list[QuantizedMatrix] | None:
+    """The QuantizedMatrix of each of `linears` where one native call can multiply them all
+    (`fused_products`: QuantizedLinear without a bias, one type and shape, native ggml arithmetic),
+    else None."""
+    mats = []
+    for m in linears:
+        if not isinstance(m, QuantizedLinear) or m.bias is not None or m.matrix is None:
+            return None
+        mats.append(m.matrix)
+    return mats if experts_fusable(mats) and mats[0].native else None
+
+
 def fused_products(linears: Sequence[nn.Module], x: Tensor) -> Tensor | None:
     """x [..., n_in] through several QuantizedLinear of one ggml type and shape that share it as
     input, in one native call (qmatmul's experts_q8 with one segment): float32 [len(linears),
@@ -274,17 +286,11 @@ def fused_products(linears: Sequence[nn.Module], x: Tensor) -> Tensor | None:
     the threads once; a KDA layer's q, k, v and output-gate projections are one call a token."""
     if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    mats = []
-    for m in linears:
-        if not isinstance(m, QuantizedLinear) or m.check is not None or m.bias is not None:
-            return None
-        if m.matrix is None:
-            return None
-        mats.append(m.matrix)
-    if not experts_fusable(mats) or not x.is_contiguous():
+    mats = fusable_matrices(linears)
+    if mats is None or not x.is_contiguous() or any(getattr(m, "check", None) is not None for m in linears):
         return None
     first = mats[0]
-    if not first.native or x.shape[-1] != first.in_features:
+    if x.shape[-1] != first.in_features:
         return None
     rows = x.numel() // first.in_features
     y = torch.empty(len(mats), rows, first.out_features)

@@ -25,7 +25,7 @@ from k3kit.kernels import qmatmul as kq
 from k3kit.kernels import threads as kthreads
 from k3kit.layers.module_hooks import hooked
 from k3kit.layers.norm import RMSNorm
-from k3kit.layers.quantized_linear import QuantizedLinear
+from k3kit.layers.quantized_linear import fusable_matrices
 from k3kit.layers.rope import RopeTable
 
 from .network import DraftLayer, DSparkDraft, _join
@@ -50,13 +50,9 @@ def _norm(m: nn.Module) -> tuple[int, float]:
 
 def _matrices(lins: Sequence[nn.Module]) -> list[Any]:
     """The QuantizedMatrix of each linear, fusable into one native call (fused_products)."""
-    mats = []
-    for lin in lins:
-        if not isinstance(lin, QuantizedLinear) or lin.bias is not None or lin.matrix is None:
-            raise Unfit("a projection that is not a quantized matrix without a bias")
-        mats.append(lin.matrix)
-    if not kq.experts_fusable(mats) or not mats[0].native:
-        raise Unfit("projections the native fused call does not take")
+    mats = fusable_matrices(lins)
+    if mats is None:
+        raise Unfit("projections that are not quantized matrices one native call takes")
     return mats
 
 

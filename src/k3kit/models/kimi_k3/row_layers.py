@@ -19,7 +19,7 @@ from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
 from k3kit.layers.moe import FUSED_MAX_ROWS, GROUPED_MAX_ROWS, RoutedMoE, RouteGroups, _whole_vectors
-from k3kit.layers.quantized_linear import QuantizedLinear
+from k3kit.layers.quantized_linear import QuantizedLinear, fusable_matrices
 
 from . import mla as mla_ops
 from .kda import KDA, KDARows
@@ -66,15 +66,10 @@ class FusedProducts:
     """`quantized_linear.fused_products` of several QuantizedLinear on one row: one experts_q8
     call, [len, 1, n_out] into a buffer."""
 
-
     def __init__(self, lins: Sequence[nn.Module]):
-        mats = []
-        for m in lins:
-            if not isinstance(m, QuantizedLinear) or m.bias is not None or m.matrix is None:
-                raise Unfit("a fused product of layers that are not all quantized")
-            mats.append(m.matrix)
-        if not kq.experts_fusable(mats) or not mats[0].native:
-            raise Unfit("products that the native fused call does not take")
+        mats = fusable_matrices(lins)
+        if mats is None:
+            raise Unfit("products that are not quantized matrices one native call takes")
         self.lins = list(lins)
         self.qtype, self.raws = mats[0]._qtype_id, [m._raw_np for m in mats]
         self.n_out, self.n_in, self.per = mats[0].out_features, mats[0].in_features, len(mats)
