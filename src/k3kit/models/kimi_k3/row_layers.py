@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
-from k3kit.layers.moe import FUSED_MAX_ROWS, GROUPED_MAX_ROWS, RoutedMoE, RouteGroups, _whole_vectors
+from k3kit.layers.moe import RoutedMoE, RouteGroups, _whole_vectors
 from k3kit.layers.quantized_linear import QuantizedLinear, fusable_matrices
 
 from . import mla as mla_ops
@@ -45,7 +45,6 @@ class Product:
         q8 = lin._q8 if isinstance(lin, QuantizedLinear) else None
         if q8 is None or lin.bias is not None:
             raise Unfit(f"{type(lin).__name__} is not a native ggml-arithmetic product without a bias")
-        self.lin = lin
         self.qtype: int = q8._qtype_id
         self.raw: np.ndarray = q8._raw_np
         self.n_out: int = q8.out_features
@@ -70,7 +69,6 @@ class FusedProducts:
         mats = fusable_matrices(lins)
         if mats is None:
             raise Unfit("products that are not quantized matrices one native call takes")
-        self.lins = list(lins)
         self.qtype, self.raws = mats[0]._qtype_id, [m._raw_np for m in mats]
         self.n_out, self.n_in, self.per = mats[0].out_features, mats[0].in_features, len(mats)
         self.out = empty(self.per, 1, self.n_out)
@@ -460,7 +458,6 @@ class MoeLayer:
         self.out = empty(1, cfg.hidden_size)
         self.ones = [1] * k
         self.zeros = [0] * k
-        self.small = moe._small_experts()
 
     def _experts(
         self,
@@ -493,8 +490,8 @@ class MoeLayer:
         if not (kq.experts_fusable(downs) and kq.experts_fusable(gates + ups)) or not _whole_vectors(
             self.gu[0]
         ):
-            fusable = 1 <= FUSED_MAX_ROWS or self.small
-            y = moe._run_together(xl, groups, w, fetched, fusable, 1 <= GROUPED_MAX_ROWS)
+            # one row an expert: within _run_each's row limits for the fused and the grouped ways
+            y = moe._run_together(xl, groups, w, fetched, True, True)
             return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
         first = gates[0]
         flat = [m._raw_np for pair in zip(gates, ups, strict=True) for m in pair]

@@ -95,7 +95,6 @@ class RowStep:
             self._keep.append(out_score)
             self.out_score = out_score.data_ptr()
         self.final_norm = f32(model.norm.detach(), "final norm")
-        self.lm_head = model.lm_head
         lm = Product(model.lm_head)
         self.lm_q = (lm.qtype, lm.raw, lm.n_out, lm.n_in)
         # per layer: the stream entering it, the two mixes and norms, the stream after attention
