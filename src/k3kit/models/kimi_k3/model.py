@@ -40,7 +40,7 @@ from .mla import attend_rows as mla_attend_rows
 from .mla import output_rows as mla_output_rows
 from .mla import project_rows as mla_project_rows
 from .mla import value_rows as mla_value_rows
-from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE, Router
+from .moe import DenseFFN, LatentMoE, Router, route
 from .mxfp4 import ggml_input_round
 from .state import K3State, KDAState, MLACache
 
@@ -447,13 +447,8 @@ def _latent_moe_rows(moe: LatentMoE, x: Tensor, experts: ExpertProvider | None) 
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     router = moe.router
-    probs = torch.sigmoid(_row_product(ggml_input_round(xf, router.ggml_input), router.weight))
-    ids = torch.topk(probs + router.bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
-    w = torch.gather(probs, -1, ids)
-    if cfg.moe_renormalize:
-        w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
-    if cfg.routed_scaling_factor not in (0.0, 1.0):
-        w = w * cfg.routed_scaling_factor
+    ids, w = route(torch.sigmoid(_row_product(ggml_input_round(xf, router.ggml_input), router.weight)),
+                   router.bias, cfg)
     xl = moe.routed_down(xf) if moe.routed_down is not None else xf
     y = moe.run_experts(xl, ids, w, experts)
     if moe.routed_norm is not None:

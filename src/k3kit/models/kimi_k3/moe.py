@@ -51,14 +51,20 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, hidden] -> (expert ids [N, k] best first, routing weights [N, k])."""
         cfg = self.cfg
-        probs = torch.sigmoid(ggml_input_round(x, self.ggml_input) @ self.weight.t())
-        ids = torch.topk(probs + self.bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
-        w = torch.gather(probs, -1, ids)
-        if cfg.moe_renormalize:
-            w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
-        if cfg.routed_scaling_factor not in (0.0, 1.0):
-            w = w * cfg.routed_scaling_factor
-        return ids, w
+        return route(torch.sigmoid(ggml_input_round(x, self.ggml_input) @ self.weight.t()), self.bias, cfg)
+
+
+def route(probs: Tensor, bias: Tensor, cfg: K3ModelConfig) -> tuple[Tensor, Tensor]:
+    """The router's sigmoid scores probs [N, E] -> (expert ids [N, k] best first by probs + bias,
+    their weights [N, k]: renormalised and scaled as the config says). The one routing every
+    path takes (Router, the batched pass, the row steps), so they keep the same floats."""
+    ids = torch.topk(probs + bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
+    w = torch.gather(probs, -1, ids)
+    if cfg.moe_renormalize:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
+    if cfg.routed_scaling_factor not in (0.0, 1.0):
+        w = w * cfg.routed_scaling_factor
+    return ids, w
 
 
 class DenseFFN(nn.Module):

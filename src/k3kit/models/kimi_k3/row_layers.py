@@ -26,7 +26,7 @@ from .kda import KDA, KDARows
 from .kda import _padded_sigmoid as padded_sigmoid
 from .mla import MLA
 from .model import _row_product as row_product
-from .moe import _WEIGHT_SUM_MIN, DenseFFN, LatentMoE
+from .moe import DenseFFN, LatentMoE, route
 from .state import KDAState, MLACache
 
 F32 = 4
@@ -438,7 +438,7 @@ class MoeLayer:
         self.router_w = moe.router.weight
         self.router_wt = moe.router.weight.t()          # a view: the weight's own floats
         self.router_bias = moe.router.bias
-        self.renorm, self.scale = cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.cfg = cfg
         self.eps = cfg.rms_norm_eps
         self.beta, self.lb = cfg.situ_beta, cfg.situ_linear_beta
         self.down = Product(moe.routed_down) if moe.routed_down is not None else None
@@ -525,12 +525,7 @@ class MoeLayer:
         """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
         moe = self.moe
         probs = torch.sigmoid(row_product(x, self.router_w) if self.segments else x @ self.router_wt)
-        ids = torch.topk(probs + self.router_bias, self.k, dim=-1, sorted=True).indices
-        w = torch.gather(probs, -1, ids)
-        if self.renorm:
-            w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
-        if self.scale not in (0.0, 1.0):
-            w = w * self.scale
+        ids, w = route(probs, self.router_bias, self.cfg)
         if self.down is not None:
             xl = self.down(x.data_ptr(), nt, T)
             xl_buf = self.down.out_buf if T == 1 else kq.buf(xl)
