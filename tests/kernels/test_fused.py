@@ -270,6 +270,63 @@ def test_markov_greedy_ties_and_nan_pick_as_torch_argmax():
     assert fused.markov_greedy(base, w1, w2t, V) is None          # an anchor outside the table
 
 
+def _bits(allowed: torch.Tensor, W: int) -> torch.Tensor:
+    """A bool row [V] as an int32 bitmask of W words (bit t % 32 of word t // 32)."""
+    out = torch.zeros(W, dtype=torch.int64)
+    for t in allowed.nonzero().flatten().tolist():
+        if t < 32 * W:
+            out[t >> 5] |= 1 << (t & 31)
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("V, r", [(4096, 32), (1000, 8), (77, 5)])
+def test_markov_masked_row_is_the_chains_row_and_picks_the_best_allowed_token(V, r):
+    """One row under a bitmask: the row has markov_greedy's bits; the token is the argmax where
+    the mask allows it, else the best allowed token (torch's argmax of the masked row)."""
+    g = torch.Generator().manual_seed(V + r)
+    base = torch.randn(6, V, generator=g) * 4
+    w1, w2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g) / r ** 0.5
+    w2t = w2.t().contiguous()
+    W = (V + 31) // 32
+    prev, forbidden_best = 3, 0
+    for k in range(base.shape[0]):
+        want = fused.markov_greedy(base[k:k + 1], w1, w2t, prev)
+        assert want is not None
+        row = want[1][0]
+        allowed = torch.rand(V, generator=g) < (0.02 if k % 2 else 0.5)
+        allowed[int(torch.randint(V, (1,), generator=g))] = True
+        forbidden_best += not bool(allowed[int(row.argmax())])
+        out = fused.markov_masked(base[k], w1, w2t, prev, _bits(allowed, W))
+        assert out is not None
+        tok, got_row, w1row = out
+        assert torch.equal(got_row, row) and torch.equal(w1row, w1[prev])
+        assert tok == int(torch.argmax(row.masked_fill(~allowed, float("-inf"))))
+        prev = tok
+    assert forbidden_best >= 2           # the masked pick was tested, not only the argmax
+
+
+def test_markov_masked_ties_nan_words_and_nothing_allowed():
+    V, r = 70, 2
+    w1, w2t = torch.zeros(V, r), torch.zeros(r, V)
+    base = torch.zeros(V)
+    base[[3, 9, 40]] = 5.0
+    every = torch.ones(V, dtype=torch.bool)
+    assert fused.markov_masked(base, w1, w2t, 0, _bits(every, 3))[0] == 3         # equal maxima: the first
+    no3 = every.clone()
+    no3[3] = False
+    assert fused.markov_masked(base, w1, w2t, 0, _bits(no3, 3))[0] == 9
+    assert fused.markov_masked(base, w1, w2t, 0, _bits(every, 1))[0] == 3     # tokens past 32 W: not allowed
+    assert fused.markov_masked(base, w1, w2t, 0, _bits(torch.arange(V) >= 32, 1))[0] == 0   # none allowed
+    nan = base.clone()
+    nan[[12, 50]] = float("nan")
+    assert fused.markov_masked(nan, w1, w2t, 0, _bits(every, 3))[0] == 12         # a NaN wins, as in argmax
+    no12 = every.clone()
+    no12[12] = False
+    assert fused.markov_masked(nan, w1, w2t, 0, _bits(no12, 3))[0] == 50
+    assert fused.markov_masked(base, w1, w2t, V, _bits(every, 3)) is None         # a token outside the table
+    assert fused.markov_masked(base, w1, w2t, 0, _bits(every, 3).long()) is None  # bits not int32
+
+
 @pytest.mark.parametrize("R,V,W", [(1, 4096, 128), (8, 4096, 128), (3, 5000, 128), (2, 100, 5), (2, 37, 1)])
 def test_apply_bitmask_gives_the_torch_ops_values(R, V, W, monkeypatch):
     from k3kit.runtime import constraint

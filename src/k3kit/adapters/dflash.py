@@ -287,6 +287,14 @@ class DSparkDrafter:
         return self.draft.markov_greedy(base, anchor)
 
     @torch.no_grad()
+    def markov_masked(self, base: Tensor, prev: int, bits: Tensor) -> tuple[int, Tensor, Tensor] | None:
+        """One row of the greedy Markov chain under a grammar's bitmask in one call where the
+        weights allow (see DSparkDraft.markov_masked), else None."""
+        if base.device != self.device:
+            return None
+        return self.draft.markov_masked(base, prev, bits)
+
+    @torch.no_grad()
     def markov_bias(self, w1_prev: Tensor) -> Tensor:
         return self.draft.markov_bias(w1_prev.to(self.device)).to(self.home)
 

@@ -281,8 +281,13 @@ static void rope_rows(const float *x, const float *cos_t, const float *sin_t, fl
  * W1 [V, r] and W2 transposed, w2t [r, V], float32: each rank step is one pass over the row,
  * vectorized across the vocabulary, every value's sum in the same order. One thread: the chain is
  * sequential and a row is a few hundred thousand multiply-adds at most. */
+/* bits (NULL for none): one row's grammar bitmask of W words (bit t % 32 of word t / 32: token t
+ * allowed; tokens from 32 W on are not), for a chain of one row: its token is then the best
+ * allowed one (the first of equal maxima, a NaN winning; the first allowed token where every
+ * allowed value is -inf), which is the argmax whenever the argmax is allowed. */
 VECTOR_CLONES static void markov_chain(const float *base, const float *w1, const float *w2t, int64_t anchor,
-                                       float *rows, int64_t *toks, float *w1s, int64_t n, int64_t V, int64_t r) {
+                                       float *rows, int64_t *toks, float *w1s, int64_t n, int64_t V, int64_t r,
+                                       const uint32_t *bits, int64_t W) {
     int64_t prev = anchor;
     for (int64_t k = 0; k < n; k++) {
         float *wk = w1s + k * r;
@@ -296,13 +301,15 @@ VECTOR_CLONES static void markov_chain(const float *base, const float *w1, const
         }
         int64_t best = 0;
         float bv = 0.0f;
-        int nan_seen = 0;
+        int nan_seen = 0, any = 0;
         for (int64_t j = 0; j < V; j++) {
             const float v = bk[j] + rk[j];
             rk[j] = v;
             if (nan_seen) continue;
+            if (bits != NULL && (j >= 32 * W || !((bits[j >> 5] >> (j & 31)) & 1u))) continue;
             if (v != v) { best = j; nan_seen = 1; }
-            else if (j == 0 || v > bv) { best = j; bv = v; }
+            else if (!any || v > bv) { best = j; bv = v; }
+            any = 1;
         }
         toks[k] = prev = best;
     }
@@ -455,9 +462,29 @@ static PyObject *py_markov_greedy(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     markov_chain(PTR(const float, base), PTR(const float, w1), PTR(const float, w2t), anchor, PTR(float, rows),
-                 PTR(int64_t, toks), PTR(float, w1s), n, V, r);
+                 PTR(int64_t, toks), PTR(float, w1s), n, V, r, NULL, 0);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* markov_masked(base, w1, w2t, prev, row, w1row, bits, V, r, W) -> token: one row of the chain
+ * (markov_greedy's, n = 1, after `prev`) whose token is the best one a grammar's bitmask bits
+ * [W] int32 allows. */
+static PyObject *py_markov_masked(PyObject *self, PyObject *args) {
+    Py_ssize_t base, w1, w2t, prev, row, w1row, bits, V, r, W;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &base, &w1, &w2t, &prev, &row, &w1row, &bits, &V, &r, &W))
+        return NULL;
+    if (!base || !w1 || !w2t || !row || !w1row || !bits || V < 1 || r < 1 || W < 1 || prev < 0 || prev >= V) {
+        PyErr_SetString(PyExc_ValueError, "markov_masked: bad buffers, sizes or token");
+        return NULL;
+    }
+    int64_t tok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    markov_chain(PTR(const float, base), PTR(const float, w1), PTR(const float, w2t), prev, PTR(float, row), &tok,
+                 PTR(float, w1row), 1, V, r, PTR(const uint32_t, bits), W);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong((long long)tok);
 }
 
 /* A grammar's token mask on rows of logits: y[r, t] = x[r, t] where bit t % 32 of word t / 32 of row
@@ -490,6 +517,7 @@ static PyObject *py_apply_bitmask(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"apply_bitmask", py_apply_bitmask, METH_VARARGS, "A grammar's token bitmask on rows of logits (-inf where off)."},
     {"markov_greedy", py_markov_greedy, METH_VARARGS, "DSpark's greedy Markov chain over a draft block."},
+    {"markov_masked", py_markov_masked, METH_VARARGS, "One row of DSpark's greedy Markov chain under a bitmask."},
     {"rope_neox", py_rope_neox, METH_VARARGS, "NeoX rotary embedding of rows of heads."},
     {"slot_sum", py_slot_sum, METH_VARARGS, "Routed experts' outputs onto their rows, weighted, in slot order."},
     {"short_conv", py_short_conv, METH_VARARGS, "KDA's q/k/v causal convs and SiLU."},

@@ -31,5 +31,10 @@ def markov_greedy(base: int, w1: int, w2t: int, anchor: int, rows: int, toks: in
     """DSpark's greedy Markov chain: rows[k] = base[k] + W2 . W1[prev] (W2 given transposed, [r, V]),
     toks[k] = prev = argmax rows[k], w1s[k] = W1[prev] (prev starts at the anchor)."""
 
+def markov_masked(base: int, w1: int, w2t: int, prev: int, row: int, w1row: int, bits: int, V: int, r: int,
+                  W: int, /) -> int:
+    """One row of markov_greedy's chain after `prev` whose token is the best one the bitmask bits
+    [W] (int32) allows."""
+
 def apply_bitmask(x: int, bits: int, y: int, R: int, V: int, W: int, /) -> None:
     """y [R, V] = x where bit t % 32 of bits[r, t // 32] (int32 [R, W]) is set, else -inf."""

@@ -181,6 +181,25 @@ def markov_greedy(base: Tensor, w1: Tensor, w2t: Tensor, anchor: int) -> tuple[T
     return toks, rows, w1s
 
 
+def markov_masked(base: Tensor, w1: Tensor, w2t: Tensor, prev: int,
+                  bits: Tensor) -> tuple[int, Tensor, Tensor] | None:
+    """One row of `markov_greedy`'s chain after token `prev` under a grammar: base [V] logits,
+    bits [W] int32 (bit t % 32 of word t // 32: token t allowed) -> (the best allowed token, the
+    row base + W2 . W1[prev] [V], W1[prev] [r]): the row is markov_greedy's, the token its argmax
+    whenever the grammar allows that; or None (run torch)."""
+    if not _ok(base, w1, w2t) or base.dim() != 1 or w1.dim() != 2 or w2t.shape != (w1.shape[1], w1.shape[0]) \
+            or base.shape[0] != w1.shape[0] or not 0 <= prev < w1.shape[0] or bits.dim() != 1 \
+            or bits.dtype is not torch.int32 or not bits.is_cpu or not bits.numel():
+        return None
+    base, w1, w2t, bits = _c(base), _c(w1), _c(w2t), _c(bits)
+    V, r = w1.shape
+    row = torch.empty(V)
+    w1row = torch.empty(r)
+    tok = _fused.markov_masked(base.data_ptr(), w1.data_ptr(), w2t.data_ptr(), int(prev), row.data_ptr(),
+                               w1row.data_ptr(), bits.data_ptr(), V, r, bits.numel())
+    return tok, row, w1row
+
+
 def apply_bitmask(rows: Tensor, bits: Tensor) -> Tensor | None:
     """rows [R, V] float32 logits with -inf where `bits` [R, W] (int32, bit j of word i: token
     32 i + j) is 0 and past its last word: a masked copy in one pass (a grammar's mask on every

@@ -324,6 +324,14 @@ class Walk:
         self.c.times.apply += time.perf_counter() - t1
         return int(torch.argmax(out).item()), out
 
+    def bits(self) -> Tensor:
+        """The grammar's bitmask [W] int32 for the next row (a buffer the next call overwrites),
+        filled as `mask` fills it and kept for the verify likewise."""
+        t0 = time.perf_counter()
+        self._fill()
+        self.c.times.fill += time.perf_counter() - t0
+        return self._bits[0]
+
     def _fill(self) -> None:
         self.c._fill(self._bits, 0)
         if len(self.rows) == self.steps:          # the first fill of this state: kept for the verify

@@ -455,6 +455,17 @@ class DSparkDraft(nn.Module):
         """The greedy Markov chain over a block's base logits [n, V] from `anchor` in one native
         call -> (tokens [n], corrected rows [n, V], W1 rows [n, r]), or None where it cannot run
         (quantized or bfloat16 Markov weights, a GPU: the caller chains with markov_embed/bias)."""
+        weights = self._markov_weights()
+        return None if weights is None else kfused.markov_greedy(base, weights[0], weights[1], anchor)
+
+    def markov_masked(self, base: Tensor, prev: int, bits: Tensor) -> tuple[int, Tensor, Tensor] | None:
+        """One row of `markov_greedy`'s chain after `prev` whose token is the best one a grammar's
+        bitmask bits [W] allows -> (token, corrected row [V], W1 row [r]), or None (as there)."""
+        weights = self._markov_weights()
+        return None if weights is None else kfused.markov_masked(base, weights[0], weights[1], prev, bits)
+
+    def _markov_weights(self) -> tuple[Tensor, Tensor] | None:
+        """W1 and W2 transposed (made once per weights) for the native chain, or None."""
         head = self.markov_head
         if head is None or not isinstance(head.markov_w1, nn.Embedding) \
                 or not isinstance(head.markov_w2, nn.Linear):
@@ -463,7 +474,7 @@ class DSparkDraft(nn.Module):
         key = (w2.data_ptr(), w2._version, w2.device, w2.dtype)
         if self._w2t is None or self._w2t[0] != key:         # W2 transposed, made once per weights
             self._w2t = (key, w2.detach().t().contiguous())
-        return kfused.markov_greedy(base, head.markov_w1.weight, self._w2t[1], anchor)
+        return head.markov_w1.weight, self._w2t[1]
 
     def confidence(self, hidden: Tensor, w1_prev: Tensor | None) -> Tensor:
         """c = sigmoid(w . [h ; W1[x_prev]] + b) -> [n]: the chance that this proposal is accepted

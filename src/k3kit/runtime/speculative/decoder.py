@@ -392,9 +392,11 @@ class SpeculativeDecoder:
         if self.probing and props is not None:        # a probe verifies all it has: it is there to see
             width = min(len(props.tokens) + 1, remaining)
         cand = props.tokens[: width - 1] if props else []
-        # a plain pass commits its one row whatever it samples (no grammar to cut it): where the
-        # target can, it runs as a plain decode step that returns the taps, with nothing pending
-        committed = not cand and self.constraint is None and isinstance(self.target, CommittingTarget)
+        # a plain pass commits its one row whatever it samples (a grammar that has not ended keeps
+        # any one token its mask allows): where the target can, it runs as a plain decode step
+        # that returns the taps, with nothing pending
+        committed = not cand and (self.constraint is None or not self.constraint.stopped) \
+            and isinstance(self.target, CommittingTarget)
         t0 = self.clock()
         if committed:
             v = cast(CommittingTarget, self.target).forward_taps([anchor])

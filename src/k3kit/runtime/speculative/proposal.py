@@ -8,7 +8,9 @@ a sample from q_k (the same transform the target's p goes through, the logit bia
 the target's history penalties are not the draft's to know) otherwise. Conditioning
 row k on the token actually proposed at k-1 is what keeps rejection sampling exact. With a
 grammar (a k3kit.runtime.constraint.Constraint), row k is masked with the grammar's state after
-the proposals before it, so the block follows the grammar; the masked row is q_k.
+the proposals before it, so the block follows the grammar; the masked row is q_k. A greedy
+row's pick under a grammar is its best allowed token: the draft's native chain takes the row's
+bitmask where it offers `markov_masked`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def propose(draft: Draft, anchor: int, position: int, sampling: Sampling,
     """Run one draft forward at `position` (the anchor's position) and chain its rows (under
     `constraint`'s grammar, when given: see the module docstring)."""
     block = draft.draft_block(anchor, position)
-    if constraint is None and (fast := _greedy_chain(draft, block, anchor, sampling)) is not None:
+    fast = _greedy_chain(draft, block, anchor, sampling) if constraint is None \
+        else _masked_chain(draft, block, anchor, sampling, constraint)
+    if fast is not None:
         return fast
     n = block.logits.shape[0]
     rows, qs, w1s, tokens = [], [], [], []
@@ -112,6 +116,51 @@ def _greedy_chain(draft: Draft, block: DraftBlock, anchor: int, sampling: Sampli
     return Proposal(tokens=tokens.tolist(), logits=rows, q=None, confidence=confidence)
 
 
+def _masked_chain(draft: Draft, block: DraftBlock, anchor: int, sampling: Sampling,
+                  constraint: Constraint) -> Proposal | None:
+    """`_greedy_chain` under a grammar: row k's token is the best one the grammar allows after
+    the tokens before it (what the row-by-row chain's `Walk.greedy` picks), each row one native
+    call with its bitmask (the walk keeps the masks for the verify, as it does row by row); once
+    the walk has ended (the grammar done, or a row with nothing allowed) the rest is one
+    `markov_greedy` call. None where the draft has no native chain: the chain runs row by row."""
+    masked = getattr(draft, "markov_masked", None)
+    greedy = getattr(draft, "markov_greedy", None)
+    n = block.logits.shape[0]
+    if masked is None or greedy is None or not draft.has_markov or not sampling.greedy \
+            or sampling.logit_bias or not n or constraint.stopped:
+        return None
+    rows: list[Tensor] = []
+    w1s: list[Tensor] = []
+    tokens: list[int] = []
+    prev = int(anchor)
+    walk = constraint.walk()
+    try:
+        for k in range(n):
+            if not walk.open:
+                rest = greedy(block.logits[k:], prev)
+                if rest is None:
+                    return None
+                tokens += rest[0].tolist()
+                rows += list(rest[1].unbind(0))
+                w1s += list(rest[2].unbind(0))
+                break
+            out = masked(block.logits[k], prev, walk.bits())
+            if out is None:
+                return None
+            prev, row, w1 = out
+            walk.step(prev)
+            tokens.append(prev)
+            rows.append(row)
+            w1s.append(w1)
+    finally:
+        walk.close()
+    w1_all = torch.stack(w1s)
+    confidence = None
+    if draft.has_confidence:
+        confidence = draft.confidence(block.hidden, w1_all).detach().to(torch.float64)
+    return Proposal(tokens=tokens, logits=torch.stack(rows), q=None, confidence=confidence)
+
+
 def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], samplings: Sequence[Sampling],
           gens: Sequence[torch.Generator | None],
           constraints: Sequence[Constraint | None] | None = None) -> list[Proposal]:
@@ -126,12 +175,16 @@ def chain(draft: Draft, blocks: Sequence[DraftBlock], anchors: Sequence[int], sa
     n_seq = len(blocks)
     if not n_seq:
         return []
-    if all(s.greedy and not s.logit_bias for s in samplings) and (constraints is None
-                                                                  or all(c is None for c in constraints)):
-        fast = [_greedy_chain(draft, b, a, s) for b, a, s in zip(blocks, anchors, samplings, strict=True)]
-        if all(f is not None for f in fast):
+    cons = list(constraints) if constraints is not None else [None] * n_seq
+    if all(s.greedy and not s.logit_bias for s in samplings):
+        fast: list[Proposal | None] = []
+        for b, a, s, c in zip(blocks, anchors, samplings, cons, strict=True):
+            fast.append(_greedy_chain(draft, b, a, s) if c is None else _masked_chain(draft, b, a, s, c))
+            if fast[-1] is None:
+                break
+        if len(fast) == n_seq and all(f is not None for f in fast):
             return [f for f in fast if f is not None]
-    walks: list[Walk | None] = [c.walk() if c is not None else None for c in (constraints or [None] * n_seq)]
+    walks: list[Walk | None] = [c.walk() if c is not None else None for c in cons]
     try:
         return _chain(draft, blocks, anchors, samplings, gens, walks)
     finally:
