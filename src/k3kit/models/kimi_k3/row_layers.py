@@ -18,7 +18,14 @@ from torch import Tensor, nn
 from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
-from k3kit.layers.moe import RoutedMoE, RouteGroups, _whole_vectors
+from k3kit.layers.moe import (
+    FUSED_MAX_ROWS,
+    GROUPED_MAX_ROWS,
+    RoutedMoE,
+    RouteGroups,
+    _whole_vectors,
+    group_routes,
+)
 from k3kit.layers.quantized_linear import QuantizedLinear, fusable_matrices
 
 from . import mla as mla_ops
@@ -468,58 +475,61 @@ class MoeLayer:
         experts: Any,
         guess: tuple[int, list[int]] | None,
         nt: int,
+        T: int,
     ) -> Tensor:
-        """run_experts(xl, ids, w, experts, guess) for one row."""
+        """run_experts(xl, ids, w, experts, guess) for T rows: with every expert cached, the calls
+        of `_run_each` -> `_run_together` -> `_run_fused` -> slot_sum on the same arguments
+        (so the same bits), without their checks and index tensors; a row alone on the buffers."""
         moe, k = self.moe, self.k
         take = getattr(experts, "take_resident", None)
-        if take is None:
+        if take is None or xl.dtype != torch.float32 or not xl.is_contiguous():
             return moe.run_experts(xl, ids, w, experts, guess)
-        vals = ids.tolist()[0]  # the one host read of the routing
-        order = sorted(range(k), key=vals.__getitem__)
-        chosen = [vals[i] for i in order]
-        if len(set(chosen)) != k:
-            return moe.run_experts(xl, ids, w, experts, guess)
-        groups = RouteGroups(ids, chosen, list(self.ones), host_order=order)   # group_routes' groups
-        fetched = take(self.layer, chosen)
+        one = T == 1
+        order: list[int] | None
+        rows: list[int] | None
+        if one:
+            vals = ids.tolist()[0]  # the one host read of the routing
+            order = sorted(range(k), key=vals.__getitem__)
+            chosen = [vals[i] for i in order]
+            if len(set(chosen)) != k:
+                return moe.run_experts(xl, ids, w, experts, guess)
+            groups = RouteGroups(ids, chosen, list(self.ones), host_order=order)   # group_routes' groups
+            rows = self.zeros
+        else:
+            groups = group_routes(ids)              # the one host read of the routing
+            if max(groups.counts) > FUSED_MAX_ROWS and not moe._small_experts():
+                return moe._run_each(xl, groups, w, experts, guess)
+            order = groups.host_order
+            rows = groups.host_rows
+        fetched = take(self.layer, groups.experts)
         if fetched is None:  # a read, a plan or a guess in flight: the module's way
             return moe._run_each(xl, groups, w, experts, guess)
         hint = getattr(experts, "prefetch", None)
         if guess is not None and hint is not None:
             hint(*guess)
         gates, ups, downs = ([e[i] for e in fetched] for i in range(3))
-        if not (kq.experts_fusable(downs) and kq.experts_fusable(gates + ups)) or not _whole_vectors(
-            self.gu[0]
-        ):
-            # one row an expert: within _run_each's row limits for the fused and the grouped ways
-            y = moe._run_together(xl, groups, w, fetched, True, True)
+        P = T * k
+        gu = self.gu if one else torch.empty(2, P, self.ff)
+        fusable = kq.experts_fusable(downs) and kq.experts_fusable(gates + ups)
+        if order is None or rows is None or not fusable or not _whole_vectors(gu[0]):
+            # within _run_each's row limits for the fused and the grouped ways
+            y = moe._run_together(xl, groups, w, fetched, True, max(groups.counts) <= GROUPED_MAX_ROWS)
             return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
-        first = gates[0]
+        counts = self.ones if one else groups.counts
         flat = [m._raw_np for pair in zip(gates, ups, strict=True) for m in pair]
-        kq._qmatmul.experts_q8(
-            first._qtype_id, flat, xl_buf, self.gu_buf, self.ones, self.ff, self.d, 2, nt, self.zeros
-        )
-        F = kfused._fused
-        F.situ(
-            self.gu.data_ptr(), self.gu[1].data_ptr(), self.h.data_ptr(), k * self.ff, self.beta, self.lb, nt
-        )
-        kq._qmatmul.experts_q8(
-            downs[0]._qtype_id,
-            [m._raw_np for m in downs],
-            self.h_buf,
-            self.y_buf,
-            self.ones,
-            self.d,
-            self.ff,
-            1,
-            nt,
-            None,
-        )
+        Q, F = kq._qmatmul, kfused._fused
+        Q.experts_q8(gates[0]._qtype_id, flat, xl_buf, self.gu_buf if one else kq.buf(gu), counts, self.ff,
+                     self.d, 2, nt, rows)
+        h = self.h if one else torch.empty(P, self.ff)
+        F.situ(gu.data_ptr(), gu[1].data_ptr(), h.data_ptr(), P * self.ff, self.beta, self.lb, nt)
+        y = self.y if one else torch.empty(P, self.d)
+        Q.experts_q8(downs[0]._qtype_id, [m._raw_np for m in downs], self.h_buf if one else kq.buf(h),
+                     self.y_buf if one else kq.buf(y), counts, self.d, self.ff, 1, nt, None)
         where = array("q", order)
         w = w if w.is_contiguous() else w.contiguous()
-        F.slot_sum(
-            self.y.data_ptr(), where.buffer_info()[0], w.data_ptr(), self.summed.data_ptr(), 1, k, self.d
-        )
-        return self.summed
+        summed = self.summed if one else torch.empty(T, self.d)
+        F.slot_sum(y.data_ptr(), where.buffer_info()[0], w.data_ptr(), summed.data_ptr(), T, k, self.d)
+        return summed
 
     def __call__(self, x: Tensor, x_buf: Any, experts: Any, nt: int, T: int) -> tuple[Tensor, Tensor]:
         """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
@@ -532,10 +542,7 @@ class MoeLayer:
         else:
             xl, xl_buf = x, x_buf
         guess = moe.guess_next(x, experts)
-        if T == 1:
-            y = self._experts(xl, xl_buf, ids, w, experts, guess, nt)
-        else:
-            y = moe.run_experts(xl, ids, w, experts, guess)
+        y = self._experts(xl, xl_buf, ids, w, experts, guess, nt, T)
         if self.norm is not None:
             y = y if y.is_contiguous() else y.contiguous()
             normed = self.normed if T == 1 else torch.empty(T, self.d)
