@@ -137,6 +137,57 @@ def test_a_serving_pass_of_one_sequence_has_forward_segments_bits(variants, one_
             adapter.close()
 
 
+@torch.no_grad()
+def _check_decode_pass(adapter, tokens: dict[int, int], verify: set[int], capture: set[int]) -> None:
+    """A serving pass of decoding sequences, one row each (verify_batch: the row step's `decode`)
+    against forward_segments on copies of their states."""
+    sids = list(tokens)
+    states = [adapter._state_of(s) for s in sids]
+    copies = [st.clone() for st in states]
+    ref = adapter.model.forward_segments(
+        [(torch.tensor([tokens[s]]), c) for s, c in zip(sids, copies, strict=True)], experts=adapter.experts,
+        capture=[s in capture for s in sids], capture_layers=adapter.tap_layers,
+        capture_mode=adapter.capture_mode)
+    got = adapter.verify_batch([(s, [tokens[s]]) for s in sids], verify=verify, capture=capture)
+    for s, g, r, st, c in zip(sids, got, ref, states, copies, strict=True):
+        assert torch.equal(g.logits, r.logits), f"sequence {s}"
+        if s in capture:
+            assert torch.equal(g.taps, r.taps), f"sequence {s}"
+        else:
+            assert g.taps is None
+        _same_state(st, c)
+
+
+def test_a_serving_pass_of_decoding_sequences_has_forward_segments_bits(variants, one_thread):
+    """Several sequences at different positions, one row each, through `RowStep.decode`: the bits
+    of forward_segments (whose one-row segments batch the KDA states and MLA's head products),
+    pass after pass; a block of more rows in the pass leaves it to forward_segments."""
+    for path in (shipped_gguf(), variants["full"], variants["plain"]):
+        adapter = load_model(path, LoadOptions(expert_cache_mib=1024)).model
+        try:
+            adapter.set_taps((0, 2, adapter.num_layers), "mixed")
+            step = adapter.row_step(segments=True)
+            assert step is not None
+            calls: list[int] = []
+            decode = step._decode
+            step._decode = lambda *a, f=decode, c=calls: c.append(1) or f(*a)  # type: ignore[method-assign]
+            sids = [adapter.open_sequence() for _ in range(4)]
+            for i, (sid, ids) in enumerate(zip(sids, prompts(4, 90, seed=3, lo=5, hi=14), strict=True)):
+                adapter.verify_batch([(sid, ids[: 5 + 3 * i])])
+            toks = {sid: 7 + 11 * i for i, sid in enumerate(sids)}
+            for n in range(6):
+                live = sids[: 2 + n % 3]
+                _check_decode_pass(adapter, {s: toks[s] for s in live}, verify={live[0]} if n % 2 else set(),
+                                   capture=set(live[1:]) if n % 2 else set(live))
+                for s in live:          # a one-row verify block was committed by its pass
+                    toks[s] = (toks[s] * 31 + 5) % adapter.vocab_size
+            assert len(calls) == 6
+            adapter.verify_batch([(sids[0], [3]), (sids[1], [4, 5])])       # two rows: forward_segments
+            assert len(calls) == 6
+        finally:
+            adapter.close()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_mini_decodes_the_same_bits_through_the_row_step(threads):
     torch.set_num_threads(threads)

@@ -382,9 +382,16 @@ class K3Adapter(SequenceSnapshots):
             cap.append(sid in capture)
             ids_of.append(vals)
         with _pass_threads(sum(len(v) for v in ids_of)):
-            step, tapped = self.row_step(True) if len(rows) == 1 else None, self.tap_layers if cap[0] else ()
-            outs = step.segment(ids_of[0], segments[0][1], self.experts, spec[0], tapped, self.capture_mode) \
-                if step is not None else None
+            step = self.row_step(True)
+            outs = None
+            if step is None:
+                pass
+            elif len(rows) == 1:
+                outs = step.segment(ids_of[0], segments[0][1], self.experts, spec[0],
+                                    self.tap_layers if cap[0] else (), self.capture_mode)
+            elif all(len(v) == 1 for v in ids_of):          # decoding sequences: one row each
+                outs = step.decode([v[0] for v in ids_of], [st for _, st in segments], self.experts, cap,
+                                   self.tap_layers, self.capture_mode)
             if outs is None:
                 outs = self.model.forward_segments(
                     segments, experts=self.experts, speculative=spec, capture=cap,

@@ -43,7 +43,7 @@ from .mla import MLA
 from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput
 from .moe import LatentMoE
 from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
-from .state import K3State, KDAState
+from .state import K3State, KDAState, MLACache
 
 # False: every row runs K3Model.forward (tests and benchmarks compare the two ways)
 ENABLED = True
@@ -60,7 +60,7 @@ class RowStep:
             raise Unfit("the native extensions are not built")
         if getattr(model, "_ggml_hooks", None):
             raise Unfit("ggml input rounding hooks are set")
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.segments = model, cfg, segments
         E, n_layers = cfg.hidden_size, cfg.num_layers
         self.E, self.eps, self.bs = E, cfg.rms_norm_eps, cfg.attn_res_block_size
         self.attn: list[KdaLayer | MlaLayer] = []
@@ -174,7 +174,11 @@ class RowStep:
 
     def fits(self, state: K3State, experts: Any) -> bool:
         """Whether `run` takes this state and provider now (nothing is changed either way)."""
-        if torch.is_grad_enabled() or self.model.training or state.batch != 1 or self.model._ggml_hooks:
+        return self._fits_pass(experts) and self._fits_state(state)
+
+    def _fits_pass(self, experts: Any) -> bool:
+        """`fits`' conditions on the model and the provider."""
+        if torch.is_grad_enabled() or self.model.training or self.model._ggml_hooks:
             return False
         if hooked(self.modules):          # a hook expects the modules' own calls: forward's
             return False
@@ -191,6 +195,12 @@ class RowStep:
             if where is not None and any(where(m.layer).type != "cpu" for m in self.moes):
                 return False
             self._cpu_experts = experts
+        return True
+
+    def _fits_state(self, state: K3State) -> bool:
+        """`fits`' conditions on one sequence's state."""
+        if state.batch != 1:
+            return False
         for step, st in zip(self.attn, state.layers, strict=True):
             if isinstance(st, KDAState) != isinstance(step, KdaLayer) or not step.fit(st):  # type: ignore[arg-type]
                 return False
@@ -236,6 +246,103 @@ class RowStep:
             return None
         feats = torch.cat([out.layer_inputs[il][0] for il in taps], dim=-1) if taps else None
         return [SegmentOutput(out.logits[0], feats, out.captured)]
+
+    def decode(self, tokens: Sequence[int], states: Sequence[K3State], experts: Any,
+               capture: Sequence[bool] = (), taps: Sequence[int] = (),
+               mode: str = "raw") -> list[SegmentOutput] | None:
+        """`forward_segments` of one committed row per sequence (a serving pass of decoding
+        sequences; a step built with `segments`): token i after states[i], each sequence's
+        attention on its own state, the norms, mixes, experts and LM head over all the rows at
+        once; `capture[i]`: sequence i's row of tap features. The same outputs and states, or
+        None, with nothing done, where this step cannot run it."""
+        N = len(tokens)
+        if (
+            not self.segments
+            or not 1 < N <= MAX_ROWS
+            or len(states) != N
+            or len({id(st) for st in states}) != N
+            or not all(0 <= t < self.n_tokens for t in tokens)
+            or not self.lock.acquire(blocking=False)
+        ):
+            return None
+        try:
+            if not self._fits_pass(experts) or not all(self._fits_state(st) for st in states):
+                return None
+            cap = list(capture) or [False] * N
+            return self._decode(tokens, states, experts, cap, list(taps) if any(cap) else [], mode)
+        finally:
+            self.lock.release()
+
+    def _decode(self, tokens: Sequence[int], states: Sequence[K3State], experts: Any, capture: list[bool],
+                order: list[int], mode: str) -> list[SegmentOutput]:
+        F = kfused._fused
+        nt = kthreads.native()
+        N, E, eps, bs = len(tokens), self.E, self.eps, self.bs
+        row_bytes = E * F32
+        row_type = ctypes.c_char * row_bytes
+        for st in states:
+            for c in st.mla_caches():
+                c.truncate(st.pos)  # drop rows a speculative pass left behind
+        stream = torch.empty(N, E)
+        self.embed(tokens, stream, nt)
+        bank: list[int] = []  # the banked streams' addresses ...
+        banked_rows: list[Tensor] = []  # ... and the tensors, alive until the pass ends
+        tapped: dict[int, Tensor] = {}
+        taps = frozenset(order)
+        raw = mode == "raw"
+        for il in range(self.cfg.num_layers):
+            attn_w, ffn_w = self.norm_w[il]
+            mixed = stream
+            if bs > 0 and bank:
+                mixed = torch.empty(N, E)
+                F.res_mix(tuple(bank), stream.data_ptr(), self.score_w[il][0], mixed.data_ptr(), N, E, eps,
+                          nt)
+            if il in taps:
+                tapped[il] = stream if raw else mixed
+            banked = bs > 0 and il % bs == 0
+            if banked:
+                bank.append(stream.data_ptr())
+                banked_rows.append(stream)
+            h = torch.empty(N, E)
+            F.rms_norm(mixed.data_ptr(), attn_w, 0, h.data_ptr(), N, E, eps, 0, nt)
+            attn, a = self.attn[il], torch.empty(N, E)
+            h0, a0 = h.data_ptr(), a.data_ptr()
+            for i, st in enumerate(states):      # each sequence's one row on its own state
+                x = h0 + i * row_bytes
+                if isinstance(attn, KdaLayer):
+                    o, _ = attn(x, row_type.from_address(x), cast(KDAState, st.layers[il]), nt, 1, True)
+                else:
+                    o = attn(x, cast(MLACache, st.layers[il]), nt, 1)
+                ctypes.memmove(a0 + i * row_bytes, o.data_ptr(), row_bytes)   # the layer's buffer: copied out
+            after = a if banked else stream + a
+            mixed = after
+            if bs > 0 and bank:
+                mixed = torch.empty(N, E)
+                F.res_mix(tuple(bank), after.data_ptr(), self.score_w[il][1], mixed.data_ptr(), N, E, eps, nt)
+            h = torch.empty(N, E)
+            F.rms_norm(mixed.data_ptr(), ffn_w, 0, h.data_ptr(), N, E, eps, 0, nt)
+            ffn = self.ffn[il]
+            f = ffn(h, kq.buf(h), experts, nt, N)[0] if isinstance(ffn, MoeLayer) else ffn(kq.buf(h), nt, N)
+            stream = after + f
+        final = stream
+        if bs > 0 and bank:
+            final = torch.empty(N, E)
+            F.res_mix(tuple(bank), stream.data_ptr(), self.out_score, final.data_ptr(), N, E, eps, nt)
+        n_layers = self.cfg.num_layers
+        if n_layers in taps:
+            tapped[n_layers] = stream if raw else final
+        normed = torch.empty(N, E)
+        F.rms_norm(final.data_ptr(), self.final_norm.data_ptr(), 0, normed.data_ptr(), N, E, eps, 0, nt)
+        qtype, raw_w, n_out, n_in = self.lm_q
+        lg = torch.empty(N, n_out)
+        kq._qmatmul.matmul_q8(qtype, raw_w, normed.data_ptr(), lg.data_ptr(), n_out, n_in, N, -1, nt, 1,
+                              kq.I8_PATH)
+        outs = []
+        for i, st in enumerate(states):
+            st.pos += 1
+            feats = torch.cat([tapped[il][i:i + 1] for il in order], dim=-1) if capture[i] and order else None
+            outs.append(SegmentOutput(lg[i:i + 1], feats, None))
+        return outs
 
     def _one_row_plan(self) -> list[tuple[Any, ...]]:
         """Per layer, what a committed row's step passes, all fixed: the buffers' addresses, the
