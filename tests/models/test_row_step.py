@@ -183,6 +183,12 @@ def test_a_serving_pass_of_decoding_sequences_has_forward_segments_bits(variants
                     toks[s] = (toks[s] * 31 + 5) % adapter.vocab_size
             assert len(calls) == 6
             adapter.verify_batch([(sids[0], [3]), (sids[1], [4, 5])])       # two rows: forward_segments
+            limit = row_step.MAX_DECODE_SEQS
+            row_step.MAX_DECODE_SEQS = 2                                    # more sequences: likewise
+            try:
+                _check_decode_pass(adapter, {s: toks[s] for s in sids[:3]}, set(), set())
+            finally:
+                row_step.MAX_DECODE_SEQS = limit
             assert len(calls) == 6
         finally:
             adapter.close()

@@ -49,6 +49,10 @@ from .state import K3State, KDAState, MLACache
 ENABLED = True
 # rows a call takes (a decode row, a verify block, a short chunk); longer prompts run forward
 MAX_ROWS = 64
+# decoding sequences `decode` takes in one pass: each runs its attention sub-layers alone (their
+# projections too), where forward_segments projects all rows at once and steps the KDA states as
+# one batch; on the mini (Xeon, 1 thread) the two cost the same from ~11 sequences
+MAX_DECODE_SEQS = 8
 
 
 class RowStep:
@@ -258,7 +262,7 @@ class RowStep:
         N = len(tokens)
         if (
             not self.segments
-            or not 1 < N <= MAX_ROWS
+            or not 1 < N <= MAX_DECODE_SEQS
             or len(states) != N
             or len({id(st) for st in states}) != N
             or not all(0 <= t < self.n_tokens for t in tokens)
