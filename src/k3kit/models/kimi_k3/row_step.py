@@ -40,7 +40,7 @@ from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
 from .mla import MLA
-from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput
+from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput, _kda_rows, _mla_rows
 from .moe import LatentMoE
 from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
 from .state import K3State, KDAState, MLACache
@@ -49,10 +49,11 @@ from .state import K3State, KDAState, MLACache
 ENABLED = True
 # rows a call takes (a decode row, a verify block, a short chunk); longer prompts run forward
 MAX_ROWS = 64
-# decoding sequences `decode` takes in one pass: each runs its attention sub-layers alone (their
-# projections too), where forward_segments projects all rows at once and steps the KDA states as
-# one batch; on the mini (Xeon, 1 thread) the two cost the same from ~11 sequences
-MAX_DECODE_SEQS = 8
+# decoding sequences whose attention sub-layers `decode` runs one sequence after another (their
+# projections too); more go through forward_segments' own attention functions, which project all
+# rows at once and step the KDA states as one batch (on the mini, Xeon, 1 thread, the two cost
+# the same from ~11 sequences)
+SEQ_ATTN_MAX = 8
 
 
 class RowStep:
@@ -262,7 +263,7 @@ class RowStep:
         N = len(tokens)
         if (
             not self.segments
-            or not 1 < N <= MAX_DECODE_SEQS
+            or not 1 < N <= MAX_ROWS
             or len(states) != N
             or len({id(st) for st in states}) != N
             or not all(0 <= t < self.n_tokens for t in tokens)
@@ -293,6 +294,7 @@ class RowStep:
         banked_rows: list[Tensor] = []  # ... and the tensors, alive until the pass ends
         tapped: dict[int, Tensor] = {}
         taps = frozenset(order)
+        bounds = list(range(N + 1))
         raw = mode == "raw"
         for il in range(self.cfg.num_layers):
             attn_w, ffn_w = self.norm_w[il]
@@ -309,15 +311,23 @@ class RowStep:
                 banked_rows.append(stream)
             h = torch.empty(N, E)
             F.rms_norm(mixed.data_ptr(), attn_w, 0, h.data_ptr(), N, E, eps, 0, nt)
-            attn, a = self.attn[il], torch.empty(N, E)
-            h0, a0 = h.data_ptr(), a.data_ptr()
-            for i, st in enumerate(states):      # each sequence's one row on its own state
-                x = h0 + i * row_bytes
+            attn = self.attn[il]
+            if N > SEQ_ATTN_MAX:
+                layer_states = [st.layers[il] for st in states]
                 if isinstance(attn, KdaLayer):
-                    o, _ = attn(x, row_type.from_address(x), cast(KDAState, st.layers[il]), nt, 1, True)
+                    a = _kda_rows(attn.kda, h[None], cast("list[KDAState]", layer_states), bounds)[0]
                 else:
-                    o = attn(x, cast(MLACache, st.layers[il]), nt, 1)
-                ctypes.memmove(a0 + i * row_bytes, o.data_ptr(), row_bytes)   # the layer's buffer: copied out
+                    a = _mla_rows(attn.mla, h[None], cast("list[MLACache]", layer_states), bounds)[0]
+            else:
+                a = torch.empty(N, E)
+                h0, a0 = h.data_ptr(), a.data_ptr()
+                for i, st in enumerate(states):      # each sequence's one row on its own state
+                    x = h0 + i * row_bytes
+                    if isinstance(attn, KdaLayer):
+                        o, _ = attn(x, row_type.from_address(x), cast(KDAState, st.layers[il]), nt, 1, True)
+                    else:
+                        o = attn(x, cast(MLACache, st.layers[il]), nt, 1)
+                    ctypes.memmove(a0 + i * row_bytes, o.data_ptr(), row_bytes)   # out of the layer's buffer
             after = a if banked else stream + a
             mixed = after
             if bs > 0 and bank:
