@@ -33,6 +33,7 @@ from .kda import KDA, KDARows
 from .kda import _padded_sigmoid as padded_sigmoid
 from .mla import MLA
 from .model import _row_product as row_product
+from .model import _stacked as stacked
 from .moe import DenseFFN, LatentMoE, route
 from .state import KDAState, MLACache
 
@@ -245,6 +246,48 @@ class KdaLayer:
         F.rms_norm(o.data_ptr(), self.o_norm.data_ptr(), gate.data_ptr(), normed.data_ptr(), T * H, D,
                    self.eps, 0, nt)
         return self.o(normed.data_ptr(), nt, T), rows
+
+
+    def decode(self, x_addr: int, x_buf: Any, states: Sequence[KDAState], nt: int) -> Tensor:
+        """One committed row for each of N sequences (x's rows, states[i] row i's): the
+        projections, gates and output over all rows, the convs and the delta rule as one batch
+        of states (forward_segments' one-row segments: their calls, so their bits). The states
+        are left as views of the batch they were stepped in (the next pass of the same
+        sequences steps them in place)."""
+        F = kfused._fused
+        H, D, C, K, N = self.H, self.D, self.C, self.K, len(states)
+        y = self.qkvg(x_buf, nt, N, fresh=True)                       # [4, N, C]
+        window = stacked([st.conv for st in states])                  # [N, 3, K-1, C]
+        S = stacked([st.S for st in states])                          # [N, H, D, D]
+        new_window = torch.empty(N, 3, K - 1, C)
+        conv_out = torch.empty(3, N, 1, C)
+        q, k, v = conv_out.view(3, N, 1, H, D).unbind(0)
+        qn, kn = torch.empty(N, 1, H, D), torch.empty(N, 1, H, D)
+        F.short_conv(window.data_ptr(), y.data_ptr(), self.taps().data_ptr(), conv_out.data_ptr(),
+                     new_window.data_ptr(), N, 1, C, K, nt, C, N * C)
+        F.rms_norm(q.data_ptr(), 0, 0, qn.data_ptr(), N * H, D, self.eps, 1, nt)       # l2_norm
+        F.rms_norm(k.data_ptr(), 0, 0, kn.data_ptr(), N * H, D, self.eps, 1, nt)
+        fa = self.f_a(x_addr, nt, N)         # held while f_b reads it (an address does not own it)
+        fb = self.f_b(fa.data_ptr(), nt, N)
+        u = (fb + self.dt_bias).view(N, 1, H, D)
+        A = self.kda.decay_rate()
+        if self.lb is not None:
+            g = torch.sigmoid(-(u * A)) * self.lb
+        else:
+            g = torch.nn.functional.softplus(u) * A
+        b = self.b(x_addr, nt, N)
+        beta = (padded_sigmoid(b).contiguous() if self.segments else torch.sigmoid(b)).view(N, 1, H)
+        o = torch.empty(N, 1, H, D)
+        e = torch.exp(g)          # held while the call reads it (a buffer does not own its tensor)
+        s_buf = kq.buf(S)
+        kda_step._kda.kda_rows(s_buf, s_buf, kq.buf(qn), kq.buf(kn), kq.buf(v), kq.buf(e), kq.buf(beta),
+                               kq.buf(o), N, 1, H, D, D, self.scale, -1, nt)
+        for j, st in enumerate(states):
+            st.S, st.conv = S[j:j + 1], new_window[j:j + 1]
+        gate, normed = torch.sigmoid(y[3]), torch.empty(N, 1, H, D)
+        F.rms_norm(o.data_ptr(), self.o_norm.data_ptr(), gate.data_ptr(), normed.data_ptr(), N * H, D,
+                   self.eps, 0, nt)
+        return self.o(normed.data_ptr(), nt, N)
 
 
 class MlaLayer:

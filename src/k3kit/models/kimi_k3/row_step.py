@@ -40,7 +40,7 @@ from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
 from .mla import MLA
-from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput, _kda_rows, _mla_rows
+from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput, _mla_rows
 from .moe import LatentMoE
 from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
 from .state import K3State, KDAState, MLACache
@@ -49,10 +49,9 @@ from .state import K3State, KDAState, MLACache
 ENABLED = True
 # rows a call takes (a decode row, a verify block, a short chunk); longer prompts run forward
 MAX_ROWS = 64
-# decoding sequences whose attention sub-layers `decode` runs one sequence after another (their
-# projections too); more go through forward_segments' own attention functions, which project all
-# rows at once and step the KDA states as one batch (on the mini, Xeon, 1 thread, the two cost
-# the same from ~11 sequences)
+# decoding sequences whose MLA sub-layers `decode` runs one sequence after another (their
+# projections too); more go through forward_segments' own MLA function, which projects all rows
+# at once (on the mini, Xeon, 1 thread, the two cost the same from ~11 sequences)
 SEQ_ATTN_MAX = 8
 
 
@@ -284,7 +283,6 @@ class RowStep:
         nt = kthreads.native()
         N, E, eps, bs = len(tokens), self.E, self.eps, self.bs
         row_bytes = E * F32
-        row_type = ctypes.c_char * row_bytes
         for st in states:
             for c in st.mla_caches():
                 c.truncate(st.pos)  # drop rows a speculative pass left behind
@@ -312,21 +310,16 @@ class RowStep:
             h = torch.empty(N, E)
             F.rms_norm(mixed.data_ptr(), attn_w, 0, h.data_ptr(), N, E, eps, 0, nt)
             attn = self.attn[il]
-            if N > SEQ_ATTN_MAX:
-                layer_states = [st.layers[il] for st in states]
-                if isinstance(attn, KdaLayer):
-                    a = _kda_rows(attn.kda, h[None], cast("list[KDAState]", layer_states), bounds)[0]
-                else:
-                    a = _mla_rows(attn.mla, h[None], cast("list[MLACache]", layer_states), bounds)[0]
+            if isinstance(attn, KdaLayer):
+                a = attn.decode(h.data_ptr(), kq.buf(h), [cast(KDAState, st.layers[il]) for st in states], nt)
+            elif N > SEQ_ATTN_MAX:
+                layer_states = [cast(MLACache, st.layers[il]) for st in states]
+                a = _mla_rows(attn.mla, h[None], layer_states, bounds)[0]
             else:
                 a = torch.empty(N, E)
                 h0, a0 = h.data_ptr(), a.data_ptr()
-                for i, st in enumerate(states):      # each sequence's one row on its own state
-                    x = h0 + i * row_bytes
-                    if isinstance(attn, KdaLayer):
-                        o, _ = attn(x, row_type.from_address(x), cast(KDAState, st.layers[il]), nt, 1, True)
-                    else:
-                        o = attn(x, cast(MLACache, st.layers[il]), nt, 1)
+                for i, st in enumerate(states):      # each sequence's one row on its own cache
+                    o = attn(h0 + i * row_bytes, cast(MLACache, st.layers[il]), nt, 1)
                     ctypes.memmove(a0 + i * row_bytes, o.data_ptr(), row_bytes)   # out of the layer's buffer
             after = a if banked else stream + a
             mixed = after
