@@ -411,6 +411,47 @@ class MlaLayer:
             out = self.gated
         return self.o(out.data_ptr(), nt)
 
+    def decode(self, x_addr: int, caches: Sequence[MLACache], nt: int) -> Tensor:
+        """One row for each of N sequences (x's rows, caches[i] row i's): the projections and
+        the per-head products over all rows, the attention per sequence over its own cache
+        (forward_segments' one-row segments: their calls, so their bits)."""
+        F = kfused._fused
+        H, nope, pe, L, N = self.H, self.nope, self.pe, self.L, len(caches)
+        if self.q_a is not None:
+            qa = self.q_a(x_addr, nt, N)
+            qan = torch.empty_like(qa)
+            F.rms_norm(qa.data_ptr(), self.q_a_norm.data_ptr(), 0, qan.data_ptr(), N, self.q_a.n_out,
+                       self.eps, 0, nt)
+            q = self.q(qan.data_ptr(), nt, N)
+        else:
+            q = self.q(x_addr, nt, N)
+        kv = self.kv_a(x_addr, nt, N)                                 # [N, L + pe]
+        kvc = kv[:, :L].contiguous()
+        c = torch.empty(N, L)
+        F.rms_norm(kvc.data_ptr(), self.kv_a_norm.data_ptr(), 0, c.data_ptr(), N, L, self.eps, 0, nt)
+        q4 = q.view(N, H, self.qk)
+        heads, Q = self.heads, kq._qmatmul
+        q_nope = q4[:, :, :nope].transpose(0, 1).contiguous()         # absorb_q_rows: [H, N, nope]
+        q_abs = torch.empty(H, N, L)
+        Q.matmul_heads(int(heads.k_b.qtype), heads.k_b._raw_np, kq.buf(q_nope), kq.buf(q_abs), H, L, nope, N,
+                       self.k_stride, 1, -1, nt)
+        q_abs = q_abs.transpose(0, 1)                                 # [N, H, L]
+        lat = torch.empty(N, H, L)
+        for j, cache in enumerate(caches):     # attend_latent, one row: append, then attend over all
+            cache.append(c[j].view(1, 1, L), kv[j, L:].view(1, 1, pe))
+            K = cache.keys()
+            Qj = torch.cat((q_abs[j][None, None], q4[j, :, nope:][None, None]), dim=-1).view(1, H, L + pe)
+            scores = torch.bmm(Qj, K.transpose(1, 2)).mul_(self.scale)
+            torch.bmm(torch.softmax(scores, dim=-1), K[..., :L], out=lat[j:j + 1])
+        lat_h = lat.transpose(0, 1).contiguous()                      # value_rows: [H, N, L]
+        values = torch.empty(H, N, self.v)
+        Q.matmul_heads(int(heads.v_b.qtype), heads.v_b._raw_np, kq.buf(lat_h), kq.buf(values), H, self.v, L,
+                       N, self.v_stride, 1, -1, nt)
+        out = values.transpose(0, 1).reshape(N, H * self.v)
+        if self.g is not None:
+            out = out * torch.sigmoid(self.g(x_addr, nt, N))
+        return self.o(out.data_ptr(), nt, N)
+
     def _rows(self, x_addr: int, cache: MLACache, nt: int, T: int, q: Tensor, kv: Tensor) -> Tensor:
         """T > 1 rows: MLA.forward's own steps from the projections on (fresh tensors)."""
         mla, H, nope, L = self.mla, self.H, self.nope, self.L

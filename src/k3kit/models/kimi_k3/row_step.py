@@ -40,7 +40,7 @@ from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
 from .mla import MLA
-from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput, _mla_rows
+from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput
 from .moe import LatentMoE
 from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
 from .state import K3State, KDAState, MLACache
@@ -49,10 +49,6 @@ from .state import K3State, KDAState, MLACache
 ENABLED = True
 # rows a call takes (a decode row, a verify block, a short chunk); longer prompts run forward
 MAX_ROWS = 64
-# decoding sequences whose MLA sub-layers `decode` runs one sequence after another (their
-# projections too); more go through forward_segments' own MLA function, which projects all rows
-# at once (on the mini, Xeon, 1 thread, the two cost the same from ~11 sequences)
-SEQ_ATTN_MAX = 8
 
 
 class RowStep:
@@ -282,7 +278,6 @@ class RowStep:
         F = kfused._fused
         nt = kthreads.native()
         N, E, eps, bs = len(tokens), self.E, self.eps, self.bs
-        row_bytes = E * F32
         for st in states:
             for c in st.mla_caches():
                 c.truncate(st.pos)  # drop rows a speculative pass left behind
@@ -292,7 +287,6 @@ class RowStep:
         banked_rows: list[Tensor] = []  # ... and the tensors, alive until the pass ends
         tapped: dict[int, Tensor] = {}
         taps = frozenset(order)
-        bounds = list(range(N + 1))
         raw = mode == "raw"
         for il in range(self.cfg.num_layers):
             attn_w, ffn_w = self.norm_w[il]
@@ -312,15 +306,8 @@ class RowStep:
             attn = self.attn[il]
             if isinstance(attn, KdaLayer):
                 a = attn.decode(h.data_ptr(), kq.buf(h), [cast(KDAState, st.layers[il]) for st in states], nt)
-            elif N > SEQ_ATTN_MAX:
-                layer_states = [cast(MLACache, st.layers[il]) for st in states]
-                a = _mla_rows(attn.mla, h[None], layer_states, bounds)[0]
             else:
-                a = torch.empty(N, E)
-                h0, a0 = h.data_ptr(), a.data_ptr()
-                for i, st in enumerate(states):      # each sequence's one row on its own cache
-                    o = attn(h0 + i * row_bytes, cast(MLACache, st.layers[il]), nt, 1)
-                    ctypes.memmove(a0 + i * row_bytes, o.data_ptr(), row_bytes)   # out of the layer's buffer
+                a = attn.decode(h.data_ptr(), [cast(MLACache, st.layers[il]) for st in states], nt)
             after = a if banked else stream + a
             mixed = after
             if bs > 0 and bank:
