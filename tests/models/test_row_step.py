@@ -138,30 +138,37 @@ def test_a_serving_pass_of_one_sequence_has_forward_segments_bits(variants, one_
 
 
 @torch.no_grad()
-def _check_decode_pass(adapter, tokens: dict[int, int], verify: set[int], capture: set[int]) -> None:
-    """A serving pass of decoding sequences, one row each (verify_batch: the row step's `decode`)
-    against forward_segments on copies of their states."""
-    sids = list(tokens)
+def _check_pass(adapter, ids: dict[int, list[int]], verify: set[int], capture: set[int]) -> None:
+    """A serving pass of several sequences (verify_batch: the row step's `run_segments`) against
+    forward_segments on copies of their states: logits, tap features, the rows a verify block
+    keeps for its commit, and the states."""
+    sids = list(ids)
     states = [adapter._state_of(s) for s in sids]
     copies = [st.clone() for st in states]
+    spec = [s in verify and len(ids[s]) > 1 for s in sids]
     ref = adapter.model.forward_segments(
-        [(torch.tensor([tokens[s]]), c) for s, c in zip(sids, copies, strict=True)], experts=adapter.experts,
-        capture=[s in capture for s in sids], capture_layers=adapter.tap_layers,
+        [(torch.tensor(ids[s]), c) for s, c in zip(sids, copies, strict=True)], experts=adapter.experts,
+        speculative=spec, capture=[s in capture for s in sids], capture_layers=adapter.tap_layers,
         capture_mode=adapter.capture_mode)
-    got = adapter.verify_batch([(s, [tokens[s]]) for s in sids], verify=verify, capture=capture)
-    for s, g, r, st, c in zip(sids, got, ref, states, copies, strict=True):
+    got = adapter.verify_batch([(s, ids[s]) for s in sids], verify=verify, capture=capture)
+    for s, g, r, st, c, sp in zip(sids, got, ref, states, copies, spec, strict=True):
         assert torch.equal(g.logits, r.logits), f"sequence {s}"
         if s in capture:
             assert torch.equal(g.taps, r.taps), f"sequence {s}"
         else:
             assert g.taps is None
         _same_state(st, c)
+        if sp:
+            pending = adapter._seq_pending[s].captured
+            for il, rows in r.captured.kda.items():
+                for name in ("conv_in", "k", "v", "g", "beta", "final"):
+                    assert torch.equal(getattr(pending.kda[il], name), getattr(rows, name)), (s, il, name)
 
 
-def test_a_serving_pass_of_decoding_sequences_has_forward_segments_bits(variants, one_thread):
-    """Several sequences at different positions, one row each, through `RowStep.decode`: the bits
-    of forward_segments (whose one-row segments batch the KDA states and MLA's head products),
-    pass after pass; a block of more rows in the pass leaves it to forward_segments."""
+def test_a_serving_pass_of_several_sequences_has_forward_segments_bits(variants, one_thread):
+    """Sequences at different positions in one pass through `RowStep.run_segments`: decoding rows
+    (the KDA states stepped as one batch, MLA's head products over all rows), verify blocks and
+    prompt chunks, mixed; the bits of forward_segments pass after pass, commits between."""
     for path in (shipped_gguf(), variants["full"], variants["plain"]):
         adapter = load_model(path, LoadOptions(expert_cache_mib=1024)).model
         try:
@@ -169,23 +176,30 @@ def test_a_serving_pass_of_decoding_sequences_has_forward_segments_bits(variants
             step = adapter.row_step(segments=True)
             assert step is not None
             calls: list[int] = []
-            decode = step._decode
-            step._decode = lambda *a, f=decode, c=calls: c.append(1) or f(*a)  # type: ignore[method-assign]
+            run = step._run_segments
+            step._run_segments = lambda *a, f=run, c=calls: c.append(1) or f(*a)  # type: ignore[method-assign]
             sids = [adapter.open_sequence() for _ in range(4)]
-            for i, (sid, ids) in enumerate(zip(sids, prompts(4, 90, seed=3, lo=5, hi=14), strict=True)):
-                adapter.verify_batch([(sid, ids[: 5 + 3 * i])])
+            texts = prompts(4, 90, seed=3, lo=9, hi=14)
+            adapter.verify_batch([(sids[0], texts[0][:5])])                       # one sequence: segment()
+            _check_pass(adapter, {sids[1]: texts[1][:6], sids[2]: texts[2][:9], sids[3]: texts[3][:4]},
+                        set(), {sids[2]})                                            # prompt chunks
             toks = {sid: 7 + 11 * i for i, sid in enumerate(sids)}
             for n in range(6):
                 live = sids[: 2 + n % 3]
-                _check_decode_pass(adapter, {s: toks[s] for s in live}, verify={live[0]} if n % 2 else set(),
-                                   capture=set(live[1:]) if n % 2 else set(live))
+                _check_pass(adapter, {s: [toks[s]] for s in live}, verify={live[0]} if n % 2 else set(),
+                            capture=set(live[1:]) if n % 2 else set(live))          # decoding rows
                 for s in live:          # a one-row verify block was committed by its pass
                     toks[s] = (toks[s] * 31 + 5) % adapter.vocab_size
-            assert len(calls) == 6
-            adapter.verify_batch([(sids[0], [3]), (sids[1], [4, 5])])       # two rows: forward_segments
-            assert len(calls) == 6
-            _check_decode_pass(adapter, {s: toks[s] for s in sids}, set(), set())   # after forward_segments
-            assert len(calls) == 7
+            blocks = {sids[0]: [toks[sids[0]], 5, 9, 11], sids[1]: [toks[sids[1]]], sids[2]: [3, 4, 8],
+                      sids[3]: [toks[sids[3]]]}
+            _check_pass(adapter, blocks, verify={sids[0], sids[2]}, capture={sids[0], sids[1], sids[2]})
+            adapter.commit_sequence(sids[0], 2)
+            adapter.commit_sequence(sids[2], 3)
+            _check_pass(adapter, {s: [toks[s]] for s in sids}, set(), set(sids))   # after the commits
+            _check_pass(adapter, {sids[0]: [1, 2], sids[1]: texts[1][6:9], sids[3]: [6]}, {sids[0]}, set())
+            adapter.commit_sequence(sids[0], 1)
+            _check_pass(adapter, {s: [toks[s]] for s in sids}, set(), set())
+            assert len(calls) == 11
         finally:
             adapter.close()
 

@@ -389,9 +389,9 @@ class K3Adapter(SequenceSnapshots):
             elif len(rows) == 1:
                 outs = step.segment(ids_of[0], segments[0][1], self.experts, spec[0],
                                     self.tap_layers if cap[0] else (), self.capture_mode)
-            elif all(len(v) == 1 for v in ids_of):          # decoding sequences: one row each
-                outs = step.decode([v[0] for v in ids_of], [st for _, st in segments], self.experts, cap,
-                                   self.tap_layers, self.capture_mode)
+            else:
+                outs = step.run_segments(ids_of, [st for _, st in segments], self.experts, spec, cap,
+                                         self.tap_layers, self.capture_mode)
             if outs is None:
                 outs = self.model.forward_segments(
                     segments, experts=self.experts, speculative=spec, capture=cap,

@@ -247,42 +247,58 @@ class RowStep:
         feats = torch.cat([out.layer_inputs[il][0] for il in taps], dim=-1) if taps else None
         return [SegmentOutput(out.logits[0], feats, out.captured)]
 
-    def decode(self, tokens: Sequence[int], states: Sequence[K3State], experts: Any,
-               capture: Sequence[bool] = (), taps: Sequence[int] = (),
-               mode: str = "raw") -> list[SegmentOutput] | None:
-        """`forward_segments` of one committed row per sequence (a serving pass of decoding
-        sequences; a step built with `segments`): token i after states[i], each sequence's
-        attention on its own state, the norms, mixes, experts and LM head over all the rows at
-        once; `capture[i]`: sequence i's row of tap features. The same outputs and states, or
-        None, with nothing done, where this step cannot run it."""
-        N = len(tokens)
+    def run_segments(self, ids: Sequence[Sequence[int]], states: Sequence[K3State], experts: Any,
+                     speculative: Sequence[bool] = (), capture: Sequence[bool] = (), taps: Sequence[int] = (),
+                     mode: str = "raw") -> list[SegmentOutput] | None:
+        """`forward_segments` of a serving pass of several sequences (a step built with `segments`):
+        ids[i] after states[i], a verify block where `speculative[i]`, tap features where
+        `capture[i]`. The norms, mixes, experts and LM head run over all the pass's rows at once;
+        the attention per sequence, the decoding sequences' (one committed row each) as one batch.
+        The same outputs and states, or None, with nothing done, where this step cannot run it."""
+        n_seg = len(ids)
+        lengths = [len(v) for v in ids]
         if (
             not self.segments
-            or not 1 < N <= MAX_ROWS
-            or len(states) != N
-            or len({id(st) for st in states}) != N
-            or not all(0 <= t < self.n_tokens for t in tokens)
+            or n_seg < 2
+            or len(states) != n_seg
+            or min(lengths) < 1
+            or sum(lengths) > MAX_ROWS
+            or len({id(st) for st in states}) != n_seg
+            or not all(0 <= t < self.n_tokens for v in ids for t in v)
             or not self.lock.acquire(blocking=False)
         ):
             return None
         try:
             if not self._fits_pass(experts) or not all(self._fits_state(st) for st in states):
                 return None
-            cap = list(capture) or [False] * N
-            return self._decode(tokens, states, experts, cap, list(taps) if any(cap) else [], mode)
+            flags = list(speculative) or [False] * n_seg
+            spec = [bool(s) and n > 1 for s, n in zip(flags, lengths, strict=True)]
+            cap = list(capture) or [False] * n_seg
+            return self._run_segments(ids, states, experts, spec, cap, list(taps) if any(cap) else [], mode)
         finally:
             self.lock.release()
 
-    def _decode(self, tokens: Sequence[int], states: Sequence[K3State], experts: Any, capture: list[bool],
-                order: list[int], mode: str) -> list[SegmentOutput]:
+    def _run_segments(self, ids: Sequence[Sequence[int]], states: Sequence[K3State], experts: Any,
+                      spec: list[bool], capture: list[bool], order: list[int],
+                      mode: str) -> list[SegmentOutput]:
         F = kfused._fused
         nt = kthreads.native()
-        N, E, eps, bs = len(tokens), self.E, self.eps, self.bs
+        E, eps, bs = self.E, self.eps, self.bs
+        lengths = [len(v) for v in ids]
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        N, row_bytes = bounds[-1], E * F32
+        singles = [i for i, n in enumerate(lengths) if n == 1 and not spec[i]]
+        one_rows = len(singles) == len(ids)          # decoding sequences only: their rows are the pass's
+        single_rows = torch.tensor([bounds[i] for i in singles], dtype=torch.long)
+        captured = [Captured(st.pos, n) if sp else None
+                    for st, n, sp in zip(states, lengths, spec, strict=True)]
         for st in states:
             for c in st.mla_caches():
                 c.truncate(st.pos)  # drop rows a speculative pass left behind
         stream = torch.empty(N, E)
-        self.embed(tokens, stream, nt)
+        self.embed([t for v in ids for t in v], stream, nt)
         bank: list[int] = []  # the banked streams' addresses ...
         banked_rows: list[Tensor] = []  # ... and the tensors, alive until the pass ends
         tapped: dict[int, Tensor] = {}
@@ -304,10 +320,34 @@ class RowStep:
             h = torch.empty(N, E)
             F.rms_norm(mixed.data_ptr(), attn_w, 0, h.data_ptr(), N, E, eps, 0, nt)
             attn = self.attn[il]
-            if isinstance(attn, KdaLayer):
-                a = attn.decode(h.data_ptr(), kq.buf(h), [cast(KDAState, st.layers[il]) for st in states], nt)
-            else:
-                a = attn.decode(h.data_ptr(), [cast(MLACache, st.layers[il]) for st in states], nt)
+            layer_states = [st.layers[il] for st in states]
+            a = torch.empty(N, E) if not one_rows else None
+            if singles:                      # the decoding sequences as one batch of rows
+                hs = h if one_rows else h.index_select(0, single_rows)
+                if isinstance(attn, KdaLayer):
+                    kda_states = [cast(KDAState, layer_states[i]) for i in singles]
+                    out = attn.decode(hs.data_ptr(), kq.buf(hs), kda_states, nt)
+                else:
+                    out = attn.decode(hs.data_ptr(), [cast(MLACache, layer_states[i]) for i in singles], nt)
+                if a is None:
+                    a = out
+                else:
+                    a.index_copy_(0, single_rows, out)
+            for i, n in enumerate(lengths):  # the others, each its block of rows on its own state
+                if n == 1 and not spec[i]:
+                    continue
+                assert a is not None
+                x = h.data_ptr() + bounds[i] * row_bytes
+                if isinstance(attn, KdaLayer):
+                    o, kda_rows = attn(x, (ctypes.c_char * (n * row_bytes)).from_address(x),
+                                       cast(KDAState, layer_states[i]), nt, n, not spec[i])
+                    cap_i = captured[i]
+                    if cap_i is not None and kda_rows is not None:
+                        cap_i.kda[il] = kda_rows
+                else:
+                    o = attn(x, cast(MLACache, layer_states[i]), nt, n)
+                a[bounds[i]:bounds[i + 1]] = o
+            assert a is not None
             after = a if banked else stream + a
             mixed = after
             if bs > 0 and bank:
@@ -325,17 +365,28 @@ class RowStep:
         n_layers = self.cfg.num_layers
         if n_layers in taps:
             tapped[n_layers] = stream if raw else final
-        normed = torch.empty(N, E)
-        F.rms_norm(final.data_ptr(), self.final_norm.data_ptr(), 0, normed.data_ptr(), N, E, eps, 0, nt)
+        # the LM head's rows: every row of a verify block, the last row of any other segment
+        sel = [r for i in range(len(ids))
+               for r in (range(bounds[i], bounds[i + 1]) if spec[i] else [bounds[i + 1] - 1])]
+        if len(sel) < N:
+            final = final.index_select(0, torch.tensor(sel, dtype=torch.long))
+        M = len(sel)
+        normed = torch.empty(M, E)
+        F.rms_norm(final.data_ptr(), self.final_norm.data_ptr(), 0, normed.data_ptr(), M, E, eps, 0, nt)
         qtype, raw_w, n_out, n_in = self.lm_q
-        lg = torch.empty(N, n_out)
-        kq._qmatmul.matmul_q8(qtype, raw_w, normed.data_ptr(), lg.data_ptr(), n_out, n_in, N, -1, nt, 1,
+        lg = torch.empty(M, n_out)
+        kq._qmatmul.matmul_q8(qtype, raw_w, normed.data_ptr(), lg.data_ptr(), n_out, n_in, M, -1, nt, 1,
                               kq.I8_PATH)
         outs = []
+        k = 0
         for i, st in enumerate(states):
-            st.pos += 1
-            feats = torch.cat([tapped[il][i:i + 1] for il in order], dim=-1) if capture[i] and order else None
-            outs.append(SegmentOutput(lg[i:i + 1], feats, None))
+            m = lengths[i] if spec[i] else 1
+            feats = (torch.cat([tapped[il][bounds[i]:bounds[i + 1]] for il in order], dim=-1)
+                     if capture[i] and order else None)
+            outs.append(SegmentOutput(lg[k:k + m], feats, captured[i]))
+            k += m
+            if not spec[i]:
+                st.pos += lengths[i]
         return outs
 
     def _one_row_plan(self) -> list[tuple[Any, ...]]:
