@@ -222,14 +222,7 @@ class KdaLayer:
             torch.sigmoid(y[3] if keep else self.gate_in, out=self.gate)
             gate, normed = self.gate, self.normed
         else:
-            u = (fb + self.dt_bias).view(1, T, H, D)
-            A = self.kda.decay_rate()
-            if self.lb is not None:
-                g = torch.sigmoid(-(u * A)) * self.lb
-            else:
-                g = torch.nn.functional.softplus(u) * A
-            b = self.b(x_addr, nt, T)
-            beta = (padded_sigmoid(b).contiguous() if self.segments else torch.sigmoid(b)).view(1, T, H)
+            g, beta = self._gates(x_addr, fb, nt, T, (1, T))
             # delta_rule through kda_step.rows: in place on a committed state, else a new one
             S_out = S if commit else torch.empty_like(S)
             o = torch.empty(1, T, H, D)
@@ -247,6 +240,21 @@ class KdaLayer:
                    self.eps, 0, nt)
         return self.o(normed.data_ptr(), nt, T), rows
 
+
+    def _gates(self, x_addr: int, fb: Tensor, nt: int, rows: int,
+               lead: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """KDA.decay's gate g [*lead, H, D] from f_b's rows (u = f_b + dt_bias, then its torch ops)
+        and beta = sigmoid(b x) [*lead, H] (padded rows in forward_segments' arithmetic), for
+        `rows` rows of x."""
+        u = (fb + self.dt_bias).view(*lead, self.H, self.D)
+        A = self.kda.decay_rate()
+        if self.lb is not None:
+            g = torch.sigmoid(-(u * A)) * self.lb
+        else:
+            g = torch.nn.functional.softplus(u) * A
+        b = self.b(x_addr, nt, rows)
+        beta = (padded_sigmoid(b).contiguous() if self.segments else torch.sigmoid(b)).view(*lead, self.H)
+        return g, beta
 
     def decode(self, x_addr: int, x_buf: Any, states: Sequence[KDAState], nt: int) -> Tensor:
         """One committed row for each of N sequences (x's rows, states[i] row i's): the
@@ -269,14 +277,7 @@ class KdaLayer:
         F.rms_norm(k.data_ptr(), 0, 0, kn.data_ptr(), N * H, D, self.eps, 1, nt)
         fa = self.f_a(x_addr, nt, N)         # held while f_b reads it (an address does not own it)
         fb = self.f_b(fa.data_ptr(), nt, N)
-        u = (fb + self.dt_bias).view(N, 1, H, D)
-        A = self.kda.decay_rate()
-        if self.lb is not None:
-            g = torch.sigmoid(-(u * A)) * self.lb
-        else:
-            g = torch.nn.functional.softplus(u) * A
-        b = self.b(x_addr, nt, N)
-        beta = (padded_sigmoid(b).contiguous() if self.segments else torch.sigmoid(b)).view(N, 1, H)
+        g, beta = self._gates(x_addr, fb, nt, N, (N, 1))
         o = torch.empty(N, 1, H, D)
         e = torch.exp(g)          # held while the call reads it (a buffer does not own its tensor)
         s_buf = kq.buf(S)
