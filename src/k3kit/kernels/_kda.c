@@ -182,9 +182,15 @@ static void run_unit(const job_t *jb, int64_t u) {
     }
 }
 
+/* State elements a call updates (units x rows x dk x dv) below which it runs on the calling thread:
+ * waking a team that sleeps (k3kit runs OpenMP passive) costs ~50-90 us, where the mini's decode
+ * row (2 heads of 64 x 64) is ~3 us of work; a K3 row (64 heads of 128 x 128) is far above it. */
+#define KDA_PARALLEL_FROM (1 << 18)
+
 static void run(const job_t *jb, int threads) {
     const int64_t units = jb->B * jb->H;
     if (threads > units) threads = (int)units;
+    if (units * jb->T * jb->dk * jb->dv < KDA_PARALLEL_FROM) threads = 1;
 #ifdef _OPENMP
     if (threads > 1) {
         /* dynamic: on a shared machine a thread that loses its core leaves its units to the
