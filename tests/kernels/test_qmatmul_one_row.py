@@ -31,7 +31,8 @@ from k3kit.kernels.qmatmul import ACT_TYPE
 
 pytestmark = pytest.mark.skipif(not qmatmul.native_available(), reason="native kernel not built")
 
-SHAPES = [(3584, 96), (3072, 41), (512, 7), (544, 9), (32, 3), (2592, 33)]   # (k, n_out)
+# (k, n_out); 64, 128 and 256 values: no whole group, the partial group's counts compiled as constants
+SHAPES = [(3584, 96), (3072, 41), (512, 7), (544, 9), (32, 3), (2592, 33), (64, 13), (128, 9), (256, 6)]
 Q4K_SHAPES = [(7168, 40), (2304, 17), (256, 5), (512, 3)]
 
 
@@ -99,7 +100,8 @@ def test_q4_k_row_same_bits_on_every_path(k: int, n_out: int) -> None:
                 np.testing.assert_array_equal(y, one, err_msg=f"simd {simd} path {path} threads {threads}")
 
 
-AVX2_SHAPES = [(7168, 19), (2304, 9), (256, 5), (768, 3)]   # whole groups, partial last groups, none whole
+# whole groups, partial last groups, none whole (256 values: 8 sub-blocks, a count compiled as a constant)
+AVX2_SHAPES = [(7168, 19), (2304, 9), (256, 5), (768, 3)]
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_K, T.IQ1_S,

@@ -177,6 +177,18 @@ __attribute__((target(VNNI_TARGET))) INLINE void zsp_mxfp4(const uint8_t *gp, in
 #define zsp_iq1_m zsg_iq1_m
 
 
+/* A partial last group of NSUB sub-blocks (fdrows' locals): decode, scales, fd_group. Called with a
+ * literal NSUB for the common counts, so the sub-blocks past it and their products fold away in
+ * the compiled copy; the same operations on the same values as the runtime count's. */
+#define FD_PART(T, NAME_LC, HAS_MIN, NSUB)                                                         \
+    do {                                                                                           \
+        __m512i z[8];                                                                              \
+        __m512 ws, wm;                                                                             \
+        zqg_##NAME_LC(gp, (NSUB), z);                                                              \
+        zsp_##NAME_LC(gp, (NSUB), &ws, &wm);                                                       \
+        fd_group(z, NZ, ((NSUB) + 1) / 2, ws, wm, HAS_MIN, T##_FDB, xl, xg, xs, lxg, ls, RT, acc); \
+    } while (0)
+
 /* Rows n0 .. n1 - 1 of W times rows r0 .. r0 + RT - 1 of x. */
 #define DEFINE_FD(T, NAME_LC, HAS_MIN)                                                              \
     __attribute__((target(VNNI_TARGET))) INLINE void fdrows_##NAME_LC(const i8job_t *jb, int64_t n0, int64_t n1, \
@@ -204,12 +216,14 @@ __attribute__((target(VNNI_TARGET))) INLINE void zsp_mxfp4(const uint8_t *gp, in
             if (g < ng) {                                                                          \
                 const uint8_t *gp = ri + g * gbytes;                                               \
                 const int nsub = (int)((k - g * gv) / 32);                                         \
-                __m512i z[8];                                                                      \
-                __m512 ws, wm;                                                                     \
-                zqg_##NAME_LC(gp, nsub, z);                                                        \
-                zsp_##NAME_LC(gp, nsub, &ws, &wm);                                                 \
-                fd_group(z, NZ, (nsub + 1) / 2, ws, wm, HAS_MIN, T##_FDB, xl, xq + g * gv, xs, lx0 + g * 16, ls, \
-                         RT, acc);                                                                 \
+                const int8_t *xg = xq + g * gv;                                                    \
+                const int64_t lxg = lx0 + g * 16;                                                  \
+                switch (nsub) { /* rows of 64, 128, 256 values: the counts constant, zeros folded away */ \
+                case 2: FD_PART(T, NAME_LC, HAS_MIN, 2); break;                                    \
+                case 4: FD_PART(T, NAME_LC, HAS_MIN, 4); break;                                    \
+                case 8: FD_PART(T, NAME_LC, HAS_MIN, 8); break;                                    \
+                default: FD_PART(T, NAME_LC, HAS_MIN, nsub); break;                                \
+                }                                                                                  \
             }                                                                                      \
             for (int t = 0; t < RT; t++)                                                           \
                 jb->y[(r0 + t) * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc[t]),     \

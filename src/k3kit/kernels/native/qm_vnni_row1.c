@@ -123,6 +123,18 @@ __attribute__((target(VNNI_TARGET))) void i8direct_q4_k_row(const i8job_t *jb, i
  * exact and the float operations per lane are fd_group's, so the bits are the other paths'. A
  * partial last group takes the folding path's decoder on x's natural order. */
 #define VBMI_TARGET VNNI_TARGET ",avx512vbmi"
+/* The partial last group of the kernel below: the folding path's decoder on x's natural order
+ * (always inlined: a literal nsub folds the sub-blocks past it away). */
+__attribute__((target(VBMI_TARGET))) INLINE void mx1_part(const uint8_t *gp, const int nsub, const xlane_t *xl,
+                                                         const int8_t *xq, int64_t nfull, int64_t gv, int64_t ng,
+                                                         int64_t lx0, __m512 *acc) {
+    __m512i z[8];
+    __m512 ws, wm;
+    zqg_mxfp4(gp, nsub, z);
+    zsp_mxfp4(gp, nsub, &ws, &wm);
+    fd_group(z, 8, (nsub + 1) / 2, ws, wm, 0, MXFP4_FDB, xl, xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1,
+             acc);
+}
 __attribute__((target(VBMI_TARGET))) void i8direct_mxfp4_vbmi(const i8job_t *jb, int64_t n0, int64_t n1,
                                                                    int64_t r0, int m) {
     const xlane_t *xl = jb->xl;
@@ -176,12 +188,12 @@ __attribute__((target(VBMI_TARGET))) void i8direct_mxfp4_vbmi(const i8job_t *jb,
         }
         if (nfull < ng) {
             const uint8_t *gp = ri + nfull * gbytes;
-            __m512i z[8];
-            __m512 ws, wm;
-            zqg_mxfp4(gp, (int)((k - nfull * gv) / 32), z);
-            zsp_mxfp4(gp, (int)((k - nfull * gv) / 32), &ws, &wm);
-            fd_group(z, 8, (int)((k - nfull * gv) / 32 + 1) / 2, ws, wm, 0, MXFP4_FDB, xl,
-                     xq + nfull * gv, ng * gv, lx0 + nfull * 16, ng * 16, 1, &acc);
+            const int nsub = (int)((k - nfull * gv) / 32);
+            switch (nsub) {   /* rows of 64 and 128 values (a mini's experts): the count constant */
+            case 2: mx1_part(gp, 2, xl, xq, nfull, gv, ng, lx0, &acc); break;
+            case 4: mx1_part(gp, 4, xl, xq, nfull, gv, ng, lx0, &acc); break;
+            default: mx1_part(gp, nsub, xl, xq, nfull, gv, ng, lx0, &acc); break;
+            }
         }
         jb->y[r0 * jb->n_out + n] = i8_reduce256(_mm512_castps512_ps256(acc),
                                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
