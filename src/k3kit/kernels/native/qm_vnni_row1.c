@@ -189,9 +189,10 @@ __attribute__((target(VBMI_TARGET))) void i8direct_mxfp4_vbmi(const i8job_t *jb,
         if (nfull < ng) {
             const uint8_t *gp = ri + nfull * gbytes;
             const int nsub = (int)((k - nfull * gv) / 32);
-            switch (nsub) {   /* rows of 64 and 128 values (a mini's experts): the count constant */
+            switch (nsub) {   /* rows of 64, 128 and 256 values (a small model's): the count constant */
             case 2: mx1_part(gp, 2, xl, xq, nfull, gv, ng, lx0, &acc); break;
             case 4: mx1_part(gp, 4, xl, xq, nfull, gv, ng, lx0, &acc); break;
+            case 8: mx1_part(gp, 8, xl, xq, nfull, gv, ng, lx0, &acc); break;
             default: mx1_part(gp, nsub, xl, xq, nfull, gv, ng, lx0, &acc); break;
             }
         }
