@@ -382,14 +382,11 @@ class K3Adapter(SequenceSnapshots):
             cap.append(sid in capture)
             ids_of.append(vals)
         with _pass_threads(sum(len(v) for v in ids_of)):
-            step = self.row_step(True)
-            outs = None
-            if step is None:
-                pass
-            elif len(rows) == 1:
+            step, outs = self.row_step(True), None
+            if step is not None and len(rows) == 1:
                 outs = step.segment(ids_of[0], segments[0][1], self.experts, spec[0],
                                     self.tap_layers if cap[0] else (), self.capture_mode)
-            else:
+            elif step is not None:
                 outs = step.run_segments(ids_of, [st for _, st in segments], self.experts, spec, cap,
                                          self.tap_layers, self.capture_mode)
             if outs is None:
