@@ -342,3 +342,70 @@ def test_apply_bitmask_gives_the_torch_ops_values(R, V, W, monkeypatch):
     assert torch.equal(native.isnan(), torch_ops.isnan())
     assert torch.equal(native.nan_to_num(), torch_ops.nan_to_num())
     assert bool(torch.isinf(native[:, 32 * W:]).all())          # past the mask's last word: off
+
+
+def _ibits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 256, 4099])
+def test_add_mul_scale_have_the_bits_of_torch_add_and_mul(n):
+    """The row step's residual adds and KDA's gate arithmetic: each element one IEEE operation,
+    as torch's add and mul of float32 tensors (and a Python scalar taken as its float32), over
+    ordinary, tiny (subnormal), huge, signed-zero, infinite and NaN values, in place too."""
+    g = torch.Generator().manual_seed(n)
+    a, b = torch.randn(n, generator=g) * 1e3, torch.randn(n, generator=g)
+    special = torch.tensor([1e-40, -0.0, 3e38, float("inf"), float("nan"), -1e-45, 0.1])
+    a[: min(n, 7)] = special[: min(n, 7)]
+    b[-min(n, 7):] = special.flip(0)[: min(n, 7)]
+    F = fused._fused
+    y = torch.empty(n)
+    F.add(a.data_ptr(), b.data_ptr(), y.data_ptr(), n)
+    assert torch.equal(_ibits(y), _ibits(a + b))
+    F.mul(a.data_ptr(), b.data_ptr(), y.data_ptr(), n)
+    assert torch.equal(_ibits(y), _ibits(a * b))
+    c = a.clone()
+    F.add(c.data_ptr(), b.data_ptr(), c.data_ptr(), n)            # y may be a
+    assert torch.equal(_ibits(c), _ibits(a + b))
+    for lb in (-5.0, 0.1, 1 / 3):                                  # a tensor times a Python float
+        s = torch.tensor([lb], dtype=torch.float32)
+        F.scale(a.data_ptr(), s.data_ptr(), y.data_ptr(), 1, n)
+        assert torch.equal(_ibits(y), _ibits(a * lb))
+
+
+def test_scale_multiplies_each_row_by_its_own_float_as_a_broadcast_mul():
+    """u [1, 1, H, D] * (-A) [H, 1] (KDA's decay before its sigmoid) row by row."""
+    g = torch.Generator().manual_seed(3)
+    H, D = 5, 64
+    u, neg = torch.randn(1, 1, H, D, generator=g), -torch.rand(H, 1, generator=g).exp()
+    y = torch.empty(1, 1, H, D)
+    fused._fused.scale(u.data_ptr(), neg.data_ptr(), y.data_ptr(), H, D)
+    assert torch.equal(_ibits(y), _ibits(u * neg))
+
+
+def test_elementwise_steps_refuse_null_buffers_and_negative_sizes():
+    x = torch.zeros(4)
+    with pytest.raises(ValueError, match="add"):
+        fused._fused.add(0, x.data_ptr(), x.data_ptr(), 4)
+    with pytest.raises(ValueError, match="mul"):
+        fused._fused.mul(x.data_ptr(), x.data_ptr(), x.data_ptr(), -1)
+    with pytest.raises(ValueError, match="scale"):
+        fused._fused.scale(x.data_ptr(), 0, x.data_ptr(), 1, 4)
+
+
+def test_copy_rows_copies_strided_rows_as_a_concatenation():
+    """MLA's query pieces per head: q_nope out of [H, qk] rows, then (q_abs, q_pe) side by side."""
+    g = torch.Generator().manual_seed(5)
+    H, nope, pe, L = 3, 32, 16, 48
+    q = torch.randn(H, nope + pe, generator=g)
+    q_abs = torch.randn(H, L, generator=g)
+    F = fused._fused
+    nope_c = torch.empty(H, nope)
+    F.copy_rows(q.data_ptr(), nope + pe, nope_c.data_ptr(), nope, H, nope)
+    assert torch.equal(nope_c, q[:, :nope])
+    Q = torch.empty(H, L + pe)
+    F.copy_rows(q_abs.data_ptr(), L, Q.data_ptr(), L + pe, H, L)
+    F.copy_rows(q.data_ptr() + nope * 4, nope + pe, Q.data_ptr() + L * 4, L + pe, H, pe)
+    assert torch.equal(Q, torch.cat((q_abs, q[:, nope:]), dim=-1))
+    with pytest.raises(ValueError, match="copy_rows"):
+        F.copy_rows(q.data_ptr(), 4, Q.data_ptr(), L + pe, H, 8)     # a stride shorter than a row

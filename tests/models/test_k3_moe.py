@@ -11,8 +11,9 @@ from k3kit.layers.moe import ExpertWeights, ModuleExperts
 from k3kit.layers.norm import rms_norm
 from k3kit.models.kimi_k3.activations import situ
 from k3kit.models.kimi_k3.config import tiny_config
-from k3kit.models.kimi_k3.moe import LatentMoE, Router
+from k3kit.models.kimi_k3.moe import LatentMoE, Router, route, weight_sum
 from k3kit.models.kimi_k3.mxfp4 import mxfp4_fake_quant
+from k3kit.models.kimi_k3.row_ffn import host_weights
 
 
 def test_router_bias_selects_but_does_not_weigh():
@@ -114,3 +115,39 @@ def test_expert_provider_each_expert_once_and_routes_exposed():
     # the provider's weights are the ones used (a scaled gate: the routed norm hides a scaled down)
     other = model(toks, experts=Multi(0.5))
     assert not torch.allclose(other.logits, base.logits, atol=1e-3)
+
+
+def test_weight_sum_is_ggmls_double_sum_in_slot_order():
+    """The routing weights' sum: accumulated in double in slot order and rounded once (ggml's
+    sum_rows), whatever the CPU's vector width; 8 weights whose float sums differ by order."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(4000, 8, generator=g) ** 6
+    sums = []
+    for row in w.tolist():
+        acc = 0.0                  # a plain loop: Python 3.12's sum() of floats compensates
+        for v in row:
+            acc += v
+        sums.append(acc)
+    want = torch.tensor(sums, dtype=torch.float64).float()
+    got = weight_sum(w)
+    assert got.shape == (4000, 1)
+    assert torch.equal(got[:, 0].view(torch.int32), want.view(torch.int32))
+
+
+def test_host_weights_are_routes_floats():
+    """A decode row's weights made on the host from its ids equal route's, bit for bit: with and
+    without renormalisation and a scaling factor, sums below the clamp, and NaN scores."""
+    g = torch.Generator().manual_seed(1)
+    for renorm, scale in ((True, 1.0), (True, 2.5), (False, 2.5), (False, 1.0), (True, 0.1)):
+        cfg = tiny_config(moe_renormalize=renorm, routed_scaling_factor=scale)
+        E = cfg.num_experts
+        for trial in range(200):
+            probs = torch.sigmoid(torch.randn(1, E, generator=g) * 6)
+            if trial % 7 == 0:
+                probs = probs * 1e-6                       # a sum under the clamp
+            if trial % 23 == 0:
+                probs[0, int(torch.randint(E, (1,), generator=g))] = float("nan")
+            bias = torch.randn(E, generator=g) * 0.1
+            ids, w = route(probs, bias, cfg)
+            host = torch.tensor(host_weights(probs, ids.tolist()[0], cfg).tolist(), dtype=torch.float32)
+            assert torch.equal(host.view(torch.int32), w[0].view(torch.int32)), (renorm, scale, trial)

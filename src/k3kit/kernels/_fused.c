@@ -433,6 +433,72 @@ static PyObject *py_slot_sum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* add(a, b, y, n): y = a + b over n floats; mul(a, b, y, n): y = a * b; scale(a, s, y, rows, n):
+ * y[r, i] = a[r, i] * s[r]. Each result one IEEE operation on the same two floats as torch's add
+ * and mul of float32 tensors (a Python scalar is taken as the float32 torch would make of it), so
+ * the same bits; y may be a or b. A decode row's residual adds and KDA's gate arithmetic were
+ * torch ops, each costing more in the dispatcher than its 256 or 128 additions. */
+static PyObject *py_add(PyObject *self, PyObject *args) {
+    Py_ssize_t a, b, y, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnn", &a, &b, &y, &n)) return NULL;
+    if (!a || !b || !y || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "add: bad buffers or size");
+        return NULL;
+    }
+    const float *pa = PTR(const float, a), *pb = PTR(const float, b);
+    float *py = PTR(float, y);
+    for (Py_ssize_t i = 0; i < n; i++) py[i] = pa[i] + pb[i];
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_mul(PyObject *self, PyObject *args) {
+    Py_ssize_t a, b, y, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnn", &a, &b, &y, &n)) return NULL;
+    if (!a || !b || !y || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "mul: bad buffers or size");
+        return NULL;
+    }
+    const float *pa = PTR(const float, a), *pb = PTR(const float, b);
+    float *py = PTR(float, y);
+    for (Py_ssize_t i = 0; i < n; i++) py[i] = pa[i] * pb[i];
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_scale(PyObject *self, PyObject *args) {
+    Py_ssize_t a, s, y, rows, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnn", &a, &s, &y, &rows, &n)) return NULL;
+    if (!a || !s || !y || rows < 0 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "scale: bad buffers or sizes");
+        return NULL;
+    }
+    const float *pa = PTR(const float, a), *ps = PTR(const float, s);
+    float *py = PTR(float, y);
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float c = ps[r];
+        for (Py_ssize_t i = 0; i < n; i++) py[r * n + i] = pa[r * n + i] * c;
+    }
+    Py_RETURN_NONE;
+}
+
+/* copy_rows(src, ss, dst, ds, rows, n): rows of n floats from src (row stride ss floats) to dst
+ * (row stride ds): a strided copy or a concatenation's part (MLA's per-head query pieces), the
+ * floats as they are. */
+static PyObject *py_copy_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t src, ss, dst, ds, rows, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnn", &src, &ss, &dst, &ds, &rows, &n)) return NULL;
+    if (!src || !dst || rows < 0 || n < 0 || ss < n || ds < n) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: bad buffers, strides or sizes");
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++)
+        memmove(PTR(float, dst) + r * ds, PTR(const float, src) + r * ss, (size_t)n * sizeof(float));
+    Py_RETURN_NONE;
+}
+
 /* rope_neox(x, cos, sin, y, rows, heads, hd, rd): x and y [rows, heads, hd] (y may not be x),
  * cos and sin [rows, rd], rd even and <= hd */
 static PyObject *py_rope_neox(PyObject *self, PyObject *args) {
@@ -516,6 +582,10 @@ static PyObject *py_apply_bitmask(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"apply_bitmask", py_apply_bitmask, METH_VARARGS, "A grammar's token bitmask on rows of logits (-inf where off)."},
+    {"add", py_add, METH_VARARGS, "y = a + b over n floats."},
+    {"copy_rows", py_copy_rows, METH_VARARGS, "Rows of floats from one stride to another."},
+    {"mul", py_mul, METH_VARARGS, "y = a * b over n floats."},
+    {"scale", py_scale, METH_VARARGS, "y = a * s per row (s one float a row)."},
     {"markov_greedy", py_markov_greedy, METH_VARARGS, "DSpark's greedy Markov chain over a draft block."},
     {"markov_masked", py_markov_masked, METH_VARARGS, "One row of DSpark's greedy Markov chain under a bitmask."},
     {"rope_neox", py_rope_neox, METH_VARARGS, "NeoX rotary embedding of rows of heads."},

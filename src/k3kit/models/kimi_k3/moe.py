@@ -61,10 +61,21 @@ def route(probs: Tensor, bias: Tensor, cfg: K3ModelConfig) -> tuple[Tensor, Tens
     ids = torch.topk(probs + bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
     w = torch.gather(probs, -1, ids)
     if cfg.moe_renormalize:
-        w = w / w.sum(dim=-1, keepdim=True).clamp_min(_WEIGHT_SUM_MIN)
+        w = w / weight_sum(w).clamp_min(_WEIGHT_SUM_MIN)
     if cfg.routed_scaling_factor not in (0.0, 1.0):
         w = w * cfg.routed_scaling_factor
     return ids, w
+
+
+def weight_sum(w: Tensor) -> Tensor:
+    """The routing weights' sums [N, 1] as ggml's sum_rows takes them on the CPU: accumulated in
+    double in slot order, rounded once to float. torch's CPU cumsum accumulates float32 that way
+    (its sum's order follows the CPU's vector width: AVX2 and AVX-512 machines gave other bits for
+    8 experts), so every CPU path, the row steps' own on the host included
+    (k3kit.models.kimi_k3.row_ffn.host_weights), gets the same floats."""
+    if w.device.type == "cpu" and w.dtype == torch.float32:
+        return torch.cumsum(w, dim=-1)[..., -1:]
+    return w.sum(dim=-1, keepdim=True)
 
 
 class DenseFFN(nn.Module):

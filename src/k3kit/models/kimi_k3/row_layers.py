@@ -1,15 +1,15 @@
-"""The sub-layers of `row_step.RowStep`: K3's KDA, MLA, dense FFN and latent MoE on T rows of one
-sequence, each calling the native functions and torch ops its module's forward calls, in the same
-order with the same arguments (so with the same bits), on buffers of its own for a single row."""
+"""The attention sub-layers of `row_step.RowStep`: K3's KDA and MLA on T rows of one sequence,
+each calling the native functions and torch ops its module's forward calls, in the same order
+with the same arguments (so with the same bits), on buffers of its own for a single row; and the
+products and buffers every sub-layer shares (the feed-forward ones are in row_ffn)."""
 
 
 from __future__ import annotations
 
 import ctypes
 import math
-from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,23 +18,13 @@ from torch import Tensor, nn
 from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
-from k3kit.layers.moe import (
-    FUSED_MAX_ROWS,
-    GROUPED_MAX_ROWS,
-    RoutedMoE,
-    RouteGroups,
-    _whole_vectors,
-    group_routes,
-)
 from k3kit.layers.quantized_linear import QuantizedLinear, fusable_matrices
 
 from . import mla as mla_ops
 from .kda import KDA, KDARows
 from .kda import _padded_sigmoid as padded_sigmoid
 from .mla import MLA
-from .model import _row_product as row_product
 from .model import _stacked as stacked
-from .moe import DenseFFN, LatentMoE, route
 from .state import KDAState, MLACache
 
 F32 = 4
@@ -139,13 +129,16 @@ class KdaLayer:
         self.qn, self.kn, self.o_rows, self.normed = (empty(1, 1, H, D) for _ in range(4))
         self.u = empty(1, C)
         self.u4 = self.u.view(1, 1, H, D)
+        # the gate's lower bound as the float32 torch multiplies a float32 tensor by
+        self.lb32 = torch.tensor([self.lb if self.lb is not None else 0.0], dtype=torch.float32)
         self.g, self.e = empty(1, 1, H, D), empty(1, 1, H, D)
         self.beta = empty(1, H)
         self.gate = empty(1, C)
         self.gate_in = self.qkvg.out[3]                                   # [1, C]: the gate's projection
         self.bufs = [kq.buf(t) for t in (self.qn, self.kn, self.v, self.e, self.beta, self.o_rows)]
-        self._rate: tuple[Tensor, Tensor] | None = None                  # (A, -A)
-        self._taps: tuple[tuple[int, ...], Tensor] | None = None
+        # (A, -A, whether -A is H contiguous floats: the native gate arithmetic's per-head scale)
+        self._rate: tuple[Tensor, Tensor, bool] | None = None
+        self._taps: tuple[tuple[int, ...], Tensor, tuple[Tensor, ...]] | None = None
 
     def fit(self, st: KDAState) -> bool:
         S, conv = st.S, st.conv
@@ -155,19 +148,28 @@ class KdaLayer:
 
     def taps(self) -> Tensor:
         """kda.conv_taps_by_row(), asked again only when a conv weight changed."""
-        kda = self.kda
-        key = (kda.q_conv._version, kda.k_conv._version, kda.v_conv._version)
-        if self._taps is None or self._taps[0] != key:
-            self._taps = (key, kda.conv_taps_by_row())
-        return self._taps[1]
+        p = self.kda._parameters         # the module's dict: no nn.Module attribute lookups
+        ws = cast(tuple[Tensor, Tensor, Tensor], (p["q_conv"], p["k_conv"], p["v_conv"]))
+        key = (id(ws[0]), id(ws[1]), id(ws[2]), ws[0]._version, ws[1]._version, ws[2]._version)
+        taps = self._taps
+        if taps is None or taps[0] != key:
+            taps = self._taps = (key, self.kda.conv_taps_by_row(), ws)     # ws held: their ids stay theirs
+        return taps[1]
 
     def neg_rate(self) -> Tensor:
         """-A for the decay's -(u * A), computed as u * (-A): the same floats (a product's
         rounding is symmetric in sign), one op fewer a row."""
         A = self.kda.decay_rate()
         if self._rate is None or self._rate[0] is not A:
-            self._rate = (A, -A)
+            neg = -A
+            flat = neg.dtype == torch.float32 and neg.is_contiguous() and neg.numel() == self.H
+            self._rate = (A, neg, flat)
         return self._rate[1]
+
+    def _native_neg(self) -> Tensor | None:
+        """neg_rate where it is H contiguous floats, as the native per-head scale reads it."""
+        neg = self.neg_rate()
+        return neg if self._rate is not None and self._rate[2] else None
 
     def __call__(self, x_addr: int, x_buf: Any, st: KDAState, nt: int, T: int,
                  commit: bool) -> tuple[Tensor, KDARows | None]:
@@ -193,13 +195,23 @@ class KdaLayer:
         fb = self.f_b(fa.data_ptr(), nt, T)
         S = st.S
         if one:
-            torch.add(fb, self.dt_bias, out=self.u)
             u = self.u4
             g_out = torch.empty(1, 1, H, D) if keep else self.g
-            if self.lb is not None:
+            neg = self._native_neg() if self.lb is not None else None
+            if neg is not None:
+                # torch.add / mul's IEEE operations natively (the same bits, no dispatcher)
+                F.add(fb.data_ptr(), self.dt_bias.data_ptr(), self.u.data_ptr(), C)
+                g_addr = g_out.data_ptr()
+                F.scale(self.u.data_ptr(), neg.data_ptr(), g_addr, H, D)        # u * (-A), per head
+                torch.sigmoid(g_out, out=g_out)
+                F.scale(g_addr, self.lb32.data_ptr(), g_addr, 1, C)                   # times the bound
+                g = g_out
+            elif self.lb is not None:
+                torch.add(fb, self.dt_bias, out=self.u)
                 t = torch.sigmoid(torch.mul(u, self.neg_rate(), out=g_out), out=g_out)
                 g = torch.mul(t, self.lb, out=g_out)
             else:
+                torch.add(fb, self.dt_bias, out=self.u)
                 g = torch.nn.functional.softplus(u) * self.kda.decay_rate()
             torch.exp(g, out=self.e)
             beta = torch.empty(1, H) if keep else self.beta
@@ -321,17 +333,15 @@ class MlaLayer:
         self.kv_a_norm = f32(mla.kv_a_norm.detach(), "MLA kv_a_norm")
         self.g = Product(mla.g_proj) if mla.g_proj is not None else None
         self.o = Product(mla.o_proj)
-        q4 = self.q.out.view(1, 1, H, self.qk)
-        self.q_nope = q4[0, 0, :, :nope]  # [H, nope], strided
-        self.q_pe = q4[..., nope:]  # [1, 1, H, pe]
+        # one row's query: the q product's buffer [H, qk] holds q_nope and q_pe per head
         self.q_nope_c = empty(H, 1, nope)  # absorb's contiguous copy, [H, 1, nope]
         self.q_abs = empty(H, 1, L)
-        self.q_abs4 = self.q_abs.transpose(0, 1).reshape(1, 1, H, L)
         self.Q = empty(1, 1, H, L + pe)
         self.Q3 = self.Q.view(1, H, L + pe)
         self.values = empty(H, 1, self.v)
         self.out = self.values.view(1, H * self.v)  # value_heads' [B*T, H * v] rows
         self.gated = empty(1, H * self.v)
+        self.gate = empty(1, H * self.v)
         self.bufs = (kq.buf(self.q_nope_c), kq.buf(self.q_abs), kq.buf(self.values))
         self.c = empty(1, L)
         self.scale = 1.0 / math.sqrt(nope + pe)
@@ -372,7 +382,8 @@ class MlaLayer:
             cache.append(self.c.view(1, 1, L), kv[:, L:].view(1, 1, pe))
         K = cache.rows[:, :need]
         # absorb_q: W_kb^T q_nope per head (QuantizedHeads.matmul of the contiguous heads)
-        self.q_nope_c[:, 0].copy_(self.q_nope)
+        q_addr, qk, C = self.q.out.data_ptr(), self.qk, L + pe
+        F.copy_rows(q_addr, qk, self.q_nope_c.data_ptr(), nope, H, nope)     # q_nope, contiguous
         heads = self.heads
         kq._qmatmul.matmul_heads(
             int(heads.k_b.qtype),
@@ -388,7 +399,9 @@ class MlaLayer:
             -1,
             nt,
         )
-        torch.cat((self.q_abs4, self.q_pe), dim=-1, out=self.Q)
+        Q_addr = self.Q.data_ptr()          # torch.cat((q_abs, q_pe), -1) per head, as copies
+        F.copy_rows(self.q_abs.data_ptr(), L, Q_addr, C, H, L)
+        F.copy_rows(q_addr + nope * F32, qk, Q_addr + L * F32, C, H, pe)
         # attend, T == 1: one row sees every position
         scores = torch.bmm(self.Q3, K.transpose(1, 2)).mul_(self.scale)
         lat = torch.bmm(torch.softmax(scores, dim=-1), K[..., :L])  # [1, H, L]
@@ -408,7 +421,8 @@ class MlaLayer:
         )
         out = self.out
         if self.g is not None:
-            torch.mul(out, torch.sigmoid(self.g(x_addr, nt)), out=self.gated)
+            gate = torch.sigmoid(self.g(x_addr, nt), out=self.gate)
+            F.mul(out.data_ptr(), gate.data_ptr(), self.gated.data_ptr(), H * self.v)   # torch.mul's bits
             out = self.gated
         return self.o(out.data_ptr(), nt)
 
@@ -489,160 +503,3 @@ class MlaLayer:
             scores = torch.bmm(qa, Kt[..., :n]).mul_(scale)
             torch.bmm(torch.softmax(scores, dim=-1), c_all[:, :n], out=out)
         return lat
-
-
-class DenseLayer:
-    """DenseFFN.forward on T rows."""
-
-    def __init__(self, ffn: DenseFFN):
-        cfg = ffn.cfg
-        self.gu = FusedProducts((ffn.gate_proj, ffn.up_proj))
-        self.down = Product(ffn.down_proj)
-        self.n = self.gu.n_out
-        self.h = Vec(self.n)
-        self.beta, self.lb = cfg.situ_beta, cfg.situ_linear_beta
-
-    def __call__(self, x_buf: Any, nt: int, T: int = 1) -> Tensor:
-        y = self.gu(x_buf, nt, T)
-        h = self.h.t if T == 1 else torch.empty(T, self.n)
-        kfused._fused.situ(y.data_ptr(), y[1].data_ptr(), h.data_ptr(), T * self.n, self.beta, self.lb, nt)
-        return self.down(h.data_ptr(), nt, T)
-
-
-class MoeLayer:
-    """LatentMoE.forward on T rows whose trunk is on the CPU: the router's torch ops; for one row
-    the cached experts' two native products, SiTU and the slot sum, else (or experts not all
-    cached) the module's `run_experts`."""
-
-    def __init__(self, moe: LatentMoE, segments: bool = False):
-        cfg = moe.cfg
-        self.segments = segments        # forward_segments' arithmetic: the router's product row by row
-        if (
-            moe.input_round is not None
-            or not moe.exact_order
-            or type(moe).expert is not RoutedMoE.expert
-            or moe.router.ggml_input is not None
-        ):
-            raise Unfit("a MoE layer with ggml input rounding or its own expert function")
-        self.moe = moe
-        self.layer = moe.layer
-        self.k = cfg.num_experts_per_tok
-        self.router_w = moe.router.weight
-        self.router_wt = moe.router.weight.t()          # a view: the weight's own floats
-        self.router_bias = moe.router.bias
-        self.cfg = cfg
-        self.eps = cfg.rms_norm_eps
-        self.beta, self.lb = cfg.situ_beta, cfg.situ_linear_beta
-        self.down = Product(moe.routed_down) if moe.routed_down is not None else None
-        self.up = Product(moe.routed_up) if moe.routed_up is not None else None
-        self.norm = f32(moe.routed_norm.detach(), "routed norm") if moe.routed_norm is not None else None
-        self.shared = DenseLayer(moe.shared) if moe.shared is not None else None
-        self.d, self.ff = moe.d_in, moe.d_ff
-        k, d, ff = self.k, self.d, self.ff
-        self.gu = empty(2, k, ff)
-        self.gu_buf = kq.buf(self.gu)
-        self.h = empty(k, ff)
-        self.h_buf = kq.buf(self.h)
-        self.y = empty(1, k, d)
-        self.y_buf = kq.buf(self.y)
-        self.summed = empty(1, d)
-        self.normed = empty(1, d)
-        self.out = empty(1, cfg.hidden_size)
-        self.ones = [1] * k
-        self.zeros = [0] * k
-
-    def _experts(
-        self,
-        xl: Tensor,
-        xl_buf: Any,
-        ids: Tensor,
-        w: Tensor,
-        experts: Any,
-        guess: tuple[int, list[int]] | None,
-        nt: int,
-        T: int,
-    ) -> Tensor:
-        """run_experts(xl, ids, w, experts, guess) for T rows: with every expert cached, the calls
-        of `_run_each` -> `_run_together` -> `_run_fused` -> slot_sum on the same arguments
-        (so the same bits), without their checks and index tensors; a row alone on the buffers."""
-        moe, k = self.moe, self.k
-        take = getattr(experts, "take_resident", None)
-        if take is None or xl.dtype != torch.float32 or not xl.is_contiguous():
-            return moe.run_experts(xl, ids, w, experts, guess)
-        one = T == 1
-        order: list[int] | None
-        rows: list[int] | None
-        if one:
-            vals = ids.tolist()[0]  # the one host read of the routing
-            order = sorted(range(k), key=vals.__getitem__)
-            chosen = [vals[i] for i in order]
-            if len(set(chosen)) != k:
-                return moe.run_experts(xl, ids, w, experts, guess)
-            groups = RouteGroups(ids, chosen, list(self.ones), host_order=order)   # group_routes' groups
-            rows = self.zeros
-        else:
-            groups = group_routes(ids)              # the one host read of the routing
-            if max(groups.counts) > FUSED_MAX_ROWS and not moe._small_experts():
-                return moe._run_each(xl, groups, w, experts, guess)
-            order = groups.host_order
-            rows = groups.host_rows
-        fetched = take(self.layer, groups.experts)
-        if fetched is None:  # a read, a plan or a guess in flight: the module's way
-            return moe._run_each(xl, groups, w, experts, guess)
-        hint = getattr(experts, "prefetch", None)
-        if guess is not None and hint is not None:
-            hint(*guess)
-        gates, ups, downs = ([e[i] for e in fetched] for i in range(3))
-        P = T * k
-        gu = self.gu if one else torch.empty(2, P, self.ff)
-        fusable = kq.experts_fusable(downs) and kq.experts_fusable(gates + ups)
-        if order is None or rows is None or not fusable or not _whole_vectors(gu[0]):
-            # within _run_each's row limits for the fused and the grouped ways
-            y = moe._run_together(xl, groups, w, fetched, True, max(groups.counts) <= GROUPED_MAX_ROWS)
-            return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
-        counts = self.ones if one else groups.counts
-        flat = [m._raw_np for pair in zip(gates, ups, strict=True) for m in pair]
-        Q, F = kq._qmatmul, kfused._fused
-        Q.experts_q8(gates[0]._qtype_id, flat, xl_buf, self.gu_buf if one else kq.buf(gu), counts, self.ff,
-                     self.d, 2, nt, rows)
-        h = self.h if one else torch.empty(P, self.ff)
-        F.situ(gu.data_ptr(), gu[1].data_ptr(), h.data_ptr(), P * self.ff, self.beta, self.lb, nt)
-        y = self.y if one else torch.empty(P, self.d)
-        Q.experts_q8(downs[0]._qtype_id, [m._raw_np for m in downs], self.h_buf if one else kq.buf(h),
-                     self.y_buf if one else kq.buf(y), counts, self.d, self.ff, 1, nt, None)
-        where = array("q", order)
-        w = w if w.is_contiguous() else w.contiguous()
-        summed = self.summed if one else torch.empty(T, self.d)
-        F.slot_sum(y.data_ptr(), where.buffer_info()[0], w.data_ptr(), summed.data_ptr(), T, k, self.d)
-        return summed
-
-    def __call__(self, x: Tensor, x_buf: Any, experts: Any, nt: int, T: int) -> tuple[Tensor, Tensor]:
-        """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
-        moe = self.moe
-        probs = torch.sigmoid(row_product(x, self.router_w) if self.segments else x @ self.router_wt)
-        ids, w = route(probs, self.router_bias, self.cfg)
-        if self.down is not None:
-            xl = self.down(x.data_ptr(), nt, T)
-            xl_buf = self.down.out_buf if T == 1 else kq.buf(xl)
-        else:
-            xl, xl_buf = x, x_buf
-        guess = moe.guess_next(x, experts)
-        y = self._experts(xl, xl_buf, ids, w, experts, guess, nt, T)
-        if self.norm is not None:
-            y = y if y.is_contiguous() else y.contiguous()
-            normed = self.normed if T == 1 else torch.empty(T, self.d)
-            kfused._fused.rms_norm(
-                y.data_ptr(), self.norm.data_ptr(), 0, normed.data_ptr(), T, self.d, self.eps, 0, nt
-            )
-            y = normed
-        if self.up is not None:
-            y = self.up(y.data_ptr(), nt, T)
-        if self.shared is not None:
-            y = (
-                torch.add(y, self.shared(x_buf, nt, T), out=self.out)
-                if T == 1
-                else y + self.shared(x_buf, nt, T)
-            )
-        return y, ids
-
-

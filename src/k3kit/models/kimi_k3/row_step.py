@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any, cast
 
 import numpy as np
@@ -35,20 +37,25 @@ from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
 from k3kit.kernels import threads as kthreads
-from k3kit.layers.module_hooks import hooked
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
 from .mla import MLA
 from .model import Captured, K3Layer, K3Model, K3Output, SegmentOutput
 from .moe import LatentMoE
-from .row_layers import F32, DenseLayer, KdaLayer, MlaLayer, MoeLayer, Product, Unfit, Vec, f32
+from .row_ffn import DenseLayer, MoeLayer
+from .row_layers import F32, KdaLayer, MlaLayer, Product, Unfit, Vec, f32
 from .state import K3State, KDAState, MLACache
 
 # False: every row runs K3Model.forward (tests and benchmarks compare the two ways)
 ENABLED = True
 # rows a call takes (a decode row, a verify block, a short chunk); longer prompts run forward
 MAX_ROWS = 64
+
+
+def _any_set(objs: Iterable[Any], attr: str) -> bool:
+    """Whether `attr` is not None on any of `objs` (one pass in C: `fits` asks it every step)."""
+    return any(map(is_not, map(attrgetter(attr), objs), repeat(None)))
 
 
 class RowStep:
@@ -104,6 +111,10 @@ class RowStep:
         self.after_attn = [Vec(E) for _ in range(n_layers)]
         self.embed = self._embedding(model.embed)
         self.modules = list(model.modules())
+        # every module's hook dicts (torch registers and removes hooks in them, in place): one
+        # truth test each tells whether a hook is set
+        self.hook_dicts = [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.routers = [m.router for m in self.moes]
         self.mlas = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]
         self.linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         heads = [layer.attn.kv_b_heads for layer in model.layers if isinstance(layer.attn, MLA)]
@@ -180,15 +191,14 @@ class RowStep:
         """`fits`' conditions on the model and the provider."""
         if torch.is_grad_enabled() or self.model.training or self.model._ggml_hooks:
             return False
-        if hooked(self.modules):          # a hook expects the modules' own calls: forward's
+        g = torch.nn.modules.module      # a hook expects the modules' own calls: forward's
+        if g._global_forward_hooks or g._global_forward_pre_hooks or any(self.hook_dicts):
             return False
-        if any(m.input_round is not None or m.router.ggml_input is not None for m in self.moes) or any(
+        if _any_set(self.moes, "input_round") or _any_set(self.routers, "ggml_input") or any(
             v is not None for m in self.mlas for v in m.ggml_inputs.values()
         ):
             return False
-        if any(m.check is not None for m in self.checked) or any(
-            m.route_counts is not None for m in self.moes
-        ):
+        if _any_set(self.checked, "check") or _any_set(self.moes, "route_counts"):
             return False
         if experts is not self._cpu_experts:       # asked once per provider: devices do not move
             where = getattr(experts, "device", None)
@@ -407,7 +417,7 @@ class RowStep:
             attn, ffn = self.attn[il], self.ffn[il]
             plan.append((attn, isinstance(attn, KdaLayer), ffn, isinstance(ffn, MoeLayer), attn_w, ffn_w,
                          mix_a, mix_f, self.normed[2 * il], self.normed[2 * il + 1], s_in,
-                         None if banked else self.after_attn[il].t, self.stream_in[il + 1].t))
+                         None if banked else self.after_attn[il], self.stream_in[il + 1]))
         self.final_mix = (tuple(bank), self.out_score, self.mixed[-1]) if bs > 0 and bank else None
         del E
         return plan
@@ -427,7 +437,7 @@ class RowStep:
         raw = mode == "raw"
         self.embed((token,), self.stream_in[0].t, nt)
         x = self.stream_in[0].addr
-        for il, (attn, kda, ffn, moe, attn_w, ffn_w, mix_a, mix_f, h_a, h_f, s_in, after_t, s_out) in \
+        for il, (attn, kda, ffn, moe, attn_w, ffn_w, mix_a, mix_f, h_a, h_f, s_in, after_v, s_out) in \
                 enumerate(self.plan):
             mixed = s_in
             if mix_a is not None:
@@ -442,15 +452,18 @@ class RowStep:
                     captured.kda[il] = rows
             else:
                 a = attn(h_a.addr, layers[il], nt, 1)
-            after = a if after_t is None else torch.add(s_in.t, a, out=after_t)
-            x = after.data_ptr()
+            x = a.data_ptr()           # the residual adds: torch.add's IEEE sums, natively
+            if after_v is not None:
+                F.add(s_in.addr, x, after_v.addr, E)
+                x = after_v.addr
+            after = x
             if mix_f is not None:
                 F.res_mix(mix_f[0], x, mix_f[1], mix_f[2].addr, 1, E, eps, nt)
                 x = mix_f[2].addr
             F.rms_norm(x, ffn_w, 0, h_f.addr, 1, E, eps, 0, nt)
             f = ffn(h_f.t, h_f.buf, experts, nt, 1)[0] if moe else ffn(h_f.buf, nt, 1)
-            torch.add(after, f, out=s_out)
-            x = s_out.data_ptr()
+            F.add(after, f.data_ptr(), s_out.addr, E)
+            x = s_out.addr
         final = self.stream_in[-1]
         if self.final_mix is not None:
             bank, score, final = self.final_mix
