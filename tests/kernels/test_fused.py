@@ -409,3 +409,22 @@ def test_copy_rows_copies_strided_rows_as_a_concatenation():
     assert torch.equal(Q, torch.cat((q_abs, q[:, nope:]), dim=-1))
     with pytest.raises(ValueError, match="copy_rows"):
         F.copy_rows(q.data_ptr(), 4, Q.data_ptr(), L + pe, H, 8)     # a stride shorter than a row
+
+
+def test_add_and_scale_broadcast_as_torch_does():
+    """u = f_b rows + dt_bias [C] (add with nb), then u [T, H, D] * (-A) [H, 1] (scale with a
+    period of H): torch's broadcast add and mul, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    T, H, D = 6, 4, 32
+    fb, bias = torch.randn(T, H * D, generator=g), torch.randn(H * D, generator=g)
+    neg = -torch.rand(H, 1, generator=g).exp()
+    F = fused._fused
+    u = torch.empty(T, H * D)
+    F.add(fb.data_ptr(), bias.data_ptr(), u.data_ptr(), T * H * D, H * D)
+    assert torch.equal(_ibits(u), _ibits(fb + bias))
+    y = torch.empty(T, H, D)
+    F.scale(u.data_ptr(), neg.data_ptr(), y.data_ptr(), T * H, D, H)
+    assert torch.equal(_ibits(y), _ibits(u.view(T, H, D) * neg))
+    assert torch.equal(_ibits(y), _ibits(-(u.view(T, H, D) * -neg)))    # the module's -(u * A)
+    with pytest.raises(ValueError, match="add"):
+        F.add(fb.data_ptr(), bias.data_ptr(), u.data_ptr(), T * H * D, H * D - 1)   # rows not whole

@@ -181,6 +181,25 @@ def test_chat_greedy_matches_generate_chat(world):
     assert (got, finish, usage) == (text, c.finish_reason, None)
 
 
+def test_timings_are_the_servers_decode_rate(world):
+    """llama-server's `timings` beside `usage`, in a body and in a stream's usage chunk: the
+    tokens generated, the time from the first to the last, their rate; the prompt's tokens run."""
+    s = world["ar"]
+    messages = [{"role": "user", "content": CHAT}]
+    r = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N, temperature=0)
+    t = (r.model_extra or {})["timings"]
+    assert t["predicted_n"] == r.usage.completion_tokens > 1
+    assert t["predicted_ms"] > 0 and t["predicted_per_second"] == pytest.approx(
+        (t["predicted_n"] - 1) / t["predicted_ms"] * 1e3)
+    assert t["prompt_n"] == r.usage.prompt_tokens - t["cache_n"] and t["prompt_ms"] > 0
+    st = client(s).chat.completions.create(model=s.model_id, messages=messages, max_tokens=N, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+    last = [chunk for chunk in st][-1]
+    t = (last.model_extra or {})["timings"]
+    assert last.usage is not None and t["predicted_n"] == last.usage.completion_tokens
+    assert t["predicted_per_second"] > 0
+
+
 def test_long_system_prompt_is_served(world):
     """An agent's chat: a system prompt of about 1,600 tokens (longer than the mini's old 1,024-token
     context), greedy, on both servers; the draft server gives the AR server's tokens."""

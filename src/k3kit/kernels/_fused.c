@@ -433,22 +433,28 @@ static PyObject *py_slot_sum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* add(a, b, y, n): y = a + b over n floats; mul(a, b, y, n): y = a * b; scale(a, s, y, rows, n):
- * y[r, i] = a[r, i] * s[r]. Each result one IEEE operation on the same two floats as torch's add
+/* add(a, b, y, n, nb=0): y = a + b over n floats (nb > 0: b [nb] added to each row of nb);
+ * mul(a, b, y, n): y = a * b; scale(a, s, y, rows, n, period=0): y[r, i] = a[r, i] * s[r] (period
+ * > 0: s[r % period], one float per head of rows of heads). Each result one IEEE operation on the same two floats as torch's add
  * and mul of float32 tensors (a Python scalar is taken as the float32 torch would make of it), so
  * the same bits; y may be a or b. A decode row's residual adds and KDA's gate arithmetic were
  * torch ops, each costing more in the dispatcher than its 256 or 128 additions. */
 static PyObject *py_add(PyObject *self, PyObject *args) {
-    Py_ssize_t a, b, y, n;
+    Py_ssize_t a, b, y, n, nb = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnn", &a, &b, &y, &n)) return NULL;
-    if (!a || !b || !y || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "add: bad buffers or size");
+    if (!PyArg_ParseTuple(args, "nnnn|n", &a, &b, &y, &n, &nb)) return NULL;
+    if (!a || !b || !y || n < 0 || nb < 0 || (nb > 0 && n % nb)) {
+        PyErr_SetString(PyExc_ValueError, "add: bad buffers or sizes");
         return NULL;
     }
     const float *pa = PTR(const float, a), *pb = PTR(const float, b);
     float *py = PTR(float, y);
-    for (Py_ssize_t i = 0; i < n; i++) py[i] = pa[i] + pb[i];
+    if (nb == 0 || nb == n) {
+        for (Py_ssize_t i = 0; i < n; i++) py[i] = pa[i] + pb[i];
+    } else {                            /* b [nb] broadcast over the rows of a [n / nb, nb] */
+        for (Py_ssize_t r = 0; r < n; r += nb)
+            for (Py_ssize_t i = 0; i < nb; i++) py[r + i] = pa[r + i] + pb[i];
+    }
     Py_RETURN_NONE;
 }
 
@@ -467,17 +473,17 @@ static PyObject *py_mul(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_scale(PyObject *self, PyObject *args) {
-    Py_ssize_t a, s, y, rows, n;
+    Py_ssize_t a, s, y, rows, n, period = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnn", &a, &s, &y, &rows, &n)) return NULL;
-    if (!a || !s || !y || rows < 0 || n < 0) {
+    if (!PyArg_ParseTuple(args, "nnnnn|n", &a, &s, &y, &rows, &n, &period)) return NULL;
+    if (!a || !s || !y || rows < 0 || n < 0 || period < 0) {
         PyErr_SetString(PyExc_ValueError, "scale: bad buffers or sizes");
         return NULL;
     }
     const float *pa = PTR(const float, a), *ps = PTR(const float, s);
     float *py = PTR(float, y);
     for (Py_ssize_t r = 0; r < rows; r++) {
-        const float c = ps[r];
+        const float c = ps[period ? r % period : r];
         for (Py_ssize_t i = 0; i < n; i++) py[r * n + i] = pa[r * n + i] * c;
     }
     Py_RETURN_NONE;

@@ -39,14 +39,15 @@ def markov_masked(base: int, w1: int, w2t: int, prev: int, row: int, w1row: int,
 def apply_bitmask(x: int, bits: int, y: int, R: int, V: int, W: int, /) -> None:
     """y [R, V] = x where bit t % 32 of bits[r, t // 32] (int32 [R, W]) is set, else -inf."""
 
-def add(a: int, b: int, y: int, n: int, /) -> None:
-    """y = a + b over n floats (y may be a or b)."""
+def add(a: int, b: int, y: int, n: int, nb: int = 0, /) -> None:
+    """y = a + b over n floats (y may be a or b); nb > 0: b [nb] added to each row of nb floats."""
 
 def mul(a: int, b: int, y: int, n: int, /) -> None:
     """y = a * b over n floats (y may be a or b)."""
 
-def scale(a: int, s: int, y: int, rows: int, n: int, /) -> None:
-    """y [rows, n] = a [rows, n] * s [rows], each row by its own float (y may be a)."""
+def scale(a: int, s: int, y: int, rows: int, n: int, period: int = 0, /) -> None:
+    """y [rows, n] = a [rows, n] * s [rows], each row by its own float (y may be a); period > 0:
+    row r by s[r % period] (rows of heads, one float a head)."""
 
 def copy_rows(src: int, ss: int, dst: int, ds: int, rows: int, n: int, /) -> None:
     """rows of n floats from src (row stride ss floats) to dst (row stride ds), as they are."""

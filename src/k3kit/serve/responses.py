@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from k3kit.serve.access import AccessRecord
@@ -77,6 +78,36 @@ class Choices:
 
 
 @dataclass
+class TokenClock:
+    """When a response began and its first and last generated tokens reached the route (the
+    server's own decode timing: a client's clock sees the stream through its network and
+    buffers, and a fast local reply arrives in bursts too short to time)."""
+
+    start: float
+    first: float | None = None
+    last: float | None = None
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+    def timings(self, finishes: list[FinishEvent]) -> dict[str, Any]:
+        """llama-server's `timings` object: prompt tokens run and the time to the first token,
+        tokens generated and the time from the first to the last, and their rates."""
+        prompt = finishes[0].prompt_tokens - finishes[0].cached_tokens
+        n = sum(f.completion_tokens for f in finishes)
+        prompt_ms = (self.first - self.start) * 1e3 if self.first is not None else None
+        predicted_ms = (self.last - self.first) * 1e3 if self.first is not None and self.last is not None \
+            else None
+        return {"cache_n": finishes[0].cached_tokens, "prompt_n": prompt, "prompt_ms": prompt_ms,
+                "prompt_per_second": prompt / prompt_ms * 1e3 if prompt_ms else None,
+                "predicted_n": n, "predicted_ms": predicted_ms,
+                "predicted_per_second": (n - 1) / predicted_ms * 1e3 if predicted_ms and n > 1 else None}
+
+
+@dataclass
 class Reply:
     """What the body of one response needs besides its choices' events."""
 
@@ -91,6 +122,7 @@ class Reply:
     abort: asyncio.Event                  # set: the shutdown timeout ran out, end now
     token_ids: bool = False               # vLLM's return_token_ids: the prompt's and the output's ids
     done: Callable[[], None] | None = None   # called once every choice ended as the model ended it
+    clock: TokenClock = field(default_factory=lambda: TokenClock(time.perf_counter()))
 
     @property
     def object(self) -> str:
@@ -259,8 +291,10 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
                 ids[i].extend(ev.tokens)
                 lps[i].extend(ev.logprobs or ())
                 generated += len(ev.tokens)
-                if reply.rec is not None and ev.tokens:
-                    reply.rec.token()
+                if ev.tokens:
+                    reply.clock.token()
+                    if reply.rec is not None:
+                        reply.rec.token()
             else:
                 finishes[i] = ev
     done = [f for f in finishes if f is not None]
@@ -295,7 +329,7 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
                 choice["prompt_token_ids"] = list(choices.gens[i].prompt_ids)
         bodies.append(choice)
     body = {"id": reply.rid, "object": reply.object, "created": reply.created, "model": reply.model_id,
-            "choices": bodies, "usage": usage(done)}
+            "choices": bodies, "usage": usage(done), "timings": reply.clock.timings(done)}
     if reply.done is not None:
         reply.done()
     if reply.token_ids and reply.chat:
@@ -344,8 +378,10 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                     yield sse(cut_short().body())
                     break
                 if isinstance(ev, TokenEvent):
-                    if reply.rec is not None and ev.tokens:
-                        reply.rec.token()
+                    if ev.tokens:
+                        reply.clock.token()
+                        if reply.rec is not None:
+                            reply.rec.token()
                     seen += len(ev.tokens)
                     pending[i].extend(ev.tokens)
                     ids_due = reply.token_ids and bool(ev.tokens)    # asked-for ids go out with their token
@@ -389,7 +425,8 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                     reply.done()
                 if reply.include_usage:
                     yield sse({"id": reply.rid, "object": obj, "created": reply.created,
-                               "model": reply.model_id, "choices": [], "usage": usage(done)})
+                               "model": reply.model_id, "choices": [], "usage": usage(done),
+                               "timings": reply.clock.timings(done)})
         yield sse("[DONE]")
     except APIError as e:          # a later choice refused (queue full, shutting down)
         yield sse(e.body())

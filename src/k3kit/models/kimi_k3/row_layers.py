@@ -258,12 +258,25 @@ class KdaLayer:
         """KDA.decay's gate g [*lead, H, D] from f_b's rows (u = f_b + dt_bias, then its torch ops)
         and beta = sigmoid(b x) [*lead, H] (padded rows in forward_segments' arithmetic), for
         `rows` rows of x."""
-        u = (fb + self.dt_bias).view(*lead, self.H, self.D)
-        A = self.kda.decay_rate()
-        if self.lb is not None:
-            g = torch.sigmoid(-(u * A)) * self.lb
+        H, D = self.H, self.D
+        neg = self._native_neg() if self.lb is not None else None
+        if neg is not None:
+            # (fb + dt_bias), * (-A) per head, sigmoid, * lb: torch's floats, the adds and
+            # products native (u * (-A) is -(u * A): a product's rounding is symmetric in sign)
+            F = kfused._fused
+            g = torch.empty(*lead, H, D)
+            addr = g.data_ptr()
+            F.add(fb.data_ptr(), self.dt_bias.data_ptr(), addr, rows * H * D, H * D)
+            F.scale(addr, neg.data_ptr(), addr, rows * H, D, H)
+            torch.sigmoid(g, out=g)
+            F.scale(addr, self.lb32.data_ptr(), addr, 1, rows * H * D)
         else:
-            g = torch.nn.functional.softplus(u) * A
+            u = (fb + self.dt_bias).view(*lead, H, D)
+            A = self.kda.decay_rate()
+            if self.lb is not None:
+                g = torch.sigmoid(-(u * A)) * self.lb
+            else:
+                g = torch.nn.functional.softplus(u) * A
         b = self.b(x_addr, nt, rows)
         beta = (padded_sigmoid(b).contiguous() if self.segments else torch.sigmoid(b)).view(*lead, self.H)
         return g, beta

@@ -65,6 +65,8 @@ class RowStep:
         cfg = model.cfg
         if kq._qmatmul is None or not kfused.available() or kda_step._kda is None:
             raise Unfit("the native extensions are not built")
+        if not all(hasattr(kfused._fused, f) for f in ("add", "mul", "scale", "copy_rows")):
+            raise Unfit("the _fused extension is an older build: pip install -e . again")
         if getattr(model, "_ggml_hooks", None):
             raise Unfit("ggml input rounding hooks are set")
         self.model, self.cfg, self.segments = model, cfg, segments

@@ -260,7 +260,7 @@
     busy = { controller: controller, msg: msg };
     setBusy(true);
     var t0 = performance.now();
-    var tFirst = null, tLast = null, pieces = 0, usage = null;
+    var tFirst = null, tLast = null, pieces = 0, usage = null, timings = null;
     try {
       var resp = await api("/v1/chat/completions", {
         method: "POST", headers: { "Content-Type": "application/json" },
@@ -289,6 +289,7 @@
             var obj = JSON.parse(data);
             if (obj.error) throw new Error(obj.error.message || "the server reported an error");
             if (obj.usage) usage = obj.usage;
+            if (obj.timings) timings = obj.timings;
             (obj.choices || []).forEach(function (ch) {
               var d = ch.delta || {};
               if (d.content || d.reasoning_content || d.tool_calls) {
@@ -315,8 +316,10 @@
       var cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
       msg.stats = {
         ttft_ms: tFirst === null ? null : tFirst - t0,
-        // a reply that arrived in one burst (a proxy's buffering) has no decode speed to show
-        tok_s: n > 1 && tLast - tFirst > 20 ? (n - 1) / ((tLast - tFirst) / 1000) : null,
+        // the server's own decode rate (its `timings`); else the stream's, unless the reply arrived
+        // in one burst (a proxy's buffering), which has no decode speed to show
+        tok_s: timings && timings.predicted_per_second ? timings.predicted_per_second
+          : n > 1 && tLast - tFirst > 20 ? (n - 1) / ((tLast - tFirst) / 1000) : null,
         prompt_tokens: usage ? usage.prompt_tokens : null,
         cached_tokens: cached || 0,
         completion_tokens: n,
