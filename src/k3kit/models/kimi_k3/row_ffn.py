@@ -102,6 +102,11 @@ class MoeLayer:
         self.router_w = moe.router.weight
         self.router_wt = moe.router.weight.t()          # a view: the weight's own floats
         self.router_bias = moe.router.bias
+        E = cfg.num_experts
+        bias = self.router_bias
+        # a row's biased scores, where the bias is E contiguous floats: torch.add's sums, natively
+        self.scores = empty(1, E) if bias.dtype == torch.float32 and bias.is_contiguous() \
+            and bias.numel() == E else None
         self.cfg = cfg
         self.eps = cfg.rms_norm_eps
         self.beta, self.lb = cfg.situ_beta, cfg.situ_linear_beta
@@ -241,7 +246,13 @@ class MoeLayer:
         probs = torch.sigmoid(row_product(x, self.router_w) if self.segments else x @ self.router_wt)
         w: Tensor | None = None
         if T == 1:         # route's ids; its weights from them on the host (`host_weights`)
-            ids = torch.topk(probs + self.router_bias, self.k, dim=-1, sorted=True).indices
+            scores = self.scores
+            if scores is not None:
+                kfused._fused.add(probs.data_ptr(), self.router_bias.data_ptr(), scores.data_ptr(),
+                                  scores.shape[1])
+            else:
+                scores = probs + self.router_bias
+            ids = torch.topk(scores, self.k, dim=-1, sorted=True).indices
         else:
             ids, w = route(probs, self.router_bias, self.cfg)
         if self.down is not None:
