@@ -63,6 +63,37 @@ def test_a_block_has_the_forward_bits(session, threads):
         torch.set_num_threads(1)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_context_rows_have_the_module_bits(session, threads):
+    """A sync's context K/V through the block step equals DSparkDraft.context_kv's, bit for bit:
+    a step's few new rows and a prompt chunk's many, from the ring's float16 taps."""
+    torch.set_num_threads(threads)
+    try:
+        drafter = session.draft_model
+        step = drafter.block_step()
+        assert step is not None and step.fc is not None, "the shipped drafter's fc is native"
+        g = torch.Generator().manual_seed(threads)
+        width = drafter.draft.fc.in_features
+        with torch.no_grad():
+            for n, start in ((1, 0), (6, 40), (200, 1000)):
+                taps = (torch.randn(n, width, generator=g) * 3).to(torch.float16)
+                pos = torch.arange(start, start + n)
+                got = step.context_kv(taps, pos, (start, start + n))
+                ref = drafter.draft.context_kv(taps, pos, span=(start, start + n))
+                assert got is not None and len(got) == len(ref)
+                for (k, v), (rk, rv) in zip(got, ref, strict=True):
+                    assert torch.equal(k, rk) and torch.equal(v, rv)
+            with torch.enable_grad():
+                assert step.context_kv(taps, pos, (start, start + n)) is None
+            handle = drafter.draft.fc.register_forward_hook(lambda m, i, o: o)
+            try:
+                assert step.context_kv(taps, pos, (start, start + n)) is None      # forward's calls
+            finally:
+                handle.remove()
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_what_the_block_step_leaves_to_forward(session, monkeypatch, one_thread):
     drafter = session.draft_model
     step = drafter.block_step()

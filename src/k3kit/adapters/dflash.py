@@ -221,8 +221,10 @@ class DSparkDrafter:
             end = min(ring.length, ctx.end + self.chunk)
             feats = ring.get(ctx.end, end).to(self.device)         # the target's taps cross here
             with kthreads.serial_torch() if end - ctx.end <= self.n_proposals + 1 else nullcontext():
-                new = self.draft.context_kv(feats, torch.arange(ctx.end, end, device=self.device),
-                                            span=(ctx.end, end))
+                pos = torch.arange(ctx.end, end, device=self.device)
+                step = self.block_step()        # the module's calls without its plumbing, where it runs
+                got = step.context_kv(feats, pos, (ctx.end, end)) if step is not None else None
+                new = got if got is not None else self.draft.context_kv(feats, pos, span=(ctx.end, end))
             for (k, v), (nk, nv) in zip(ctx.rows, new, strict=True):
                 k.append(nk)
                 v.append(nv)

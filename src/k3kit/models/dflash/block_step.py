@@ -71,8 +71,27 @@ class _Layer:
         self.o = _matrices((attn.o_proj,))[0]
         self.gu = _matrices((layer.mlp.gate_proj, layer.mlp.up_proj))
         self.down = _matrices((layer.mlp.down_proj,))[0]
+        self.kv = _matrices((attn.k_proj, attn.v_proj))
         self.linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj,
                         layer.mlp.up_proj, layer.mlp.down_proj]
+
+    def context_kv(self, g: Tensor, rope: RopeTable, nt: int) -> tuple[Tensor, Tensor]:
+        """DraftAttention.kv's calls on fused context rows g [n, H]: the fused K/V product, K's
+        norm and rope -> (K, V) [n, nh, hd]."""
+        Fu = kfused._fused
+        n, nh, hd = g.shape[0], self.nh, self.hd
+        m0 = self.kv[0]
+        kv = torch.empty(2, n, m0.out_features)
+        kq._qmatmul.experts_q8(m0._qtype_id, [m._raw_np for m in self.kv], kq.buf(g), kq.buf(kv), [n],
+                               m0.out_features, m0.in_features, 2, nt)
+        k, v = kv.view(2, n, nh, hd).unbind(0)
+        w, eps = self.k_norm
+        kn = torch.empty(n, nh, hd)
+        Fu.rms_norm(k.data_ptr(), w, 0, kn.data_ptr(), n * nh, hd, eps, 0, nt)
+        r = torch.empty(n, nh, hd)
+        Fu.rope_neox(kn.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), r.data_ptr(), n, nh, hd,
+                     rope.cos.shape[-1])
+        return r, v
 
     def __call__(self, x: Tensor, rope: RopeTable, ctx: Any, nt: int) -> Tensor:
         Fu, Q = kfused._fused, kq._qmatmul
@@ -125,6 +144,12 @@ class BlockStep:
         self.norm = _norm(draft.norm)
         self.linears = [lin for layer in self.layers for lin in layer.linears]
         self.lock = threading.Lock()
+        try:              # the context rows' projection (fc and its norm), where they are native
+            self.fc: Any = _matrices((draft.fc,))[0]
+            self.hidden_norm: tuple[int, float] | None = _norm(draft.hidden_norm)
+            self.ctx_linears = [draft.fc] + self.linears
+        except Unfit:
+            self.fc, self.hidden_norm, self.ctx_linears = None, None, []
 
     @classmethod
     def build(cls, draft: DSparkDraft) -> tuple[BlockStep | None, str]:
@@ -135,6 +160,44 @@ class BlockStep:
             return cls(draft), ""
         except Unfit as e:
             return None, str(e)
+
+    def _rope(self, positions: Tensor, n: int, span: tuple[int, int]) -> RopeTable | None:
+        """The draft's rope table of `positions` (the range `span`), where the native rope reads it."""
+        draft = self.draft
+        rope = draft.rope(positions.to(draft.rope_inv_freq.device), torch.float32, span, contiguous=True)
+        rd = rope.cos.shape[-1]
+        if not (rope.cos.is_contiguous() and rope.sin.is_contiguous() and rope.cos.dtype == torch.float32
+                and rope.cos.shape == (n, 1, rd) and rope.sin.shape == rope.cos.shape
+                and 2 <= rd <= self.layers[0].hd and rd % 2 == 0):
+            return None         # RopeTable.apply's torch ops
+        return rope
+
+    def context_kv(self, taps: Tensor, positions: Tensor,
+                   span: tuple[int, int]) -> list[tuple[Tensor, Tensor]] | None:
+        """`DSparkDraft.context_kv(taps, positions, span)`: the same calls (fc and its norm, each
+        layer's fused K/V product, K's norm and rope), so the same bits; None, with nothing done,
+        where a call cannot run (the caller then runs the module's)."""
+        draft, fc, hn = self.draft, self.fc, self.hidden_norm
+        if fc is None or hn is None or torch.is_grad_enabled() or draft.training or taps.dim() != 2 \
+                or taps.device.type != "cpu" or any(m.check is not None for m in self.ctx_linears) \
+                or hooked(self.modules) or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            n = taps.shape[0]
+            rope = self._rope(positions, n, span)
+            if rope is None:
+                return None
+            x = taps.to(torch.float32)
+            x = x if x.is_contiguous() else x.contiguous()
+            nt = kthreads.native()
+            h = torch.empty(n, fc.out_features)
+            kq._qmatmul.matmul_q8(fc._qtype_id, fc._raw_np, x.data_ptr(), h.data_ptr(), fc.out_features,
+                                  fc.in_features, n, -1, nt, 1, kq.I8_PATH)
+            g = torch.empty(n, fc.out_features)
+            kfused._fused.rms_norm(h.data_ptr(), hn[0], 0, g.data_ptr(), n, fc.out_features, hn[1], 0, nt)
+            return [layer.context_kv(g, rope, nt) for layer in self.layers]
+        finally:
+            self.lock.release()
 
     def run(self, x: Tensor, positions: Tensor, ctx: list[tuple[Tensor, Tensor]] | None,
             span: tuple[int, int]) -> Tensor | None:
