@@ -28,6 +28,24 @@ SCOPE_KEY = "k3kit.access"
 
 
 @dataclass
+class TokenClock:
+    """When a request began and its first and last generated tokens reached the route: the
+    server's own decode timing (a client's clock sees the stream through its network and
+    buffers, and a fast local reply arrives in bursts too short to time)."""
+
+    start: float
+    first: float | None = None
+    last: float | None = None
+
+    def token(self) -> None:
+        """A generated token (or several) reached the route."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+
+@dataclass
 class AccessRecord:
     """What one request's log line says; the routes fill the generation fields."""
 
@@ -40,16 +58,11 @@ class AccessRecord:
     prompt_tokens: int | None = None
     cached_tokens: int = 0               # of the prompt tokens, restored from the prompt cache
     completion_tokens: int | None = None
-    first_token: float | None = None     # perf_counter() when the first generated token arrived
-    end_of_tokens: float | None = None   # ... and when the last one did
     finish_reason: str | None = None
+    clock: TokenClock = field(init=False)     # the generated tokens' times (the routes tick it)
 
-    def token(self) -> None:
-        """A generated token (or several) reached the route."""
-        now = time.perf_counter()
-        if self.first_token is None:
-            self.first_token = now
-        self.end_of_tokens = now
+    def __post_init__(self) -> None:
+        self.clock = TokenClock(self.start)
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,
                  cached_tokens: int = 0) -> None:
@@ -59,15 +72,16 @@ class AccessRecord:
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.start
+        return None if self.clock.first is None else self.clock.first - self.start
 
     @property
     def decode_tok_s(self) -> float | None:
         """Tokens after the first over the time they took (what the client saw streaming)."""
         n = self.completion_tokens
-        if n is None or n < 2 or self.first_token is None or self.end_of_tokens is None:
+        first, last = self.clock.first, self.clock.last
+        if n is None or n < 2 or first is None or last is None:
             return None
-        dt = self.end_of_tokens - self.first_token
+        dt = last - first
         return (n - 1) / dt if dt > 0 else None
 
     def line(self, now: float | None = None) -> str:

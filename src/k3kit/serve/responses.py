@@ -23,7 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3kit.serve.access import AccessRecord
+from k3kit.serve.access import AccessRecord, TokenClock
 from k3kit.serve.api import APIError
 from k3kit.serve.scheduler import Event as SchedulerEvent
 from k3kit.serve.scheduler import (
@@ -77,34 +77,18 @@ class Choices:
             await s.aclose()
 
 
-@dataclass
-class TokenClock:
-    """When a response began and its first and last generated tokens reached the route (the
-    server's own decode timing: a client's clock sees the stream through its network and
-    buffers, and a fast local reply arrives in bursts too short to time)."""
-
-    start: float
-    first: float | None = None
-    last: float | None = None
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-
-    def timings(self, finishes: list[FinishEvent]) -> dict[str, Any]:
-        """llama-server's `timings` object: prompt tokens run and the time to the first token,
-        tokens generated and the time from the first to the last, and their rates."""
-        prompt = finishes[0].prompt_tokens - finishes[0].cached_tokens
-        n = sum(f.completion_tokens for f in finishes)
-        prompt_ms = (self.first - self.start) * 1e3 if self.first is not None else None
-        predicted_ms = (self.last - self.first) * 1e3 if self.first is not None and self.last is not None \
-            else None
-        return {"cache_n": finishes[0].cached_tokens, "prompt_n": prompt, "prompt_ms": prompt_ms,
-                "prompt_per_second": prompt / prompt_ms * 1e3 if prompt_ms else None,
-                "predicted_n": n, "predicted_ms": predicted_ms,
-                "predicted_per_second": (n - 1) / predicted_ms * 1e3 if predicted_ms and n > 1 else None}
+def timings(clock: TokenClock, finishes: list[FinishEvent]) -> dict[str, Any]:
+    """llama-server's `timings` object from the server's clock: prompt tokens run and the time to
+    the first token, tokens generated and the time from the first to the last, and their rates."""
+    prompt = finishes[0].prompt_tokens - finishes[0].cached_tokens
+    n = sum(f.completion_tokens for f in finishes)
+    first, last = clock.first, clock.last
+    prompt_ms = (first - clock.start) * 1e3 if first is not None else None
+    predicted_ms = (last - first) * 1e3 if first is not None and last is not None else None
+    return {"cache_n": finishes[0].cached_tokens, "prompt_n": prompt, "prompt_ms": prompt_ms,
+            "prompt_per_second": prompt / prompt_ms * 1e3 if prompt_ms else None,
+            "predicted_n": n, "predicted_ms": predicted_ms,
+            "predicted_per_second": (n - 1) / predicted_ms * 1e3 if predicted_ms and n > 1 else None}
 
 
 @dataclass
@@ -122,7 +106,12 @@ class Reply:
     abort: asyncio.Event                  # set: the shutdown timeout ran out, end now
     token_ids: bool = False               # vLLM's return_token_ids: the prompt's and the output's ids
     done: Callable[[], None] | None = None   # called once every choice ended as the model ended it
+    # the generated tokens' times: the access record's clock where there is one
     clock: TokenClock = field(default_factory=lambda: TokenClock(time.perf_counter()))
+
+    def __post_init__(self) -> None:
+        if self.rec is not None:
+            self.clock = self.rec.clock
 
     @property
     def object(self) -> str:
@@ -293,8 +282,6 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
                 generated += len(ev.tokens)
                 if ev.tokens:
                     reply.clock.token()
-                    if reply.rec is not None:
-                        reply.rec.token()
             else:
                 finishes[i] = ev
     done = [f for f in finishes if f is not None]
@@ -329,7 +316,7 @@ async def collect(choices: Choices, reply: Reply) -> dict[str, Any]:
                 choice["prompt_token_ids"] = list(choices.gens[i].prompt_ids)
         bodies.append(choice)
     body = {"id": reply.rid, "object": reply.object, "created": reply.created, "model": reply.model_id,
-            "choices": bodies, "usage": usage(done), "timings": reply.clock.timings(done)}
+            "choices": bodies, "usage": usage(done), "timings": timings(reply.clock, done)}
     if reply.done is not None:
         reply.done()
     if reply.token_ids and reply.chat:
@@ -380,8 +367,6 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                 if isinstance(ev, TokenEvent):
                     if ev.tokens:
                         reply.clock.token()
-                        if reply.rec is not None:
-                            reply.rec.token()
                     seen += len(ev.tokens)
                     pending[i].extend(ev.tokens)
                     ids_due = reply.token_ids and bool(ev.tokens)    # asked-for ids go out with their token
@@ -426,7 +411,7 @@ async def stream(choices: Choices, reply: Reply) -> AsyncIterator[bytes]:
                 if reply.include_usage:
                     yield sse({"id": reply.rid, "object": obj, "created": reply.created,
                                "model": reply.model_id, "choices": [], "usage": usage(done),
-                               "timings": reply.clock.timings(done)})
+                               "timings": timings(reply.clock, done)})
         yield sse("[DONE]")
     except APIError as e:          # a later choice refused (queue full, shutting down)
         yield sse(e.body())
