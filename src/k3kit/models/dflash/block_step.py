@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from k3kit.kernels import fused as kfused
 from k3kit.kernels import qmatmul as kq
 from k3kit.kernels import threads as kthreads
-from k3kit.layers.module_hooks import hooked
+from k3kit.layers.module_hooks import HookWatch
 from k3kit.layers.norm import RMSNorm
 from k3kit.layers.quantized_linear import fusable_matrices
 from k3kit.layers.rope import RopeTable
@@ -140,6 +140,7 @@ class BlockStep:
             raise Unfit("the native extensions are not built")
         self.draft = draft
         self.modules = list(draft.modules())
+        self.hooked = HookWatch(self.modules)
         self.layers = [_Layer(cast(DraftLayer, layer)) for layer in draft.layers]
         self.norm = _norm(draft.norm)
         self.linears = [lin for layer in self.layers for lin in layer.linears]
@@ -180,7 +181,7 @@ class BlockStep:
         draft, fc, hn = self.draft, self.fc, self.hidden_norm
         if fc is None or hn is None or torch.is_grad_enabled() or draft.training or taps.dim() != 2 \
                 or taps.device.type != "cpu" or any(m.check is not None for m in self.ctx_linears) \
-                or hooked(self.modules) or not self.lock.acquire(blocking=False):
+                or self.hooked() or not self.lock.acquire(blocking=False):
             return None
         try:
             n = taps.shape[0]
@@ -206,7 +207,7 @@ class BlockStep:
         draft = self.draft
         if torch.is_grad_enabled() or draft.training or x.dtype != torch.float32 or x.device.type != "cpu" \
                 or x.dim() != 2 or any(m.check is not None for m in self.linears) \
-                or hooked(self.modules) or not self.lock.acquire(blocking=False):
+                or self.hooked() or not self.lock.acquire(blocking=False):
             return None
         try:
             nt = kthreads.native()

@@ -37,6 +37,7 @@ from k3kit.kernels import fused as kfused
 from k3kit.kernels import kda_step
 from k3kit.kernels import qmatmul as kq
 from k3kit.kernels import threads as kthreads
+from k3kit.layers.module_hooks import HookWatch
 from k3kit.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 from .kda import KDA
@@ -113,9 +114,7 @@ class RowStep:
         self.after_attn = [Vec(E) for _ in range(n_layers)]
         self.embed = self._embedding(model.embed)
         self.modules = list(model.modules())
-        # every module's hook dicts (torch registers and removes hooks in them, in place): one
-        # truth test each tells whether a hook is set
-        self.hook_dicts = [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.hooked = HookWatch(self.modules)
         self.routers = [m.router for m in self.moes]
         self.mlas = [layer.attn for layer in model.layers if isinstance(layer.attn, MLA)]
         self.linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -193,8 +192,7 @@ class RowStep:
         """`fits`' conditions on the model and the provider."""
         if torch.is_grad_enabled() or self.model.training or self.model._ggml_hooks:
             return False
-        g = torch.nn.modules.module      # a hook expects the modules' own calls: forward's
-        if g._global_forward_hooks or g._global_forward_pre_hooks or any(self.hook_dicts):
+        if self.hooked():               # a hook expects the modules' own calls: forward's
             return False
         if _any_set(self.moes, "input_round") or _any_set(self.routers, "ggml_input") or any(
             v is not None for m in self.mlas for v in m.ggml_inputs.values()
