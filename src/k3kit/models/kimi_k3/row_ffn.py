@@ -147,8 +147,8 @@ class MoeLayer:
     ) -> Tensor:
         """run_experts(xl, ids, w, experts, guess) for T rows: with every expert cached, the calls
         of `_run_each` -> `_run_together` -> `_run_fused` -> slot_sum on the same arguments
-        (so the same bits), without their checks and index tensors; a row alone on the buffers.
-        One row (`w` None): route's weights are made here from `probs` and the ids read."""
+        (so the same bits), without their checks and index tensors; one row through `_one`, on
+        the row's buffers (`w` None: route's weights are made here from `probs` and the ids read)."""
         moe, k = self.moe, self.k
         take = getattr(experts, "take_resident", None)
         one = T == 1
@@ -169,7 +169,7 @@ class MoeLayer:
                 return y
             w = weights_tensor(wa)
             groups = RouteGroups(ids, chosen, list(self.ones), host_order=order)   # group_routes' groups
-            rows = self.zeros
+            rows = None
         else:
             assert w is not None
             if take is None or xl.dtype != torch.float32 or not xl.is_contiguous():
@@ -187,25 +187,25 @@ class MoeLayer:
             hint(*guess)
         gates, ups, downs = ([e[i] for e in fetched] for i in range(3))
         P = T * k
-        gu = self.gu if one else torch.empty(2, P, self.ff)
-        fusable = kq.experts_fusable(downs) and kq.experts_fusable(gates + ups)
-        if order is None or rows is None or not fusable or not _whole_vectors(gu[0]):
+        gu = torch.empty(2, P, self.ff)
+        # one row gets here only where `_one` found a matrix that does not fuse: the module's way
+        if one or order is None or rows is None or not kq.experts_fusable(downs) \
+                or not kq.experts_fusable(gates + ups) or not _whole_vectors(gu[0]):
             # within _run_each's row limits for the fused and the grouped ways
             y = moe._run_together(xl, groups, w, fetched, True, max(groups.counts) <= GROUPED_MAX_ROWS)
             return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
-        counts = self.ones if one else groups.counts
         flat = [m._raw_np for pair in zip(gates, ups, strict=True) for m in pair]
         Q, F = kq._qmatmul, kfused._fused
-        Q.experts_q8(gates[0]._qtype_id, flat, xl_buf, self.gu_buf if one else kq.buf(gu), counts, self.ff,
-                     self.d, 2, nt, rows)
-        h = self.h if one else torch.empty(P, self.ff)
+        counts = groups.counts
+        Q.experts_q8(gates[0]._qtype_id, flat, xl_buf, kq.buf(gu), counts, self.ff, self.d, 2, nt, rows)
+        h = torch.empty(P, self.ff)
         F.situ(gu.data_ptr(), gu[1].data_ptr(), h.data_ptr(), P * self.ff, self.beta, self.lb, nt)
-        y = self.y if one else torch.empty(P, self.d)
-        Q.experts_q8(downs[0]._qtype_id, [m._raw_np for m in downs], self.h_buf if one else kq.buf(h),
-                     self.y_buf if one else kq.buf(y), counts, self.d, self.ff, 1, nt, None)
+        y = torch.empty(P, self.d)
+        Q.experts_q8(downs[0]._qtype_id, [m._raw_np for m in downs], kq.buf(h), kq.buf(y), counts, self.d,
+                     self.ff, 1, nt, None)
         where = array("q", order)
         w = w if w.is_contiguous() else w.contiguous()
-        summed = self.summed if one else torch.empty(T, self.d)
+        summed = torch.empty(T, self.d)
         F.slot_sum(y.data_ptr(), where.buffer_info()[0], w.data_ptr(), summed.data_ptr(), T, k, self.d)
         return summed
 
