@@ -15,11 +15,12 @@ asked for (native: quantized cache, MXFP4 blocks multiplied directly; torch: deq
 llama.cpp: llama-cpp-python, F32 KV cache, weight repacking off (on a CPU with AMX-INT8 llama.cpp
 aborts on kimi-k3 files with it; off everywhere, so that the figures compare across machines).
 
-On the slice each prompt length is run as two requests on one loaded model, the same prompt
-twice, on both sides: "cold" is the first request after load (the engine reads every
+Each model runs two requests on one load, the same prompt twice, on both sides (on the slice, for
+each prompt length): "cold" is the first request after load (the engine reads every
 expert it routes to; llama.cpp faults its mapped weights in from the page
 cache), "warm" the second (a server's steady state: the engine's expert cache holds what the
-prompt routes to, llama.cpp's pages are mapped). Cold is compared with cold, warm with warm.
+prompt routes to, llama.cpp's pages are mapped; what llama-bench's warm-up run and `k3kit
+generate`'s warm-up give a timed run). Cold is compared with cold, warm with warm.
 Prints tok/s of both and the ratio engine / llama.cpp.
 """
 
@@ -134,10 +135,11 @@ def main() -> None:
             label = "tiny random K3 (Q8_0 trunk)"
         p = prompts(1, 400, seed=2, lo=args.prompt, hi=args.prompt)[0]
         print(f"threads {args.threads}; prompt {args.prompt} tokens, decode {args.tokens} tokens (greedy)")
-        peer = llama_speed(small, p, args.tokens, args.threads)[0]
+        peers = llama_speed(small, p, args.tokens, args.threads, requests=2)
         for k in kernels:
-            ours = engine_speed(small, p, args.tokens, torch.float32, 1024, kernel=k)[0]
-            row(f"{label}, f32, all cached, {k}", ours[:2], peer)
+            ours = engine_speed(small, p, args.tokens, torch.float32, 1024, requests=2, kernel=k)
+            for i, when in enumerate(("cold", "warm")):
+                row(f"{label}, f32, all cached, {k}, {when}", ours[i][:2], peers[i])
         if args.no_slice:
             return
         r = synthesize(tmp / "slice", replace(K3, n_dense_lead=0, n_head=8), args.slice_layers,

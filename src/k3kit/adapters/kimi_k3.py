@@ -479,6 +479,10 @@ class K3Adapter(SequenceSnapshots):
                 "replay_failed_fallbacks": self.replay_failed_fallbacks, "expert_hits": s.hits,
                 "expert_misses": s.misses, "expert_bytes_read": s.bytes_read}
 
+    def reset_counters(self) -> None:
+        """Zero the ReplaySSM counters `counters()` reports (a warm-up's passes are not a run's)."""
+        self.replay_fast_commits = self.replay_full_replays = self.replay_failed_fallbacks = 0
+
     def reset_expert_cache(self, cache_mib: float | None = None) -> None:
         """Empty the expert cache (optionally with a new budget) and zero its counters."""
         if cache_mib is not None:

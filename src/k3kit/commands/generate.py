@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as one user turn with the file's chat template "
                         "(the Kimi format when the file has none)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the warm-up run (a model whose experts fit the cache reads them all and "
+                        "decodes a few throwaway tokens before the prompt, as llama.cpp warms up)")
     parser.add_argument("--stats", action="store_true", help="print speed, cache and memory figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     add_draft_arguments(parser)
@@ -250,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from k3kit.adapters.session import open_session
-    from k3kit.runtime.engine import generate
+    from k3kit.runtime.engine import WARMUP_ROWS, WARMUP_TOKENS, generate, warm_up
     from k3kit.runtime.loader import DTYPES, LoadOptions
     from k3kit.runtime.sampling import make_sampling
 
@@ -285,10 +289,15 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
 
+        stop_ids = codec.stop_ids()
         with torch.no_grad():     # not set_grad_enabled(False): `main` may run inside another program
+            t0 = time.perf_counter()
+            warmed = args.warmup and warm_up(session.model, step=decode_step(args, session.draft_model, stop_ids),
+                                             token=ids[0])
+            warm_s = time.perf_counter() - t0
             result = generate(session.model, ids, max_tokens=args.max_tokens, sampling=sampling,
-                              stop_ids=codec.stop_ids(), prefill_chunk=args.prefill_chunk, on_token=on_token,
-                              step=decode_step(args, session.draft_model, codec.stop_ids()),
+                              stop_ids=stop_ids, prefill_chunk=args.prefill_chunk, on_token=on_token,
+                              step=decode_step(args, session.draft_model, stop_ids),
                               detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
         session.target.check()
         memory, kernel = session.target.memory(), session.target.expert_kernel
@@ -306,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
             k: v for k, v in d["stats"].items() if k not in keep} | {
             "expert_kernel": kernel, "trunk": memory.trunk, "trunk_bytes": memory.trunk_bytes,
             "kernels": kernels, "expert_io": io.mode, "direct_io": direct,
-            "expert_cache_budget_bytes": io.cache_bytes}
+            "expert_cache_budget_bytes": io.cache_bytes, "warmup_seconds": warm_s if warmed else None}
         print(json.dumps(d))
         return 0
     sys.stdout.write(stream.flush() + "\n")
@@ -320,6 +329,10 @@ def run(args: argparse.Namespace) -> int:
               f"({s.expert_hits} hits, {s.expert_misses} misses); "
               f"payload {s.payload_bytes / mib:.2f} MiB total, "
               f"{s.payload_bytes_per_token / mib:.3f} MiB per decoded token", file=sys.stderr)
+        if warmed:
+            print(f"warm-up: every expert read into the cache, {WARMUP_ROWS} + {WARMUP_TOKENS} throwaway "
+                  f"tokens decoded ({1e3 * warm_s:.0f} ms, before the prompt; --no-warmup skips it)",
+                  file=sys.stderr)
         for part, by_type in kernels.items():
             print(f"kernels ({part}): " + "; ".join(f"{t} {k}" for t, k in by_type.items()), file=sys.stderr)
         print(f"memory: peak RSS {s.peak_rss_bytes / mib:.1f} MiB (trunk {memory.trunk_bytes / mib:.1f} MiB "
