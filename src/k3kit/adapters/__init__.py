@@ -62,6 +62,9 @@ class Loaded:
         self._close: Callable[[], None] = model.close
         self._source = source
         self._codec: TextCodec | None = None
+        # asked once: a runtime protocol's isinstance walks its members (~10 us), and a server
+        # reads the ledger after every pass
+        self._ledger = model if isinstance(model, ExpertLedger) else None
 
     @property
     def codec(self) -> TextCodec:
@@ -80,7 +83,7 @@ class Loaded:
         return fn() if callable(fn) else {}
 
     def stats(self) -> ExpertStats:
-        return self.model.expert_stats() if isinstance(self.model, ExpertLedger) else ExpertStats()
+        return self._ledger.expert_stats() if self._ledger is not None else ExpertStats()
 
     def memory(self) -> MemoryFigures:
         return self.model.memory() if isinstance(self.model, ExpertBacked) else MemoryFigures()

@@ -101,6 +101,10 @@ class MoeLayer:
         self.k = cfg.num_experts_per_tok
         self.router_w = moe.router.weight
         self.router_wt = moe.router.weight.t()          # a view: the weight's own floats
+        # forward_segments' product of one row (row_product's bmm on the same views) into a buffer
+        self.router_wt3 = self.router_wt.expand(1, *self.router_wt.shape)
+        self.probs = empty(1, cfg.num_experts)
+        self.probs3 = self.probs.view(1, 1, cfg.num_experts)
         self.router_bias = moe.router.bias
         E = cfg.num_experts
         bias = self.router_bias
@@ -243,7 +247,10 @@ class MoeLayer:
     def __call__(self, x: Tensor, x_buf: Any, experts: Any, nt: int, T: int) -> tuple[Tensor, Tensor]:
         """x [T, hidden] -> (output [T, hidden], expert ids [T, k])."""
         moe = self.moe
-        probs = torch.sigmoid(row_product(x, self.router_w) if self.segments else x @ self.router_wt)
+        if T == 1 and self.segments:
+            probs = torch.sigmoid(torch.bmm(x.view(1, 1, -1), self.router_wt3), out=self.probs3).view(1, -1)
+        else:
+            probs = torch.sigmoid(row_product(x, self.router_w) if self.segments else x @ self.router_wt)
         w: Tensor | None = None
         if T == 1:         # route's ids; its weights from them on the host (`host_weights`)
             scores = self.scores

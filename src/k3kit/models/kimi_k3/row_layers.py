@@ -133,6 +133,10 @@ class KdaLayer:
         self.lb32 = torch.tensor([self.lb if self.lb is not None else 0.0], dtype=torch.float32)
         self.g, self.e = empty(1, 1, H, D), empty(1, 1, H, D)
         self.beta = empty(1, H)
+        # forward_segments' beta of one row: b's product into a row padded as padded_sigmoid pads
+        # it (zeros past H, to a multiple of 64), one sigmoid over it in place (each value's bits
+        # are its SIMD lane's, the padding's do not reach them): three ops fewer than pad + copy
+        self.b_padded = torch.zeros(1, H + (-H) % 64)
         self.gate = empty(1, C)
         self.gate_in = self.qkvg.out[3]                                   # [1, C]: the gate's projection
         self.bufs = [kq.buf(t) for t in (self.qn, self.kn, self.v, self.e, self.beta, self.o_rows)]
@@ -216,7 +220,11 @@ class KdaLayer:
             torch.exp(g, out=self.e)
             beta = torch.empty(1, H) if keep else self.beta
             if self.segments:
-                beta.copy_(padded_sigmoid(self.b(x_addr, nt)))
+                b, pb = self.b, self.b_padded
+                kq._qmatmul.matmul_q8(b.qtype, b.raw, x_addr, pb.data_ptr(), b.n_out, b.n_in, 1, -1, nt, 1,
+                                      kq.I8_PATH)
+                torch.sigmoid(pb, out=pb)
+                F.copy_rows(pb.data_ptr(), H, beta.data_ptr(), H, 1, H)
             else:
                 torch.sigmoid(self.b(x_addr, nt), out=beta)
             qb, kb, vb, eb, bb, ob = self.bufs
