@@ -20,6 +20,9 @@ from k3kit.runtime.loader import LoadOptions
 # the row-wise steps run as torch ops: ~213 (AR), ~220 (verify), and the draft's norms, rope and
 # Markov chain too.
 AR_OPS_PER_LAYER = 40 if fused.available() else 275     # the one-row step (models/kimi_k3/row_step.py)
+# a server's pass of one decoding sequence (forward_batch, forward_segments' arithmetic): ~13 with
+# the router's product and KDA's padded beta on buffers (16.5 when they were made fresh)
+SERVE_OPS_PER_LAYER = 15 if fused.available() else 275
 VERIFY_OPS_PER_LAYER = 110 if fused.available() else 285
 DRAFT_OPS_PER_LAYER = 80 if fused.available() else 235
 
@@ -106,9 +109,11 @@ def test_draft_and_verify_phases_are_bounded(session):
     with torch.no_grad():
         phases, _ = host_profile(session, session.codec.encode("import os\nimport"), 6)
     by = {p.name: p for p in phases}
-    assert set(by) == {"ar", "draft", "verify"}
+    assert set(by) == {"ar", "serve", "draft", "verify"}
     moe = _moe_layers(session)
     assert by["ar"].syncs <= 1 + moe
+    assert by["serve"].syncs <= moe                  # the pick is the caller's
+    assert by["serve"].ops_per_layer <= SERVE_OPS_PER_LAYER
     assert by["verify"].syncs <= moe                 # the accepted length is read by the caller
     assert by["draft"].syncs <= 1                    # the block's tokens: one read, not one per row
     assert by["ar"].ops_per_layer <= AR_OPS_PER_LAYER

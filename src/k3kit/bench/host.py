@@ -30,7 +30,8 @@ machine:
 
 `profile(fn, ...)` runs a step callable under both; `Recorder` wraps the named phases of a
 longer loop (an AR step, a DSpark draft step, a verify pass) so that one generation measures all
-three (`host_profile`, what `k3kit bench --host-profile` prints).
+three (`host_profile`, what `k3kit bench --host-profile` prints), with, for a model that batches
+sequences, a server's pass of one decoding sequence (`forward_batch`, the serving arithmetic).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from k3kit.runtime.protocols import BatchedModel
 
 # aten ops whose time is arithmetic, not host overhead (their time is subtracted from the wall)
 COMPUTE_OPS = frozenset({"mm", "bmm", "mv", "addmm", "addmv", "baddbmm", "addbmm", "dot", "vdot",
@@ -332,7 +335,7 @@ def host_profile(session: Any, prompt: Sequence[int], n_gen: int, *, block_size:
     draft = session.draft_model
     d_cfg = getattr(draft, "cfg", None)
     d_layers = int(getattr(d_cfg, "num_layers", 0) or getattr(draft, "num_layers", 1) or 1)
-    rec = Recorder({"ar": n_layers, "draft": d_layers, "verify": n_layers}, where)
+    rec = Recorder({"ar": n_layers, "serve": n_layers, "draft": d_layers, "verify": n_layers}, where)
     sampling = make_sampling(0.0, seed=0)
 
     def ar(model: Any, sampler: Sampler) -> Any:
@@ -345,6 +348,18 @@ def host_profile(session: Any, prompt: Sequence[int], n_gen: int, *, block_size:
     for recording, counted in ((False, False), (True, False), (True, True)):
         rec.recording, rec.counting = recording, counted
         generate(model, prompt, max_tokens=n_gen + 1, sampling=sampling, step=ar)
+    if isinstance(model, BatchedModel):
+        # a server's pass of one decoding sequence (forward_batch: the serving arithmetic)
+        serve = rec.wrap("serve", model.forward_batch)
+        for recording, counted in ((False, False), (True, False), (True, True)):
+            rec.recording, rec.counting = recording, counted
+            seq = model.open_sequence()
+            try:
+                tok = int(torch.argmax(model.forward_batch([(seq, prompt)])[0]))
+                for _ in range(n_gen):
+                    tok = int(torch.argmax(serve([(seq, [tok])])[0]))
+            finally:
+                model.close_sequence(seq)
     if draft is not None:
         def spec(model: Any, sampler: Sampler) -> SpeculativeDecoder:
             dec = SpeculativeDecoder(model, draft, sampler.sampling, sampler.generator,
