@@ -63,6 +63,7 @@ from k3kit.serve.scheduler import (
     Scheduler,
     SchedulerClosed,
     SchedulerStats,
+    batched_posts,
     next_request_id,
 )
 from k3kit.serve.serial import StepFactory
@@ -238,24 +239,29 @@ class BatchScheduler(Admission, PassBuilder):
                     seq.out.cancel("error", "the server is shutting down")
                 self._retire(closing)
                 return
-            cancelled = [s for s in self._active if s.cancelled]
-            for seq in cancelled:
-                seq.out.cancel("cancelled")
-            self._retire(cancelled)
-            entries: list[tuple[_Seq, list[int]]] = []
-            try:
-                entries = self._plan()
-                if entries:
-                    self._run(entries)
-            except Exception as e:           # the server stays up; this pass's requests fail
-                log.exception("a batched pass failed")
-                for seq in [s for s, _ in entries] or list(self._active):
-                    seq.out.cancel("error", f"{type(e).__name__}: {e}")
+            with batched_posts():            # the pass's events reach the event loop in one wake
+                self._pass()
+
+    def _pass(self) -> None:
+        """One turn of the worker after admission: cancellations, a pass, retirements."""
+        cancelled = [s for s in self._active if s.cancelled]
+        for seq in cancelled:
+            seq.out.cancel("cancelled")
+        self._retire(cancelled)
+        entries: list[tuple[_Seq, list[int]]] = []
+        try:
+            entries = self._plan()
             if entries:
-                self._note_load(len(self._active))
-            self._retire([s for s in self._active if s.out.done])
-            if entries:
-                self._expert_snapshot()
+                self._run(entries)
+        except Exception as e:           # the server stays up; this pass's requests fail
+            log.exception("a batched pass failed")
+            for seq in [s for s, _ in entries] or list(self._active):
+                seq.out.cancel("error", f"{type(e).__name__}: {e}")
+        if entries:
+            self._note_load(len(self._active))
+        self._retire([s for s in self._active if s.out.done])
+        if entries:
+            self._expert_snapshot()
 
     def _batchable(self, decoders: list[Any]) -> bool:
         """k3kit.runtime.speculative.decoder.batchable, looked up in this module at each call, so that

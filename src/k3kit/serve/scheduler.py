@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -166,6 +167,39 @@ class Scheduler(Protocol):
         ...
 
 
+_held = threading.local()
+
+
+@contextmanager
+def batched_posts() -> Iterator[None]:
+    """`RequestStream.post` calls on this thread hold their events until the block ends, then go
+    to each event loop in one callback: a serving pass of N sequences wakes the loop once, not N
+    times (a wake is a write to the loop's self-pipe and a turn of its select, each a syscall).
+    Each stream's events keep their order; a FinishEvent still marks the stream at once."""
+    if getattr(_held, "events", None) is not None:       # nested: the outer block delivers
+        yield
+        return
+    events: list[tuple[RequestStream, Event]] = []
+    _held.events = events
+    try:
+        yield
+    finally:
+        _held.events = None
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+        for stream, event in events:
+            by_loop.setdefault(stream._loop, []).append((stream, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:     # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[RequestStream, Event]]) -> None:
+    for stream, event in items:
+        stream._queue.put_nowait(event)
+
+
 class RequestStream:
     """The events of one request, delivered on the event loop that submitted it.
 
@@ -194,6 +228,10 @@ class RequestStream:
             return
         if isinstance(event, FinishEvent):
             self._finished.set()
+        held = getattr(_held, "events", None)
+        if held is not None:     # inside batched_posts: delivered when its block ends
+            held.append((self, event))
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:     # the loop is closed: nobody is listening any more
