@@ -292,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
         stop_ids = codec.stop_ids()
         with torch.no_grad():     # not set_grad_enabled(False): `main` may run inside another program
             t0 = time.perf_counter()
-            warmed = args.warmup and warm_up(session.model, step=decode_step(args, session.draft_model, stop_ids),
-                                             token=ids[0])
+            step = decode_step(args, session.draft_model, stop_ids)
+            warmed = args.warmup and warm_up(session.model, step=step, token=ids[0])
             warm_s = time.perf_counter() - t0
             result = generate(session.model, ids, max_tokens=args.max_tokens, sampling=sampling,
                               stop_ids=stop_ids, prefill_chunk=args.prefill_chunk, on_token=on_token,
