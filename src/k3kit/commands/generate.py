@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             warm_s = time.perf_counter() - t0
             result = generate(session.model, ids, max_tokens=args.max_tokens, sampling=sampling,
                               stop_ids=stop_ids, prefill_chunk=args.prefill_chunk, on_token=on_token,
-                              step=decode_step(args, session.draft_model, stop_ids),
+                              step=step,
                               detokenize=lambda t: codec.decode_bytes(t).decode("utf-8", errors="replace"))
         session.target.check()
         memory, kernel = session.target.memory(), session.target.expert_kernel
