@@ -81,6 +81,24 @@ def weights_tensor(w: array) -> Tensor:
     return torch.tensor(w.tolist(), dtype=torch.float32).view(1, len(w))
 
 
+def _fused_lists(fetched: Sequence[Any]) -> tuple[int, list[Any], int, list[Any]] | None:
+    """The two native expert products' arguments for `fetched` experts (gate, up, down each), in
+    one pass: (the gate/up type, their bytes interleaved, the down type, the downs' bytes); None
+    unless kq.experts_fusable holds for the gates with the ups and for the downs."""
+    key_gu, key_d = (getattr(m, "_fuse_key", None) for m in fetched[0][::2])
+    if key_gu is None or key_d is None:
+        return None
+    flat: list[Any] = []
+    downs: list[Any] = []
+    for g, u, dn in fetched:
+        if getattr(g, "_fuse_key", None) != key_gu or getattr(u, "_fuse_key", None) != key_gu \
+                or getattr(dn, "_fuse_key", None) != key_d:
+            return None
+        flat += (g._raw_np, u._raw_np)
+        downs.append(dn._raw_np)
+    return key_gu[0], flat, key_d[0], downs
+
+
 class MoeLayer:
     """LatentMoE.forward on T rows whose trunk is on the CPU: the router's torch ops; for one row
     the cached experts' two native products, SiTU and the slot sum, else (or experts not all
@@ -189,24 +207,22 @@ class MoeLayer:
         hint = getattr(experts, "prefetch", None)
         if guess is not None and hint is not None:
             hint(*guess)
-        gates, ups, downs = ([e[i] for e in fetched] for i in range(3))
         P = T * k
         gu = torch.empty(2, P, self.ff)
         # one row gets here only where `_one` found a matrix that does not fuse: the module's way
-        if one or order is None or rows is None or not kq.experts_fusable(downs) \
-                or not kq.experts_fusable(gates + ups) or not _whole_vectors(gu[0]):
+        lists = None if one or order is None or rows is None else _fused_lists(fetched)
+        if lists is None or not _whole_vectors(gu[0]):
             # within _run_each's row limits for the fused and the grouped ways
             y = moe._run_together(xl, groups, w, fetched, True, max(groups.counts) <= GROUPED_MAX_ROWS)
             return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
-        flat = [m._raw_np for pair in zip(gates, ups, strict=True) for m in pair]
+        qt_gu, flat, qt_d, downs = lists
         Q, F = kq._qmatmul, kfused._fused
         counts = groups.counts
-        Q.experts_q8(gates[0]._qtype_id, flat, xl_buf, kq.buf(gu), counts, self.ff, self.d, 2, nt, rows)
+        Q.experts_q8(qt_gu, flat, xl_buf, kq.buf(gu), counts, self.ff, self.d, 2, nt, rows)
         h = torch.empty(P, self.ff)
         F.situ(gu.data_ptr(), gu[1].data_ptr(), h.data_ptr(), P * self.ff, self.beta, self.lb, nt)
         y = torch.empty(P, self.d)
-        Q.experts_q8(downs[0]._qtype_id, [m._raw_np for m in downs], kq.buf(h), kq.buf(y), counts, self.d,
-                     self.ff, 1, nt, None)
+        Q.experts_q8(qt_d, downs, kq.buf(h), kq.buf(y), counts, self.d, self.ff, 1, nt, None)
         where = array("q", order)
         w = w if w.is_contiguous() else w.contiguous()
         summed = torch.empty(T, self.d)
@@ -221,25 +237,18 @@ class MoeLayer:
         matrix does not fuse: the general way then runs on the same `fetched`."""
         if not self.one_whole:
             return None
-        key_gu, key_d = (getattr(m, "_fuse_key", None) for m in fetched[0][::2])
-        if key_gu is None or key_d is None:
+        lists = _fused_lists(fetched)
+        if lists is None:
             return None
-        flat: list[Any] = []
-        downs: list[Any] = []
-        for g, u, dn in fetched:          # experts_fusable of the gates and ups, and of the downs
-            if getattr(g, "_fuse_key", None) != key_gu or getattr(u, "_fuse_key", None) != key_gu \
-                    or getattr(dn, "_fuse_key", None) != key_d:
-                return None
-            flat += (g._raw_np, u._raw_np)
-            downs.append(dn._raw_np)
+        qt_gu, flat, qt_d, downs = lists
         hint = getattr(experts, "prefetch", None)
         if guess is not None and hint is not None:
             hint(*guess)
         Q, F = kq._qmatmul, kfused._fused
         gu, up, h, y, summed = self.one_addrs
-        Q.experts_q8(key_gu[0], flat, xl_buf, self.gu_buf, self.ones, self.ff, self.d, 2, nt, self.zeros)
+        Q.experts_q8(qt_gu, flat, xl_buf, self.gu_buf, self.ones, self.ff, self.d, 2, nt, self.zeros)
         F.situ(gu, up, h, self.k * self.ff, self.beta, self.lb, nt)
-        Q.experts_q8(key_d[0], downs, self.h_buf, self.y_buf, self.ones, self.d, self.ff, 1, nt, None)
+        Q.experts_q8(qt_d, downs, self.h_buf, self.y_buf, self.ones, self.d, self.ff, 1, nt, None)
         where = array("q", order)
         F.slot_sum(y, where.buffer_info()[0], w.buffer_info()[0], summed, 1, self.k, self.d)
         return self.summed

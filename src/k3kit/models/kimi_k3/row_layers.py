@@ -490,7 +490,7 @@ class MlaLayer:
 
     def _rows(self, x_addr: int, cache: MLACache, nt: int, T: int, q: Tensor, kv: Tensor) -> Tensor:
         """T > 1 rows: MLA.forward's own steps from the projections on (fresh tensors)."""
-        mla, H, nope, L = self.mla, self.H, self.nope, self.L
+        H, nope, L = self.H, self.nope, self.L
         c = torch.empty(T, L)
         kvc = kv[:, :L].contiguous()
         kfused._fused.rms_norm(
@@ -499,13 +499,24 @@ class MlaLayer:
         offset = cache.length
         cache.append(c.view(1, T, L), kv[:, L:].view(1, T, self.pe))
         K = cache.keys()
-        q4 = q.view(1, T, H, self.qk)
-        Q = torch.cat((mla_ops.absorb_q(mla, q4[..., :nope]), q4[..., nope:]), dim=-1)
+        q4 = q.view(T, H, self.qk)
+        # absorb_q's and value_heads' native head products (their ggml arithmetic: no input
+        # rounding) on the layouts they make, [H, T, in] -> [H, T, out]: the same calls
+        heads, Qm = self.heads, kq._qmatmul
+        q_nope = q4[:, :, :nope].transpose(0, 1).contiguous()
+        q_abs = torch.empty(H, T, L)
+        Qm.matmul_heads(int(heads.k_b.qtype), heads.k_b._raw_np, kq.buf(q_nope), kq.buf(q_abs), H, L, nope, T,
+                        self.k_stride, 1, -1, nt)
+        Q = torch.cat((q_abs.transpose(0, 1), q4[:, :, nope:]), dim=-1).view(1, T, H, L + self.pe)
         if T <= mla_ops.ROWWISE_MAX:
             lat = self._attend_rows(Q, K, offset, T)
         else:
             lat = mla_ops.attend(Q, K, K[..., :L], offset, self.scale)
-        out = mla_ops.value_heads(mla, lat).view(T, H * self.v)
+        lat_h = lat.view(T, H, L).transpose(0, 1).contiguous()
+        values = torch.empty(H, T, self.v)
+        Qm.matmul_heads(int(heads.v_b.qtype), heads.v_b._raw_np, kq.buf(lat_h), kq.buf(values), H, self.v, L,
+                        T, self.v_stride, 1, -1, nt)
+        out = values.transpose(0, 1).reshape(T, H * self.v)
         if self.g is not None:
             out = out * torch.sigmoid(self.g(x_addr, nt, T))
         return self.o(out.data_ptr(), nt, T)
