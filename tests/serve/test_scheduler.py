@@ -249,3 +249,44 @@ def test_a_multi_token_step_respects_max_tokens():
             sched.close()
 
     asyncio.run(main())
+
+
+def test_batched_posts_wake_each_loop_once_and_keep_each_streams_order():
+    """A pass's events, posted from the worker inside `batched_posts`, reach the event loop in one
+    callback when the block ends, each stream's in its order; a FinishEvent marks its stream at
+    once; outside the block each post is its own callback."""
+    from k3kit.serve.scheduler import RequestStream, batched_posts
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        calls = []
+        real = loop.call_soon_threadsafe
+
+        def counted(cb, *args):
+            if getattr(cb, "__name__", "") in ("_deliver", "put_nowait"):     # the streams' own
+                calls.append(cb)
+            return real(cb, *args)
+        loop.call_soon_threadsafe = counted          # type: ignore[method-assign]
+        req = GenerationRequest((1, 2), 4, make_sampling(0.0))
+        a, b = RequestStream(req, lambda _: None), RequestStream(req, lambda _: None)
+
+        def worker() -> None:
+            with batched_posts():
+                for i in range(3):
+                    a.post(TokenEvent(f"a{i}", (i,)))
+                    b.post(TokenEvent(f"b{i}", (i,)))
+                b.post(FinishEvent("stop", 2, 3))
+                assert b.finished and not a.finished and not calls   # held until the block ends
+            a.post(TokenEvent("a3", (3,)))                            # outside: at once
+        t = threading.Thread(target=worker)
+        t.start()
+        await asyncio.to_thread(t.join)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(calls) == 2                       # one for the pass, one for the last post
+        got_a = [(await anext(a)).text for _ in range(4)]
+        got_b = [await anext(b) for _ in range(4)]
+        assert got_a == ["a0", "a1", "a2", "a3"]
+        assert [e.text for e in got_b[:3]] == ["b0", "b1", "b2"] and isinstance(got_b[3], FinishEvent)
+
+    asyncio.run(main())
