@@ -151,3 +151,37 @@ def test_host_weights_are_routes_floats():
             ids, w = route(probs, bias, cfg)
             host = torch.tensor(host_weights(probs, ids.tolist()[0], cfg).tolist(), dtype=torch.float32)
             assert torch.equal(host.view(torch.int32), w[0].view(torch.int32)), (renorm, scale, trial)
+
+
+def test_routes_native_weights_are_torchs_ops():
+    """route's one native call for CPU float32 scores gives the torch ops' weights bit for bit
+    (gather, the double slot-order sum, clamp_min, divide, the scaling factor): 1 to 8 rows, with
+    and without renormalisation, sums under the clamp, NaN scores; a score tensor with a gradient
+    takes the torch ops (autograd)."""
+    from k3kit.kernels import fused
+    if getattr(fused._fused, "route_weights", None) is None:
+        import pytest
+        pytest.skip("the _fused extension is not built")
+    g = torch.Generator().manual_seed(2)
+    for renorm, scale in ((True, 1.0), (True, 2.5), (False, 2.5), (False, 1.0), (True, 0.1)):
+        cfg = tiny_config(moe_renormalize=renorm, routed_scaling_factor=scale)
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        for trial in range(120):
+            n = 1 + trial % 8
+            probs = torch.sigmoid(torch.randn(n, E, generator=g) * 6)
+            if trial % 7 == 0:
+                probs[0] = probs[0] * 1e-6                  # a sum under the clamp
+            if trial % 11 == 0:
+                probs[n - 1, int(torch.randint(E, (1,), generator=g))] = float("nan")
+            bias = torch.randn(E, generator=g) * 0.1
+            ids, w = route(probs, bias, cfg)
+            want = torch.gather(probs, -1, ids)
+            if renorm:
+                want = want / weight_sum(want).clamp_min(6.103515625e-5)
+            if scale not in (0.0, 1.0):
+                want = want * scale
+            assert w.shape == (n, k)
+            assert torch.equal(w.view(torch.int32), want.view(torch.int32)), (renorm, scale, trial)
+    probs = torch.rand(2, E, requires_grad=True)
+    _, w = route(probs, torch.zeros(E), cfg)
+    assert w.grad_fn is not None

@@ -439,6 +439,48 @@ static PyObject *py_slot_sum(PyObject *self, PyObject *args) {
  * and mul of float32 tensors (a Python scalar is taken as the float32 torch would make of it), so
  * the same bits; y may be a or b. A decode row's residual adds and KDA's gate arithmetic were
  * torch ops, each costing more in the dispatcher than its 256 or 128 additions. */
+/* route's weights [T, k] from the sigmoid scores probs [T, E] and the chosen ids [T, k] (int64):
+   each score gathered; with renormalisation their sum accumulated in double in slot order and
+   rounded once to float (torch's CPU cumsum, ggml's sum_rows), clamped below at wmin (a NaN sum
+   passes, as torch's clamp_min), each score divided by it; then times the scaling factor (a
+   float32) unless it is 0 or 1. Each step one IEEE float operation, as torch's. */
+static PyObject *py_route_weights(PyObject *self, PyObject *args) {
+    Py_ssize_t probs, ids, out, T, k, E;
+    int renorm;
+    double wmin, factor;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnidd", &probs, &ids, &out, &T, &k, &E, &renorm, &wmin, &factor)) return NULL;
+    if (!probs || !ids || !out || T < 0 || k < 1 || E < 1) {
+        PyErr_SetString(PyExc_ValueError, "route_weights: bad buffers or sizes");
+        return NULL;
+    }
+    const float *P = PTR(const float, probs);
+    const int64_t *I = PTR(const int64_t, ids);
+    float *W = PTR(float, out);
+    const float m = (float)wmin, f = (float)factor;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        const float *p = P + t * E;
+        const int64_t *id = I + t * k;
+        float *w = W + t * k;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (id[j] < 0 || id[j] >= E) {
+                PyErr_SetString(PyExc_ValueError, "route_weights: an expert id outside [0, E)");
+                return NULL;
+            }
+            w[j] = p[id[j]];
+        }
+        if (renorm) {
+            double acc = 0.0;
+            for (Py_ssize_t j = 0; j < k; j++) acc += (double)w[j];
+            float sum = (float)acc;
+            if (!(sum >= m) && sum == sum) sum = m;
+            for (Py_ssize_t j = 0; j < k; j++) w[j] = w[j] / sum;
+        }
+        if (factor != 0.0 && factor != 1.0)
+            for (Py_ssize_t j = 0; j < k; j++) w[j] = w[j] * f;
+    }
+    Py_RETURN_NONE;
+}
 static PyObject *py_add(PyObject *self, PyObject *args) {
     Py_ssize_t a, b, y, n, nb = 0;
     (void)self;
@@ -589,6 +631,7 @@ static PyObject *py_apply_bitmask(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"apply_bitmask", py_apply_bitmask, METH_VARARGS, "A grammar's token bitmask on rows of logits (-inf where off)."},
     {"add", py_add, METH_VARARGS, "y = a + b over n floats."},
+    {"route_weights", py_route_weights, METH_VARARGS, "A MoE router's weights of its chosen experts, as torch's ops."},
     {"copy_rows", py_copy_rows, METH_VARARGS, "Rows of floats from one stride to another."},
     {"mul", py_mul, METH_VARARGS, "y = a * b over n floats."},
     {"scale", py_scale, METH_VARARGS, "y = a * s per row (s one float a row)."},

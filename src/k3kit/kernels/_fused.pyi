@@ -51,3 +51,6 @@ def scale(a: int, s: int, y: int, rows: int, n: int, period: int = 0, /) -> None
 
 def copy_rows(src: int, ss: int, dst: int, ds: int, rows: int, n: int, /) -> None:
     """rows of n floats from src (row stride ss floats) to dst (row stride ds), as they are."""
+def route_weights(probs: int, ids: int, out: int, T: int, k: int, E: int, renorm: int, wmin: float,
+                  factor: float, /) -> None:
+    """route's weights [T, k] of the chosen ids [T, k] (int64) from the scores probs [T, E]."""

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from k3kit.kernels import fused as kfused
 from k3kit.layers.moe import ExpertProvider, ExpertWeights, RoutedMoE
 from k3kit.layers.norm import rms_norm
 from k3kit.layers.quantized_linear import fused_products
@@ -59,12 +60,32 @@ def route(probs: Tensor, bias: Tensor, cfg: K3ModelConfig) -> tuple[Tensor, Tens
     their weights [N, k]: renormalised and scaled as the config says). The one routing every
     path takes (Router, the batched pass, the row steps), so they keep the same floats."""
     ids = torch.topk(probs + bias, cfg.num_experts_per_tok, dim=-1, sorted=True).indices
+    native = _native_weights(probs, ids, cfg)
+    if native is not None:
+        return ids, native
     w = torch.gather(probs, -1, ids)
     if cfg.moe_renormalize:
         w = w / weight_sum(w).clamp_min(_WEIGHT_SUM_MIN)
     if cfg.routed_scaling_factor not in (0.0, 1.0):
         w = w * cfg.routed_scaling_factor
     return ids, w
+
+
+def _native_weights(probs: Tensor, ids: Tensor, cfg: K3ModelConfig) -> Tensor | None:
+    """route's weights from probs [N, E] (float32, contiguous, on the CPU, no gradient) and the
+    chosen ids [N, k], in one native call with the same IEEE operations as the torch ops below
+    (gather, weight_sum, clamp_min, divide, scale; tests/models/test_k3_moe.py compares them
+    bit for bit); None elsewhere."""
+    fn = getattr(kfused._fused, "route_weights", None) if kfused.available() else None
+    if fn is None or probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 2 \
+            or not probs.is_contiguous() or (probs.requires_grad and torch.is_grad_enabled()) \
+            or ids.dtype != torch.int64 or not ids.is_contiguous():
+        return None
+    n, k = ids.shape
+    w = torch.empty(n, k)
+    fn(probs.data_ptr(), ids.data_ptr(), w.data_ptr(), n, k, probs.shape[1], int(cfg.moe_renormalize),
+       _WEIGHT_SUM_MIN, float(cfg.routed_scaling_factor))
+    return w
 
 
 def weight_sum(w: Tensor) -> Tensor:
