@@ -68,6 +68,11 @@ def test_no_warm_up_where_the_experts_do_not_fit():
         st = s.model.store.stats()
         assert st.misses == 0 and st.bytes_read == 0 and st.resident_experts == 0
         assert s.model.position == 0
+    with open_session(shipped_gguf(), LoadOptions()) as s:       # a context shorter than a warm-up
+        s.model.context_length = WARMUP_ROWS
+        with torch.no_grad():
+            assert not warm_up(s.model)
+        assert s.model.store.stats().misses == 0
 
 
 def test_cli_reports_the_warm_up_and_skips_it_when_asked(capsys):

@@ -127,8 +127,12 @@ def warm_up(model: CausalModel, *, step: Callable[[Any, Sampler], DecodeStep] | 
     experts' reads) before the run is timed: on the shipped mini they made the first drafted pass
     of `generate --draft default` 50 ms against 10 warm. The model's counters are zeroed after it.
     A model whose experts do not fit reads as it routes, and a warm-up would read experts the
-    run may never use: nothing is done. -> whether it ran."""
+    run may never use: nothing is done; nor for a context shorter than the warm-up's. -> whether
+    it ran."""
     preload = getattr(model, "preload_experts", None)
+    ctx = getattr(model, "context_length", None)
+    if isinstance(ctx, int) and ctx < WARMUP_ROWS + WARMUP_TOKENS:
+        return False
     if not callable(preload) or not preload():
         return False
     generate(model, [token] * WARMUP_ROWS, max_tokens=WARMUP_TOKENS, sampling=make_sampling(0.0, seed=0),
