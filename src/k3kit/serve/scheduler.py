@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -189,10 +189,8 @@ def batched_posts() -> Iterator[None]:
         for stream, event in events:
             by_loop.setdefault(stream._loop, []).append((stream, event))
         for loop, items in by_loop.items():
-            try:
+            with suppress(RuntimeError):     # the loop is closed: nobody is listening any more
                 loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:     # the loop is closed: nobody is listening any more
-                pass
 
 
 def _deliver(items: list[tuple[RequestStream, Event]]) -> None:
