@@ -211,7 +211,7 @@ class MoeLayer:
         gu = torch.empty(2, P, self.ff)
         # one row gets here only where `_one` found a matrix that does not fuse: the module's way
         lists = None if one or order is None or rows is None else _fused_lists(fetched)
-        if lists is None or not _whole_vectors(gu[0]):
+        if lists is None or order is None or not _whole_vectors(gu[0]):
             # within _run_each's row limits for the fused and the grouped ways
             y = moe._run_together(xl, groups, w, fetched, True, max(groups.counts) <= GROUPED_MAX_ROWS)
             return y if y is not None else moe._run_one_by_one(xl, groups, w, experts, fetched)
