@@ -466,12 +466,7 @@ class MlaLayer:
         c = torch.empty(N, L)
         F.rms_norm(kvc.data_ptr(), self.kv_a_norm.data_ptr(), 0, c.data_ptr(), N, L, self.eps, 0, nt)
         q4 = q.view(N, H, self.qk)
-        heads, Q = self.heads, kq._qmatmul
-        q_nope = q4[:, :, :nope].transpose(0, 1).contiguous()         # absorb_q_rows: [H, N, nope]
-        q_abs = torch.empty(H, N, L)
-        Q.matmul_heads(int(heads.k_b.qtype), heads.k_b._raw_np, kq.buf(q_nope), kq.buf(q_abs), H, L, nope, N,
-                       self.k_stride, 1, -1, nt)
-        q_abs = q_abs.transpose(0, 1)                                 # [N, H, L]
+        q_abs = self._absorb(q4, nt)                                  # absorb_q_rows: [N, H, L]
         lat = torch.empty(N, H, L)
         for j, cache in enumerate(caches):     # attend_latent, one row: append, then attend over all
             cache.append(c[j].view(1, 1, L), kv[j, L:].view(1, 1, pe))
@@ -479,14 +474,33 @@ class MlaLayer:
             Qj = torch.cat((q_abs[j][None, None], q4[j, :, nope:][None, None]), dim=-1).view(1, H, L + pe)
             scores = torch.bmm(Qj, K.transpose(1, 2)).mul_(self.scale)
             torch.bmm(torch.softmax(scores, dim=-1), K[..., :L], out=lat[j:j + 1])
-        lat_h = lat.transpose(0, 1).contiguous()                      # value_rows: [H, N, L]
-        values = torch.empty(H, N, self.v)
-        Q.matmul_heads(int(heads.v_b.qtype), heads.v_b._raw_np, kq.buf(lat_h), kq.buf(values), H, self.v, L,
-                       N, self.v_stride, 1, -1, nt)
-        out = values.transpose(0, 1).reshape(N, H * self.v)
+        out = self._value(lat, nt)                                    # value_rows: [N, H * v]
         if self.g is not None:
             out = out * torch.sigmoid(self.g(x_addr, nt, N))
         return self.o(out.data_ptr(), nt, N)
+
+    def _absorb(self, q4: Tensor, nt: int) -> Tensor:
+        """absorb_q's native head product of the rows' q [N, H, qk] (its ggml arithmetic: no input
+        rounding), on the layout it makes ([H, N, nope] -> [H, N, L]): q_abs [N, H, L] (a view)."""
+        H, nope, L, N = self.H, self.nope, self.L, q4.shape[0]
+        heads = self.heads
+        q_nope = q4[:, :, :nope].transpose(0, 1).contiguous()
+        q_abs = torch.empty(H, N, L)
+        kq._qmatmul.matmul_heads(int(heads.k_b.qtype), heads.k_b._raw_np, kq.buf(q_nope), kq.buf(q_abs), H, L,
+                                 nope, N, self.k_stride, 1, -1, nt)
+        return q_abs.transpose(0, 1)
+
+    def _value(self, lat: Tensor, nt: int) -> Tensor:
+        """value_heads' native head product of the attended latents [N, H, L] (any view), on the
+        layout it makes ([H, N, L] -> [H, N, v]): [N, H * v]."""
+        H, L = self.H, self.L
+        N = lat.numel() // (H * L)
+        heads = self.heads
+        lat_h = lat.reshape(N, H, L).transpose(0, 1).contiguous()
+        values = torch.empty(H, N, self.v)
+        kq._qmatmul.matmul_heads(int(heads.v_b.qtype), heads.v_b._raw_np, kq.buf(lat_h), kq.buf(values), H,
+                                 self.v, L, N, self.v_stride, 1, -1, nt)
+        return values.transpose(0, 1).reshape(N, H * self.v)
 
     def _rows(self, x_addr: int, cache: MLACache, nt: int, T: int, q: Tensor, kv: Tensor) -> Tensor:
         """T > 1 rows: MLA.forward's own steps from the projections on (fresh tensors)."""
@@ -500,23 +514,12 @@ class MlaLayer:
         cache.append(c.view(1, T, L), kv[:, L:].view(1, T, self.pe))
         K = cache.keys()
         q4 = q.view(T, H, self.qk)
-        # absorb_q's and value_heads' native head products (their ggml arithmetic: no input
-        # rounding) on the layouts they make, [H, T, in] -> [H, T, out]: the same calls
-        heads, Qm = self.heads, kq._qmatmul
-        q_nope = q4[:, :, :nope].transpose(0, 1).contiguous()
-        q_abs = torch.empty(H, T, L)
-        Qm.matmul_heads(int(heads.k_b.qtype), heads.k_b._raw_np, kq.buf(q_nope), kq.buf(q_abs), H, L, nope, T,
-                        self.k_stride, 1, -1, nt)
-        Q = torch.cat((q_abs.transpose(0, 1), q4[:, :, nope:]), dim=-1).view(1, T, H, L + self.pe)
+        Q = torch.cat((self._absorb(q4, nt), q4[:, :, nope:]), dim=-1).view(1, T, H, L + self.pe)
         if T <= mla_ops.ROWWISE_MAX:
             lat = self._attend_rows(Q, K, offset, T)
         else:
             lat = mla_ops.attend(Q, K, K[..., :L], offset, self.scale)
-        lat_h = lat.view(T, H, L).transpose(0, 1).contiguous()
-        values = torch.empty(H, T, self.v)
-        Qm.matmul_heads(int(heads.v_b.qtype), heads.v_b._raw_np, kq.buf(lat_h), kq.buf(values), H, self.v, L,
-                        T, self.v_stride, 1, -1, nt)
-        out = values.transpose(0, 1).reshape(T, H * self.v)
+        out = self._value(lat, nt)
         if self.g is not None:
             out = out * torch.sigmoid(self.g(x_addr, nt, T))
         return self.o(out.data_ptr(), nt, T)
